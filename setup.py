@@ -1,0 +1,30 @@
+"""Install ``megatron.sdp4bit`` as a portion of the ``megatron`` namespace package.
+
+``megatron`` has no ``__init__.py`` here or in ``megatron-core``: both distributions
+contribute sub-packages (``megatron.core`` and ``megatron.sdp4bit``) to one namespace.
+"""
+
+from setuptools import find_namespace_packages, setup
+
+setup(
+    name="sdp4bit-megatron",
+    version="0.1.0",
+    description="SDP4Bit: 4-bit communication quantization for Megatron-Core's distributed optimizer",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_namespace_packages(include=["megatron.sdp4bit", "megatron.sdp4bit.*"]),
+    install_requires=[
+        # The tested pins. A CUDA build of torch 2.13.0 (2.13.0+cuXXX) satisfies the pin.
+        "torch==2.13.0",
+        "megatron-core==0.16.1",
+        # No upper bound and no exact pin: a CUDA torch pins its own triton, which wins.
+        "triton>=3.2; platform_system == 'Linux'",
+        "numpy>=1.26",
+        "tokenizers>=0.19",
+        "sentencepiece>=0.2",
+    ],
+    extras_require={
+        "test": ["pytest>=8"],
+        "logging": ["tensorboard>=2.16"],
+    },
+)
