@@ -1,0 +1,71 @@
+"""Counter-based random stream for stochastic rounding.
+
+[Note: counter-based rounding noise]
+Every random number is a pure function of (seed, index): ``u = hash(seed, i)``. Nothing is
+carried from one call to the next, so a resumed run repeats the uninterrupted one bit for bit
+as long as it derives the same seed, and the Triton kernels can compute the very same numbers
+as the torch references (``uint32`` arithmetic wraps identically in both).
+
+``seed`` is 64 bits; the comm layer derives it with :func:`derive_seed` from (user seed,
+iteration, bucket, rank, hop, slice). ``i`` is the element's index in the operation's output
+numbering and must be below 2**32.
+
+The hash is two rounds of the ``lowbias32`` integer finalizer (a bijection on uint32):
+``h = mix(mix(i ^ k0) ^ k1)`` with ``k0``/``k1`` the low/high words of the seed, and
+``u = (h >> 8) * 2**-24``: 24 bits, exact in fp32, uniform on ``[0, 1)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+MIX_C1 = 0x7FEB352D
+MIX_C2 = 0x846CA68B
+_GOLDEN64 = 0x9E3779B97F4A7C15
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``(x * c) mod 2**32`` for int64 ``x`` in [0, 2**32), without int64 overflow."""
+    lo = c & 0xFFFF
+    hi = c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & MASK32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 on int64 tensors holding uint32 values."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, MIX_C1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, MIX_C2)
+    return x ^ (x >> 16)
+
+
+def split_seed(seed: int) -> tuple[int, int]:
+    seed &= (1 << 64) - 1
+    return seed & MASK32, seed >> 32
+
+
+def uniform(seed: int, start: int, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """fp32 uniforms in [0, 1) for indices ``start .. start + numel - 1`` of stream ``seed``."""
+    if start < 0 or start + numel > (1 << 32):
+        raise ValueError(f"random-stream indices [{start}, {start + numel}) exceed 2**32")
+    k0, k1 = split_seed(seed)
+    idx = torch.arange(start, start + numel, dtype=torch.int64, device=device)
+    h = mix32(mix32(idx ^ k0) ^ k1)
+    return (h >> 8).to(torch.float32) * (2.0**-24)
+
+
+def derive_seed(*parts: int) -> int:
+    """Fold integers (seed, iteration, bucket, rank, hop, ...) into one 64-bit seed.
+
+    A splitmix64-style fold: different tuples give unrelated seeds.
+    """
+    state = 0
+    for part in parts:
+        state = (state + _GOLDEN64 + (int(part) & ((1 << 64) - 1))) & ((1 << 64) - 1)
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+        state = z ^ (z >> 31)
+    return state
