@@ -1,0 +1,202 @@
+"""Megatron-LM's command line for ``pretrain_gpt.py``, plus the SDP4Bit flags.
+
+Flag names, defaults and meanings follow Megatron-LM's ``arguments.py`` so that existing
+scripts run unchanged. The SDP4Bit flags are generated from ``SDP4BitConfig``
+(:mod:`megatron.sdp4bit.training.sdp4bit_flags`). Every error is a :class:`ArgumentsError`
+carrying one line that names the flag and the fix; ``pretrain_gpt.py`` prints it and exits 2.
+
+Accepted no-op flags (they exist in the paper's released scripts and changing nothing is
+truly harmless here) are listed in :data:`NO_OP_FLAGS` with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+
+from megatron.sdp4bit.training.sdp4bit_flags import add_sdp4bit_flags, sdp4bit_config_from_args
+
+__all__ = ["ArgumentsError", "NO_OP_FLAGS", "build_parser", "parse_args", "sdp4bit_config_from_args"]
+
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "NullTokenizer")
+
+NO_OP_FLAGS: dict[str, str] = {
+    "--no-async-tensor-model-parallel-allreduce": "megatron-core decides the overlap of the "
+    "tensor-parallel all-reduce itself; the flag only toggled an overlap, never the math",
+    "--timing-log-level": "this trainer keeps no per-operation timers; the iteration time is "
+    "always logged",
+    "--log-timers-to-tensorboard": "no per-operation timers exist to log",
+    "--log-throughput": "throughput (TFLOP/s/GPU) is always part of the log line",
+    "--distributed-backend": "the backend follows the device: NCCL with CUDA, gloo on CPU",
+    "--accumulate-allreduce-grads-in-fp32": "gradients are always reduced in fp32 with --bf16, "
+    "as Megatron-LM forces; with --fp16 they are too, for the quantized reduce-scatter",
+}
+
+
+class ArgumentsError(ValueError):
+    """A bad command line; the message is one line with the fix."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ArgumentsError(message)
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=None)
+    g.add_argument("--hidden-size", type=int, default=None)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden size")
+    g.add_argument("--num-attention-heads", type=int, default=None)
+    g.add_argument("--kv-channels", type=int, default=None, help="default hidden / heads")
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=1)
+    g.add_argument("--seq-length", type=int, default=None)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument(
+        "--position-embedding-type", default="learned_absolute", choices=["learned_absolute", "rope"]
+    )
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    g.add_argument("--layernorm-epsilon", "--norm-epsilon", dest="norm_epsilon", type=float, default=1e-5)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--transformer-impl", default="auto", choices=["auto", "local", "transformer_engine"],
+                   help="layer spec: auto = Transformer Engine when importable with CUDA, else local")
+
+
+def _add_training(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=None)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="default micro batch x data-parallel size (no accumulation)")
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="exit after the iteration that is a multiple of this (saving first)")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="same as --recompute-granularity selective")
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
+    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
+    g.add_argument("--lr", type=float, default=None)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", default="linear",
+                   choices=["constant", "linear", "cosine", "inverse-square-root"])
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--start-weight-decay", type=float, default=None)
+    g.add_argument("--end-weight-decay", type=float, default=None)
+    g.add_argument("--weight-decay-incr-style", default="constant", choices=["constant", "linear", "cosine"])
+    g.add_argument("--clip-grad", type=float, default=1.0)
+
+
+def _add_precision(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("mixed precision")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="static loss scale for --fp16; unset or 0 = dynamic")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=int, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+
+
+def _add_parallel(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("distributed")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="elements per gradient bucket; default megatron-core's")
+
+
+def _add_data(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data and tokenizer")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="prefixes of .bin/.idx files, optionally weighted: 'w1 p1 w2 p2'")
+    g.add_argument("--split", default="969, 30, 1", help="train, valid, test proportions")
+    g.add_argument("--mock-data", action="store_true", help="synthetic data; ignores --data-path")
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--tokenizer-type", default=None, choices=list(TOKENIZER_TYPES),
+                   help="default GPT2BPETokenizer, or NullTokenizer with --mock-data and no vocab")
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary size")
+    g.add_argument("--reset-position-ids", action="store_true")
+    g.add_argument("--reset-attention-mask", action="store_true")
+    g.add_argument("--eod-mask-loss", action="store_true")
+
+
+def _add_checkpoint_and_logging(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--tensorboard-log-interval", type=int, default=1)
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+    g.add_argument("--wandb-project", default="")
+    g.add_argument("--wandb-exp-name", default="")
+    g.add_argument("--wandb-save-dir", default="")
+    g.add_argument("--metrics-jsonl", default=None,
+                   help="write one JSON object per logged iteration and per evaluation")
+
+
+def _add_no_ops(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("accepted for compatibility, no effect here")
+    for flag, why in NO_OP_FLAGS.items():
+        if flag in ("--timing-log-level",):
+            g.add_argument(flag, type=int, default=0, help=why)
+        elif flag == "--distributed-backend":
+            g.add_argument(flag, default=None, choices=["nccl", "gloo"], help=why)
+        else:
+            g.add_argument(flag, action="store_true", help=why)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="pretrain_gpt.py", description="GPT pretraining on megatron-core with SDP4Bit",
+                allow_abbrev=False)
+    for add in (_add_model, _add_training, _add_precision, _add_parallel, _add_data,
+                _add_checkpoint_and_logging, _add_no_ops):
+        add(p)
+    add_sdp4bit_flags(p)
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
+    """Parse and validate; ``world_size`` defaults to ``$WORLD_SIZE`` (1 if unset)."""
+    args = build_parser().parse_args(argv)
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args.world_size = world_size
+    from megatron.sdp4bit.training.validate import validate_args  # split for file size
+
+    validate_args(args)
+    return args

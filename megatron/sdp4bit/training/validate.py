@@ -1,0 +1,151 @@
+"""Validation and derived values of the parsed command line (Megatron-LM's rules)."""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron.sdp4bit.training.arguments import ArgumentsError
+from megatron.sdp4bit.training.sdp4bit_flags import sdp4bit_config_from_args
+
+REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+            "micro_batch_size", "train_iters", "lr")
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _fail(message: str) -> None:
+    raise ArgumentsError(message)
+
+
+def _check_required(args: argparse.Namespace) -> None:
+    missing = [_flag(d) for d in REQUIRED if getattr(args, d) is None]
+    if missing:
+        _fail(f"missing required flag(s): {' '.join(missing)}")
+    for dest in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                 "micro_batch_size", "train_iters", "tensor_model_parallel_size",
+                 "pipeline_model_parallel_size", "log_interval", "eval_interval"):
+        if getattr(args, dest) < 1:
+            _fail(f"{_flag(dest)}={getattr(args, dest)} must be >= 1")
+    for dest in ("global_batch_size", "exit_interval", "save_interval", "lr_decay_iters",
+                 "eval_iters"):
+        value = getattr(args, dest)
+        if value is not None and value < (0 if dest == "eval_iters" else 1):
+            _fail(f"{_flag(dest)}={value} must be >= {0 if dest == 'eval_iters' else 1}")
+
+
+def _check_model(args: argparse.Namespace) -> None:
+    if args.hidden_size % args.num_attention_heads:
+        _fail(f"--hidden-size={args.hidden_size} is not divisible by "
+              f"--num-attention-heads={args.num_attention_heads}")
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if (args.position_embedding_type == "learned_absolute"
+            and args.seq_length > args.max_position_embeddings):
+        _fail(f"--seq-length={args.seq_length} exceeds --max-position-embeddings="
+              f"{args.max_position_embeddings}: raise --max-position-embeddings")
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    if args.recompute_activations:
+        if args.recompute_granularity not in (None, "selective"):
+            _fail("--recompute-activations means --recompute-granularity selective; "
+                  "drop one of the two")
+        args.recompute_granularity = "selective"
+    if args.recompute_granularity == "full" and args.recompute_method is None:
+        _fail("--recompute-granularity full needs --recompute-method uniform|block")
+
+
+def _check_parallel(args: argparse.Namespace) -> None:
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    if args.world_size % model_parallel:
+        _fail(f"world size {args.world_size} is not divisible by --tensor-model-parallel-size x "
+              f"--pipeline-model-parallel-size = {model_parallel}")
+    args.data_parallel_size = args.world_size // model_parallel
+    if args.pipeline_model_parallel_size > 1 and args.num_layers % args.pipeline_model_parallel_size:
+        _fail(f"--num-layers={args.num_layers} is not divisible by "
+              f"--pipeline-model-parallel-size={args.pipeline_model_parallel_size}")
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        args.sequence_parallel = False  # Megatron-LM does the same: nothing to split
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = per_step
+    if args.global_batch_size % per_step:
+        _fail(f"--global-batch-size={args.global_batch_size} is not divisible by "
+              f"--micro-batch-size x data-parallel size = {args.micro_batch_size} x "
+              f"{args.data_parallel_size} = {per_step}")
+    args.num_microbatches = args.global_batch_size // per_step
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        _fail("--overlap-param-gather requires --use-distributed-optimizer")
+    if args.overlap_param_gather and not args.overlap_grad_reduce:
+        _fail("--overlap-param-gather requires --overlap-grad-reduce")
+
+
+def _check_optimizer(args: argparse.Namespace) -> None:
+    if args.fp16 and args.bf16:
+        _fail("--fp16 and --bf16 are mutually exclusive: pass one")
+    if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
+        _fail("--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive: pass one")
+    if args.min_lr > args.lr:
+        _fail(f"--min-lr={args.min_lr} exceeds --lr={args.lr}")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.start_weight_decay is None:
+        args.start_weight_decay = args.weight_decay
+    if args.end_weight_decay is None:
+        args.end_weight_decay = args.weight_decay
+    if args.loss_scale == 0:
+        args.loss_scale = None  # Megatron-LM: 0 means dynamic loss scaling
+    args.params_dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+
+
+def _check_data(args: argparse.Namespace) -> None:
+    if not args.mock_data and not args.data_path:
+        _fail("pass --data-path PREFIX [PREFIX ...] (preprocessed .bin/.idx) or --mock-data")
+    if args.data_path and not args.mock_data and len(args.data_path) > 1:
+        if len(args.data_path) % 2:
+            _fail("weighted --data-path needs pairs 'WEIGHT PREFIX ...'; got an odd count")
+        for weight in args.data_path[0::2]:
+            try:
+                float(weight)
+            except ValueError:
+                _fail(f"--data-path: {weight!r} is not a weight; use 'WEIGHT PREFIX' pairs "
+                      "or a single PREFIX")
+    if args.tokenizer_type is None:
+        has_vocab = args.vocab_file is not None
+        args.tokenizer_type = (
+            "NullTokenizer" if args.mock_data and not has_vocab else "GPT2BPETokenizer"
+        )
+    if args.tokenizer_type == "GPT2BPETokenizer" and (not args.vocab_file or not args.merge_file):
+        _fail("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
+    if args.tokenizer_type == "SentencePieceTokenizer" and not args.tokenizer_model:
+        _fail("--tokenizer-type SentencePieceTokenizer needs --tokenizer-model")
+    if args.tokenizer_type == "NullTokenizer":
+        if args.vocab_size is None:
+            args.vocab_size = 1024 if args.mock_data else None
+        if args.vocab_size is None or args.vocab_size < 2:
+            _fail("--tokenizer-type NullTokenizer needs --vocab-size N (N >= 2)")
+
+
+def _check_sdp4bit(args: argparse.Namespace) -> None:
+    try:
+        config = sdp4bit_config_from_args(args)
+    except ValueError as err:
+        _fail(str(err).splitlines()[0])
+        return
+    if config.enabled and not args.use_distributed_optimizer:
+        on = "--quantized-weights" if config.quantized_weights else "--quantized-gradients"
+        _fail(f"{on} requires --use-distributed-optimizer")
+    if config.dp_ranks_per_node is not None and args.data_parallel_size % config.dp_ranks_per_node:
+        _fail(f"--dp-ranks-per-node={config.dp_ranks_per_node} does not divide the data-parallel "
+              f"size {args.data_parallel_size}")
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Check ``args`` in place and fill derived values; raise :class:`ArgumentsError`."""
+    _check_required(args)
+    _check_model(args)
+    _check_parallel(args)
+    _check_optimizer(args)
+    _check_data(args)
+    _check_sdp4bit(args)

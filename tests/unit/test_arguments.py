@@ -1,0 +1,160 @@
+"""The command line: Megatron-LM names, SDP4Bit flags from the config, one-line errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from megatron.sdp4bit.config import SDP4BitConfig
+from megatron.sdp4bit.training.arguments import (
+    NO_OP_FLAGS,
+    ArgumentsError,
+    build_parser,
+    parse_args,
+    sdp4bit_config_from_args,
+)
+
+BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+        "--micro-batch-size 2 --train-iters 10 --lr 1e-3 --mock-data").split()
+
+
+def parse(extra: str = "", world_size: int = 4):
+    return parse_args(BASE + extra.split(), world_size=world_size)
+
+
+def test_defaults_and_derived_values():
+    args = parse("--global-batch-size 16")
+    assert args.max_position_embeddings == 32
+    assert args.ffn_hidden_size == 256
+    assert args.data_parallel_size == 4
+    assert args.num_microbatches == 2  # 16 / (2 x 4)
+    assert args.lr_decay_iters == 10
+    assert args.tokenizer_type == "NullTokenizer"
+    assert args.params_dtype == "fp32"
+    assert sdp4bit_config_from_args(args) == SDP4BitConfig()
+
+
+def test_global_batch_defaults_to_one_microbatch_per_rank():
+    args = parse(world_size=2)
+    assert (args.global_batch_size, args.num_microbatches) == (4, 1)
+
+
+def test_paper_accuracy_script_flags_parse():
+    line = (
+        "--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 2048 "
+        "--max-position-embeddings 2048 --micro-batch-size 8 --global-batch-size 256 "
+        "--lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine --lr-decay-iters 70000 "
+        "--lr-warmup-fraction 0.01 --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8 "
+        "--weight-decay 0.1 --clip-grad 1.0 --loss-scale 0 --loss-scale-window 1000 "
+        "--hysteresis 2 --min-loss-scale 1 --bf16 --use-distributed-optimizer "
+        "--overlap-grad-reduce --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 "
+        "--train-iters 80000 --mock-data --vocab-file v.json --merge-file m.txt "
+        "--log-interval 1 --timing-log-level 2 --save-interval 5002 --eval-interval 100 "
+        "--eval-iters 10 --log-timers-to-tensorboard --log-validation-ppl-to-tensorboard "
+        "--log-throughput --tensorboard-dir tb --tensorboard-log-interval 1 "
+        "--wandb-project p --wandb-save-dir w --wandb-exp-name e "
+        "--no-async-tensor-model-parallel-allreduce --recompute-activations "
+        "--recompute-granularity selective --distributed-backend nccl --exit-interval 200 "
+        "--quantized-weights --weight-quantization-bits 4 --wq-group-size 2048 "
+        "--quantized-gradients --gradient-quantization-bits-intra 8 --gq-group-size-intra 128 "
+        "--gradient-quantization-bits-inter 4 --gq-group-size-inter 128 --hadamard-transform "
+        "--gradient-alltoall-pipeline 8 --gradients-quantization-start-iteration 0"
+    )
+    args = parse_args(line.split(), world_size=32)
+    assert args.num_microbatches == 1
+    assert args.loss_scale is None  # 0 = dynamic
+    assert args.recompute_granularity == "selective"
+    assert args.tokenizer_type == "GPT2BPETokenizer"
+    cfg = sdp4bit_config_from_args(args)
+    assert cfg.quantized_weights and cfg.quantized_gradients and cfg.hadamard_transform
+    assert (cfg.gq_group_size_intra, cfg.gq_group_size_inter, cfg.gradient_alltoall_pipeline) == (
+        128, 128, 8)
+
+
+def test_every_config_field_has_a_flag_with_its_docstring_as_help():
+    parser = build_parser()
+    actions = {a.dest: a for a in parser._actions}
+    for f in dataclasses.fields(SDP4BitConfig):
+        assert f.name in actions, f.name
+        if f.name != "seed":
+            assert actions[f.name].help, f.name
+            assert actions[f.name].default == f.default
+    assert actions["weight_quantization_mode"].choices == ["diff", "direct"]
+    assert actions["kernel_backend"].choices == ["auto", "torch", "triton"]
+
+
+def test_sdp4bit_flags_reach_the_config():
+    args = parse("--use-distributed-optimizer --quantized-gradients --hadamard-transform "
+                 "--hadamard-block-size 16 --gq-group-size-intra 64 --gq-group-size-inter 32 "
+                 "--quantization-rounding nearest --dp-ranks-per-node 2 --kernel-backend torch "
+                 "--weight-quantization-mode direct --seed 7")
+    cfg = sdp4bit_config_from_args(args)
+    assert cfg == SDP4BitConfig(quantized_gradients=True, hadamard_transform=True,
+                                hadamard_block_size=16, gq_group_size_intra=64,
+                                gq_group_size_inter=32, quantization_rounding="nearest",
+                                dp_ranks_per_node=2, kernel_backend="torch",
+                                weight_quantization_mode="direct", seed=7)
+
+
+def test_no_op_flags_are_documented_in_help():
+    help_text = build_parser().format_help()
+    for flag in NO_OP_FLAGS:
+        assert flag in help_text
+
+
+ERRORS = {
+    "quant-without-distopt": ("--quantized-weights",
+                              "--quantized-weights requires --use-distributed-optimizer"),
+    "grad-quant-without-distopt": ("--quantized-gradients",
+                                   "--quantized-gradients requires --use-distributed-optimizer"),
+    "batch-not-divisible": ("--global-batch-size 12",
+                            "--global-batch-size=12 is not divisible by --micro-batch-size x "
+                            "data-parallel size = 2 x 4 = 8"),
+    "fp16-and-bf16": ("--fp16 --bf16", "--fp16 and --bf16 are mutually exclusive: pass one"),
+    "unknown-flag": ("--no-such-flag", "unrecognized arguments: --no-such-flag"),
+    "bad-bits": ("--use-distributed-optimizer --weight-quantization-bits 3",
+                 "weight_quantization_bits=3 is not supported: use one of (4, 8)"),
+    "bad-choice": ("--weight-quantization-mode half", "argument --weight-quantization-mode: "
+                   "invalid choice: 'half' (choose from diff, direct)"),
+    "warmup-both": ("--lr-warmup-fraction 0.1 --lr-warmup-iters 3",
+                    "--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive: pass one"),
+    "overlap-param": ("--overlap-param-gather --overlap-grad-reduce",
+                      "--overlap-param-gather requires --use-distributed-optimizer"),
+    "heads": ("--num-attention-heads 5", "--hidden-size=64 is not divisible by "
+              "--num-attention-heads=5"),
+    "dp-per-node": ("--dp-ranks-per-node 3", "--dp-ranks-per-node=3 does not divide the "
+                    "data-parallel size 4"),
+    "gpt2-no-vocab": ("--tokenizer-type GPT2BPETokenizer",
+                      "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file"),
+    "tp-world": ("--tensor-model-parallel-size 3", "world size 4 is not divisible by "
+                 "--tensor-model-parallel-size x --pipeline-model-parallel-size = 3"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ERRORS), ids=str)
+def test_errors_are_one_clear_line(case):
+    extra, message = ERRORS[case]
+    with pytest.raises(ArgumentsError) as info:
+        parse(extra)
+    text = str(info.value)
+    assert "\n" not in text
+    # argparse words choices with quotes on some Python versions; compare without them.
+    assert text.replace("'", "") == message.replace("'", "")
+
+
+def test_missing_required_and_data_errors():
+    with pytest.raises(ArgumentsError, match=re.escape("missing required flag(s): --lr")):
+        parse_args([a for a in BASE if a not in ("--lr", "1e-3")], world_size=1)
+    no_data = [a for a in BASE if a != "--mock-data"]
+    with pytest.raises(ArgumentsError, match="pass --data-path PREFIX"):
+        parse_args(no_data, world_size=1)
+    with pytest.raises(ArgumentsError, match="weighted --data-path needs pairs"):
+        parse_args(no_data + "--data-path 0.5 a 0.5 --vocab-file v --merge-file m".split(),
+                   world_size=1)
+
+
+def test_abbreviations_are_refused():
+    with pytest.raises(ArgumentsError, match="unrecognized arguments: --num-lay"):
+        parse("--num-lay 3")
