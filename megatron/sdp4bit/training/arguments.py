@@ -15,11 +15,11 @@ import argparse
 import os
 from collections.abc import Sequence
 
+from megatron.sdp4bit.training.tokenizers import TOKENIZER_TYPES
 from megatron.sdp4bit.training.sdp4bit_flags import add_sdp4bit_flags, sdp4bit_config_from_args
 
 __all__ = ["ArgumentsError", "NO_OP_FLAGS", "build_parser", "parse_args", "sdp4bit_config_from_args"]
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "NullTokenizer")
 
 NO_OP_FLAGS: dict[str, str] = {
     "--no-async-tensor-model-parallel-allreduce": "megatron-core decides the overlap of the "
