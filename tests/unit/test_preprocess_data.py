@@ -1,0 +1,89 @@
+"""tools/preprocess_data.py: GPT-2 BPE jsonl -> .bin/.idx, read back through IndexedDataset."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.sdp4bit.training.tokenizers import GPT2BPETokenizer
+from tests.unit._gpt2_vocab import TEXT, write_gpt2_vocab
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOOL = os.path.join(ROOT, "tools", "preprocess_data.py")
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location("preprocess_data", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def gpt2_files(tmp_path_factory):
+    return write_gpt2_vocab(tmp_path_factory.mktemp("gpt2"))
+
+
+def run_tool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+
+
+def tool_args(jsonl, prefix, vocab, merges, *extra: str) -> list[str]:
+    return ["--input", str(jsonl), "--output-prefix", str(prefix), "--tokenizer-type",
+            "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges, *extra]
+
+
+@pytest.mark.parametrize("workers", [1, 2], ids=lambda w: f"workers{w}")
+def test_tokens_round_trip(tmp_path, gpt2_files, workers):
+    vocab, merges = gpt2_files
+    docs = [{"text": t, "title": f"doc {i}"} for i, t in enumerate(TEXT[:4] + ["x" * 300])]
+    jsonl = tmp_path / "in.jsonl"
+    jsonl.write_text("\n".join(json.dumps(d) for d in docs[:3]) + "\n\n"
+                     + "\n".join(json.dumps(d) for d in docs[3:]) + "\n", encoding="utf-8")
+    res = run_tool(*tool_args(jsonl, tmp_path / "out", vocab, merges, "--json-keys", "text",
+                              "title", "--append-eod", "--workers", str(workers),
+                              "--log-interval", "2"))
+    assert res.returncode == 0, res.stderr
+    assert "processed 2 documents" in res.stderr and "processed 4 documents" in res.stderr
+    tok = GPT2BPETokenizer(vocab, merges)
+    for key in ("text", "title"):
+        ds = IndexedDataset(str(tmp_path / f"out_{key}_document"))
+        assert len(ds) == len(docs)
+        for i, doc in enumerate(docs):
+            ids = ds[i].tolist()
+            assert ids[-1] == tok.eod
+            assert ids[:-1] == tok.tokenize(doc[key])
+            assert tok.detokenize(ids[:-1]) == doc[key]
+        assert list(ds.document_indices) == list(range(len(docs) + 1))
+
+
+@pytest.mark.parametrize("line,message", [
+    ('{"text": "ok"', "not valid JSON"),
+    ('["text"]', "expected a JSON object, got list"),
+    ('{"body": "x"}', "missing key 'text'"),
+    ('{"text": 5}', "key 'text' holds int, not a string"),
+], ids=["json", "array", "key", "type"])
+def test_malformed_line_names_file_and_line(tmp_path, gpt2_files, line, message, capsys):
+    vocab, merges = gpt2_files
+    jsonl = tmp_path / "bad.jsonl"
+    jsonl.write_text('{"text": "fine"}\n\n' + line + "\n", encoding="utf-8")
+    assert load_tool().main(tool_args(jsonl, tmp_path / "out", vocab, merges)) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"preprocess_data.py: error: {jsonl}:3: {message}")
+
+
+def test_missing_vocab_is_one_line(tmp_path, gpt2_files):
+    _, merges = gpt2_files
+    jsonl = tmp_path / "in.jsonl"
+    jsonl.write_text('{"text": "a"}\n', encoding="utf-8")
+    res = run_tool(*tool_args(jsonl, tmp_path / "o", str(tmp_path / "nope.json"), merges))
+    assert res.returncode == 1
+    assert res.stderr.strip() == f"preprocess_data.py: error: --vocab-file {tmp_path}/nope.json: no such file"
