@@ -1,0 +1,135 @@
+"""qWD: the weight-difference parameter all-gather (DESIGN.md section 3), qW, and the plain one.
+
+[Note: why differences quantize well]
+After an optimizer step the fp32 main shard ``w_r`` differs from the replica's shard ``w~_r``
+by one update plus the previous step's quantization error: values orders of magnitude
+smaller than the weights. A 4-bit quantizer's error scales with the group's absmax, so
+quantizing the difference instead of the weights (qW) shrinks the error by that ratio. The
+error does not accumulate: whatever step t got wrong is part of ``w_r - w~_r`` at step t+1,
+so it is sent again. Per element, with ``u`` the largest update in a group and ``e`` the
+previous error, ``e' < (u + e) / qmax`` (stochastic rounding), which stays below
+``u / (qmax - 1)``.
+
+Every rank, the owner included, applies the same dequantized messages to the same replica
+with the same fp32 arithmetic and one rounding to the replica dtype, so replicas stay
+bitwise identical on all ranks (invariant I1) without ever sending the full weights.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from megatron.sdp4bit.comm.config import WeightQuantConfig
+from megatron.sdp4bit.comm.padding import check_padded, required_divisor
+from megatron.sdp4bit.comm.stats import CommStats
+from megatron.sdp4bit.comm.work import CollectiveWork
+from megatron.sdp4bit.quantization import ops
+from megatron.sdp4bit.quantization.format import message_nbytes
+from megatron.sdp4bit.quantization.rng import derive_seed
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+HOP_PARAM = 2  # distinct from the gradient hops' seeds
+
+
+def _validate(replica: torch.Tensor, main_shard: torch.Tensor, world: int) -> None:
+    for name, tensor in (("replica", replica), ("main_shard", main_shard)):
+        if tensor.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{name} dtype {tensor.dtype} is not supported: use float32, "
+                             "bfloat16 or float16")
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous: pass tensor.contiguous()")
+    if replica.device != main_shard.device:
+        raise ValueError(f"replica is on {replica.device} but main_shard on {main_shard.device}")
+    if replica.numel() != world * main_shard.numel():
+        raise ValueError(
+            f"main_shard has {main_shard.numel()} elements but the replica has "
+            f"{replica.numel()} = DP size {world} x {replica.numel() / world:g}: main_shard "
+            "must hold replica.numel() // DP size elements"
+        )
+
+
+def _finish_with(handle: dist.Work, then: Callable[[], None] | None, keep: tuple,
+                 async_op: bool) -> CollectiveWork | None:
+    def finish() -> None:
+        handle.wait()
+        del keep_alive[:]  # the wire buffers may go once the collective is done
+        if then is not None:
+            then()
+
+    keep_alive = list(keep)
+    work = CollectiveWork(finish)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def weight_difference_all_gather(replica: torch.Tensor, main_shard: torch.Tensor, *,
+                                 group: ProcessGroup | None, config: WeightQuantConfig,
+                                 seed: int, stats: CommStats | None = None,
+                                 async_op: bool = False) -> CollectiveWork | None:
+    """Update the whole ``replica`` in place on every rank from every rank's ``main_shard``.
+
+    ``replica``: the 1D parameter buffer (bf16/fp32/fp16), W equal shards, identical on all
+    ranks of ``group`` and still holding the previous replica (shard r = this rank's
+    ``replica[r*S:(r+1)*S]``). ``main_shard``: this rank's new fp32 (or any float) main
+    weights, S elements. Mode 'diff' (qWD) sends ``Q(main_shard - replica shard)`` and adds
+    every rank's dequantized message to its shard; 'direct' (qW) sends ``Q(main_shard)`` and
+    overwrites. ``S`` must be a multiple of :func:`~megatron.sdp4bit.comm.padding.
+    required_divisor` ``(W, weight_group=..., weight_bits=...) / W``.
+
+    The message is quantized at call time; with ``async_op`` the returned
+    :class:`CollectiveWork`'s ``wait()`` applies the update (leave ``replica`` untouched
+    until then). See [Note: why differences quantize well].
+    """
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    _validate(replica, main_shard, world)
+    check_padded(replica.numel(),
+                 required_divisor(world, weight_group=config.group_size, weight_bits=config.bits),
+                 "the parameter buffer")
+    shard = main_shard.numel()
+    nbytes = message_nbytes(shard, config.bits, config.group_size)
+    if stats is not None:
+        stats.param_bytes += (world - 1) * nbytes
+        stats.param_bytes_baseline += (world - 1) * shard * replica.element_size()
+    replica = replica.view(-1)
+    diff = config.mode == "diff"
+    message = torch.empty(nbytes, dtype=torch.uint8, device=replica.device)  # 1D uint8
+    ops.qwd_sender(main_shard.view(-1), replica[rank * shard:(rank + 1) * shard] if diff else None,
+                   message, bits=config.bits, group_size=config.group_size,
+                   stochastic=config.stochastic, seed=derive_seed(seed, HOP_PARAM, 0, rank),
+                   backend=config.kernel_backend)
+    wire = torch.empty(world * nbytes, dtype=torch.uint8, device=replica.device)  # W messages
+    handle = dist.all_gather_into_tensor(wire, message, group=group, async_op=True)
+
+    def apply() -> None:
+        ops.qwd_receiver(wire, replica, world=world, bits=config.bits,
+                         group_size=config.group_size, accumulate=diff,
+                         backend=config.kernel_backend)
+
+    return _finish_with(handle, apply, (message,), async_op)
+
+
+def unquantized_all_gather(replica: torch.Tensor, main_shard: torch.Tensor, *,
+                           group: ProcessGroup | None, stats: CommStats | None = None,
+                           async_op: bool = False) -> CollectiveWork | None:
+    """The baseline: all-gather ``main_shard`` cast to the replica dtype into ``replica``.
+
+    Same calling convention and byte accounting as :func:`weight_difference_all_gather`
+    (sent = baseline), so a trainer can switch between them and log the same counters.
+    """
+    world = dist.get_world_size(group)
+    _validate(replica, main_shard, world)
+    shard = main_shard.numel()
+    if stats is not None:
+        sent = (world - 1) * shard * replica.element_size()
+        stats.param_bytes += sent
+        stats.param_bytes_baseline += sent
+    send = main_shard.view(-1).to(replica.dtype, copy=True)  # a copy: the output overlaps it
+    handle = dist.all_gather_into_tensor(replica.view(-1), send, group=group, async_op=True)
+    return _finish_with(handle, None, (send,), async_op)

@@ -1,0 +1,124 @@
+"""Configuration of the quantized collectives (one frozen dataclass per collective).
+
+These are what the collectives take; :meth:`from_sdp4bit` builds them from the command-line
+configuration :class:`~megatron.sdp4bit.config.SDP4BitConfig`, so the comm layer can also be
+used without it (benchmarks, tests, other frameworks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from megatron.sdp4bit.config import SDP4BitConfig, check_bits
+from megatron.sdp4bit.quantization.backend import KernelBackend
+
+
+def _check_group(name: str, value: int) -> None:
+    if not isinstance(value, int) or value <= 0 or value % 2:
+        raise ValueError(f"{name}={value} must be a positive even integer")
+
+
+def _check_backend(value: str) -> None:
+    try:
+        KernelBackend(value)
+    except ValueError:
+        raise ValueError(f"kernel_backend={value!r}: use 'auto', 'torch' or 'triton'") from None
+
+
+@dataclass(frozen=True)
+class GradientQuantConfig:
+    """TLq / TLq-HS: the two-level quantized gradient reduce-scatter (DESIGN.md section 4)."""
+
+    intra_bits: int = 8
+    """Bits on the intra-node hop (and on the single hop when all ranks share one node)."""
+
+    intra_group_size: int = 512
+    """Elements per fp32 scale on the intra-node hop."""
+
+    inter_bits: int = 4
+    """Bits on the inter-node hop (and on the single hop when every node has one rank)."""
+
+    inter_group_size: int = 128
+    """Elements per fp32 scale on the inter-node hop."""
+
+    hadamard_block: int = 0
+    """Points of the block Hadamard transform applied before quantizing; 0 = off (TLq)."""
+
+    pipeline_slices: int = 1
+    """Slices P per shard; slice i's inter hop runs while slice i+1's intra hop is in flight."""
+
+    stochastic: bool = True
+    """Stochastic rounding (unbiased) if True, round-to-nearest otherwise."""
+
+    kernel_backend: str = "auto"
+    """Which implementation runs the fused ops: 'auto', 'torch' or 'triton'."""
+
+    def __post_init__(self) -> None:
+        check_bits("intra_bits", self.intra_bits)
+        check_bits("inter_bits", self.inter_bits)
+        _check_group("intra_group_size", self.intra_group_size)
+        _check_group("inter_group_size", self.inter_group_size)
+        if self.hadamard_block:
+            h = self.hadamard_block
+            if h < 0 or h & (h - 1):
+                raise ValueError(f"hadamard_block={h} must be 0 (off) or a power of two")
+            for name in ("intra_group_size", "inter_group_size"):
+                if getattr(self, name) % h:
+                    raise ValueError(
+                        f"{name}={getattr(self, name)} is not a multiple of hadamard_block={h}: "
+                        "use a group size that the Hadamard block divides"
+                    )
+        if not isinstance(self.pipeline_slices, int) or self.pipeline_slices < 1:
+            raise ValueError(f"pipeline_slices={self.pipeline_slices} must be an integer >= 1")
+        _check_backend(self.kernel_backend)
+
+    @classmethod
+    def from_sdp4bit(cls, config: SDP4BitConfig) -> "GradientQuantConfig":
+        return cls(
+            intra_bits=config.gradient_quantization_bits_intra,
+            intra_group_size=config.gq_group_size_intra,
+            inter_bits=config.gradient_quantization_bits_inter,
+            inter_group_size=config.gq_group_size_inter,
+            hadamard_block=config.hadamard_block_size if config.hadamard_transform else 0,
+            pipeline_slices=config.gradient_alltoall_pipeline,
+            stochastic=config.stochastic,
+            kernel_backend=config.kernel_backend,
+        )
+
+
+@dataclass(frozen=True)
+class WeightQuantConfig:
+    """qWD (and the qW ablation): the quantized parameter all-gather (DESIGN.md section 3)."""
+
+    bits: int = 4
+    """Bits per quantized weight difference (or weight, in direct mode)."""
+
+    group_size: int = 2048
+    """Elements per fp32 scale."""
+
+    mode: Literal["diff", "direct"] = "diff"
+    """'diff' = qWD (send Q(main - replica), add it); 'direct' = qW (send Q(main), overwrite)."""
+
+    stochastic: bool = True
+    """Stochastic rounding (unbiased) if True, round-to-nearest otherwise."""
+
+    kernel_backend: str = "auto"
+    """Which implementation runs the fused ops: 'auto', 'torch' or 'triton'."""
+
+    def __post_init__(self) -> None:
+        check_bits("bits", self.bits)
+        _check_group("group_size", self.group_size)
+        if self.mode not in ("diff", "direct"):
+            raise ValueError(f"mode={self.mode!r}: use 'diff' (qWD) or 'direct' (qW)")
+        _check_backend(self.kernel_backend)
+
+    @classmethod
+    def from_sdp4bit(cls, config: SDP4BitConfig) -> "WeightQuantConfig":
+        return cls(
+            bits=config.weight_quantization_bits,
+            group_size=config.wq_group_size,
+            mode=config.weight_quantization_mode,
+            stochastic=config.stochastic,
+            kernel_backend=config.kernel_backend,
+        )

@@ -1,0 +1,211 @@
+"""TLq / TLq-HS: the two-level quantized gradient reduce-scatter (DESIGN.md section 4).
+
+Drop-in for ``torch.distributed.reduce_scatter_tensor(output, input, op, group, async_op)``:
+DP rank r ends with ``sum_k input_k[r*S:(r+1)*S]`` (or the mean) in ``output`` (S elements).
+
+[Note: the two-hop schedule]
+W = N x M; the input is viewed as ``[M, N, P, c]`` (shard ``m*N + n`` cut in P slices of c).
+
+1. One fused sender call quantizes everything at the intra bits (after the Hadamard transform
+   when enabled) into ``P * N`` messages, slice-major; message (p, n') holds the M chunks
+   ``input[:, n', p, :]`` that local peer n' needs. Slice p's N messages are contiguous, so
+   one ``all_to_all_single`` on the intra-node group moves slice p. All P are issued at once.
+2. For each slice, once its intra hop has landed: dequantize the N received messages, sum in
+   fp32, requantize as M messages at the inter bits (still in the Hadamard domain: the
+   transform is linear), and issue the slice's inter-node ``all_to_all_single``.
+3. Dequantize the M node-partial sums of this rank's slice, sum, inverse Hadamard, scale
+   (1/W for AVG), write the slice of ``output``.
+
+Intra and inter hops use different process groups, so slice p's inter hop is in flight
+while slice p+1's intra hop still is (gloo runs each group's collectives on its own
+threads; NCCL on its own communicator). With one hop only (N = 1 or M = 1) the whole buffer
+goes in one all-to-all of W messages at that hop's bits and group size: there is nothing to
+overlap, so the pipeline slices do not change the schedule. With W = 1 the rank's message
+goes to itself without a collective (still quantized: no silent unquantized path).
+
+Random streams: the sender uses ``derive_seed(seed, 0, 0, dp_rank)`` (one call for all
+slices; the stream index separates them), slice p's requantization
+``derive_seed(seed, 1, p, dp_rank)``. The caller derives ``seed`` from (user seed,
+iteration, bucket), so every call draws fresh, reproducible noise.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from megatron.sdp4bit.comm.config import GradientQuantConfig
+from megatron.sdp4bit.comm.padding import check_padded, required_divisor
+from megatron.sdp4bit.comm.stats import CommStats
+from megatron.sdp4bit.comm.topology import DPTopology
+from megatron.sdp4bit.comm.work import CollectiveWork
+from megatron.sdp4bit.quantization import ops
+from megatron.sdp4bit.quantization.format import message_nbytes
+from megatron.sdp4bit.quantization.rng import derive_seed
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+HOP_INTRA = 0
+HOP_INTER = 1
+
+
+def _validate(output: torch.Tensor, input: torch.Tensor, topology: DPTopology,
+              config: GradientQuantConfig, op: ReduceOp) -> None:
+    """Local checks only, identical on every rank given identical shapes: before any collective."""
+    if op not in (ReduceOp.SUM, ReduceOp.AVG):
+        raise ValueError(f"op={op} is not supported: use ReduceOp.SUM or ReduceOp.AVG")
+    for name, tensor in (("input", input), ("output", output)):
+        if tensor.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{name} dtype {tensor.dtype} is not supported: use float32, "
+                             "bfloat16 or float16")
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous: pass tensor.contiguous()")
+    if input.device != output.device:
+        raise ValueError(f"input is on {input.device} but output on {output.device}")
+    if input.numel() != topology.world * output.numel():
+        raise ValueError(
+            f"output has {output.numel()} elements but input has {input.numel()} = DP size "
+            f"{topology.world} x {input.numel() / topology.world:g}: output must hold "
+            "input.numel() // DP size elements"
+        )
+    divisor = required_divisor(
+        topology.world, intra_group=config.intra_group_size, intra_bits=config.intra_bits,
+        inter_group=config.inter_group_size, inter_bits=config.inter_bits,
+        slices=config.pipeline_slices, hadamard_block=config.hadamard_block)
+    check_padded(input.numel(), divisor, "the reduce-scatter input")
+
+
+def _record(stats: CommStats | None, topo: DPTopology, config: GradientQuantConfig,
+            shard: int, elem: int) -> None:
+    if stats is None:
+        return
+    n, m, p = topo.ranks_per_node, topo.nodes, config.pipeline_slices
+    c = shard // p
+    if n > 1 and m > 1:
+        stats.grad_intra_bytes += (n - 1) * p * message_nbytes(
+            m * c, config.intra_bits, config.intra_group_size)
+        stats.grad_inter_bytes += (m - 1) * p * message_nbytes(
+            c, config.inter_bits, config.inter_group_size)
+    elif n > 1:  # one node: the single hop is intra-node
+        stats.grad_intra_bytes += (n - 1) * message_nbytes(
+            shard, config.intra_bits, config.intra_group_size)
+    elif m > 1:  # one rank per node: the single hop is inter-node
+        stats.grad_inter_bytes += (m - 1) * message_nbytes(
+            shard, config.inter_bits, config.inter_group_size)
+    stats.grad_intra_bytes_baseline += (n - 1) * m * shard * elem
+    stats.grad_inter_bytes_baseline += (m - 1) * shard * elem
+
+
+def two_level_reduce_scatter(output: torch.Tensor, input: torch.Tensor, *,
+                             topology: DPTopology, config: GradientQuantConfig,
+                             op: ReduceOp = ReduceOp.SUM, async_op: bool = False, seed: int,
+                             stats: CommStats | None = None) -> CollectiveWork | None:
+    """Quantized reduce-scatter of ``input`` (W shards) into ``output`` (this rank's shard).
+
+    ``input``: contiguous, fp32/bf16/fp16, ``input.numel()`` a multiple of
+    :func:`~megatron.sdp4bit.comm.padding.required_divisor` for ``config``; ``output``:
+    ``input.numel() // W`` elements, any of those dtypes (accumulation is fp32). ``op``: SUM or
+    AVG. ``seed``: 64-bit seed of this call's rounding noise (derive it from the user seed,
+    iteration and bucket). ``stats``: byte counters to add to. Returns a
+    :class:`CollectiveWork` when ``async_op`` (``input`` and ``output`` must stay untouched
+    until ``wait()``), else None. See [Note: the two-hop schedule].
+    """
+    _validate(output, input, topology, config, op)
+    _record(stats, topology, config, output.numel(), input.element_size())
+    scale = 1.0 / topology.world if op == ReduceOp.AVG else 1.0
+    inp = input.view(-1)
+    out = output.view(-1)
+    if topology.ranks_per_node > 1 and topology.nodes > 1:
+        finish = _two_hops(out, inp, topology, config, scale, seed)
+    else:
+        finish = _one_hop(out, inp, topology, config, scale, seed)
+    work = CollectiveWork(finish)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def _one_hop(out: torch.Tensor, inp: torch.Tensor, topo: DPTopology,
+             config: GradientQuantConfig, scale: float, seed: int) -> Callable[[], None]:
+    """N = 1 (inter hop only) or M = 1 (intra hop only): one all-to-all of W messages."""
+    if topo.nodes == 1:
+        group, bits, gsize = topo.intra_group, config.intra_bits, config.intra_group_size
+    else:
+        group, bits, gsize = topo.inter_group, config.inter_bits, config.inter_group_size
+    w = topo.world
+    send = torch.empty(w * message_nbytes(out.numel(), bits, gsize), dtype=torch.uint8,
+                       device=inp.device)  # 1D uint8: W messages of S values, by destination
+    ops.tlq_sender(inp, send, num_dests=w, blocks_per_dest=1, slices=1, bits=bits,
+                   group_size=gsize, hadamard_block=config.hadamard_block,
+                   stochastic=config.stochastic, seed=derive_seed(seed, HOP_INTRA, 0, topo.rank),
+                   backend=config.kernel_backend)
+    if w == 1:
+        recv, handle = send, None
+    else:
+        recv = torch.empty_like(send)
+        handle = dist.all_to_all_single(recv, send, group=group, async_op=True)
+
+    def finish() -> None:
+        if handle is not None:
+            handle.wait()
+        ops.tlq_receiver(recv, out, n_in=w, bits=bits, group_size=gsize,
+                         hadamard_block=config.hadamard_block, scale=scale,
+                         backend=config.kernel_backend)
+
+    return finish
+
+
+def _two_hops(out: torch.Tensor, inp: torch.Tensor, topo: DPTopology,
+              config: GradientQuantConfig, scale: float, seed: int) -> Callable[[], None]:
+    """N > 1 and M > 1: see [Note: the two-hop schedule]. Issues the intra hops now."""
+    n, m, p = topo.ranks_per_node, topo.nodes, config.pipeline_slices
+    c = out.numel() // p
+    intra_bytes = n * message_nbytes(m * c, config.intra_bits, config.intra_group_size)
+    inter_bytes = m * message_nbytes(c, config.inter_bits, config.inter_group_size)
+    send1 = torch.empty(p * intra_bytes, dtype=torch.uint8, device=inp.device)  # [P][N msgs]
+    ops.tlq_sender(inp, send1, num_dests=n, blocks_per_dest=m, slices=p,
+                   bits=config.intra_bits, group_size=config.intra_group_size,
+                   hadamard_block=config.hadamard_block, stochastic=config.stochastic,
+                   seed=derive_seed(seed, HOP_INTRA, 0, topo.rank),
+                   backend=config.kernel_backend)
+    recv1 = torch.empty_like(send1)
+    intra_work = [
+        dist.all_to_all_single(recv1[i * intra_bytes:(i + 1) * intra_bytes],
+                               send1[i * intra_bytes:(i + 1) * intra_bytes],
+                               group=topo.intra_group, async_op=True)
+        for i in range(p)
+    ]
+
+    def receive(i: int, recv2: torch.Tensor, work: dist.Work) -> None:
+        work.wait()
+        ops.tlq_receiver(recv2[i * inter_bytes:(i + 1) * inter_bytes], out[i * c:(i + 1) * c],
+                         n_in=m, bits=config.inter_bits, group_size=config.inter_group_size,
+                         hadamard_block=config.hadamard_block, scale=scale,
+                         backend=config.kernel_backend)
+
+    def finish() -> None:
+        send2 = torch.empty(p * inter_bytes, dtype=torch.uint8, device=inp.device)  # [P][M msgs]
+        recv2 = torch.empty_like(send2)
+        inter_work: list[dist.Work] = []
+        for i in range(p):
+            intra_work[i].wait()
+            ops.tlq_middle(recv1[i * intra_bytes:(i + 1) * intra_bytes],
+                           send2[i * inter_bytes:(i + 1) * inter_bytes],
+                           n_in=n, numel=m * c, bits_in=config.intra_bits,
+                           group_size_in=config.intra_group_size, n_out=m,
+                           bits_out=config.inter_bits, group_size_out=config.inter_group_size,
+                           stochastic=config.stochastic,
+                           seed=derive_seed(seed, HOP_INTER, i, topo.rank),
+                           backend=config.kernel_backend)
+            inter_work.append(dist.all_to_all_single(
+                recv2[i * inter_bytes:(i + 1) * inter_bytes],
+                send2[i * inter_bytes:(i + 1) * inter_bytes],
+                group=topo.inter_group, async_op=True))
+            if i > 0:  # slice i's inter hop is in flight while slice i-1 is decoded
+                receive(i - 1, recv2, inter_work[i - 1])
+        receive(p - 1, recv2, inter_work[p - 1])
+
+    return finish
