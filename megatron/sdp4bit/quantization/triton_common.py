@@ -1,0 +1,231 @@
+"""Building blocks shared by the fused Triton kernels (:mod:`.triton_qwd`, :mod:`.triton_tlq`).
+
+Every kernel works on a tile of ``[R, GP]`` values: ``R`` quantization groups, one per row,
+each padded to ``GP = next_power_of_2(G)`` lanes (lanes ``>= G`` are masked out and read as
+zeros). The numerics copy :mod:`.reference` operation by operation so that, with
+round-to-nearest and no Hadamard transform, the kernels produce the reference's bytes:
+
+* divisions are IEEE round-to-nearest (``div_rn``), never the approximate GPU division;
+* kernels are launched with ``enable_fp_fusion=False`` so that ``acc + q * s`` is a multiply
+  then an add, as in torch, and not a fused multiply-add (one rounding instead of two);
+* the stochastic-rounding noise is the counter hash of :mod:`.rng` evaluated in ``uint32``
+  lanes (multiplication wraps mod 2**32 exactly as the reference's int64 emulation), so the
+  kernels draw the very same numbers as the reference.
+
+With a Hadamard transform the kernels multiply each block by the ``H x H`` matrix in fp32
+(``tl.dot`` with ``input_precision="ieee"``), which sums in another order than torch's matmul:
+values agree to a few ulps and a code may differ by one step where a value sits on a rounding
+boundary.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from megatron.sdp4bit.quantization.hadamard import check_hadamard_block, hadamard_matrix
+
+# Elements per program: enough work per program to hide memory latency on a GPU, small enough
+# to stay in registers (2 groups of 2048, or 32 groups of 128).
+TILE_ELEMENTS = 4096
+# Launch options every kernel uses (see the module docstring for why no fp fusion).
+LAUNCH_OPTIONS = {"enable_fp_fusion": False}
+_STREAM_LIMIT = 1 << 32
+
+
+# ----------------------------------------------------------------------------- jit helpers
+
+
+@triton.jit
+def _mix32(x):
+    """lowbias32 on uint32 lanes (see :func:`..rng.mix32`)."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def uniform_tile(idx, k0, k1):
+    """fp32 uniforms in [0, 1) of the counter stream (k0, k1) at int64 indices ``idx``."""
+    h = _mix32(_mix32(idx.to(tl.uint32) ^ k0.to(tl.uint32)) ^ k1.to(tl.uint32))
+    return (h >> 8).to(tl.float32) * (2.0 ** -24)
+
+
+@triton.jit
+def quantize_tile(x, idx, k0, k1, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """Quantize the rows of ``x`` (fp32 [R, GP], padding lanes 0) as groups.
+
+    Returns ``(codes uint8 [R, GP], scales fp32 [R])`` by the rules of
+    :func:`..reference.quantize_groups`; ``idx`` [R, GP] are the random-stream indices.
+    """
+    ax = tl.abs(x)
+    # tl.max does not promise to propagate NaN on a GPU: detect non-finite values apart.
+    nonfinite = (ax != ax) | (ax == float("inf"))
+    bad = tl.max(nonfinite.to(tl.int32), axis=1) > 0
+    absmax = tl.max(tl.where(nonfinite, 0.0, ax), axis=1)
+    scale = tl.math.div_rn(absmax, tl.full(absmax.shape, QMAX, tl.float32))
+    scale = tl.where(bad, float("nan"), scale)
+    usable = (scale > 0) & (~bad)
+    safe = tl.where(usable, scale, 1.0)
+    if STOCHASTIC:
+        u = uniform_tile(idx, k0, k1)
+    else:
+        u = 0.5
+    q = tl.floor(tl.math.div_rn(x, tl.broadcast_to(safe[:, None], x.shape)) + u)
+    q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
+    q = tl.where(usable[:, None], q, 0.0)
+    codes = (q + (QMAX + 1)).to(tl.uint8)
+    return codes, scale
+
+
+@triton.jit
+def dequantize_tile(codes, scale, QMAX: tl.constexpr):
+    """``(code - offset) * scale`` in fp32; ``scale`` broadcasts against ``codes``."""
+    return (codes.to(tl.float32) - (QMAX + 1)) * scale
+
+
+@triton.jit
+def store_groups(out_ptr, msg, gl, row_valid, codes, scale, msg_nbytes, groups_per_msg,
+                 G: tl.constexpr, GP: tl.constexpr, BITS: tl.constexpr):
+    """Write group ``gl[r]`` of message ``msg[r]`` (scale and packed codes) for every row.
+
+    ``out_ptr`` is the wire buffer (uint8, 4-byte aligned); ``msg``/``gl``/``row_valid`` [R].
+    """
+    base = msg * msg_nbytes
+    scale_ptr = out_ptr.to(tl.pointer_type(tl.float32))
+    tl.store(scale_ptr + base // 4 + gl, scale, mask=row_valid)
+    payload = base + 4 * groups_per_msg + gl * (G * BITS // 8)
+    if BITS == 4:
+        lo, hi = tl.split(tl.reshape(codes, [codes.shape[0], GP // 2, 2]))
+        t = tl.arange(0, GP // 2)
+        tl.store(out_ptr + payload[:, None] + t[None, :], lo | (hi << 4),
+                 mask=row_valid[:, None] & (t < G // 2)[None, :])
+    else:
+        t = tl.arange(0, GP)
+        tl.store(out_ptr + payload[:, None] + t[None, :], codes,
+                 mask=row_valid[:, None] & (t < G)[None, :])
+
+
+@triton.jit
+def load_codes(wire_ptr, payload, start, row_valid, G: tl.constexpr, GP: tl.constexpr,
+               BITS: tl.constexpr):
+    """uint8 codes [R, GP] of elements ``start[r] .. start[r] + G - 1`` of the payload that
+    begins at byte ``payload[r]`` (``start`` even); lanes ``>= G`` and invalid rows give 0."""
+    if BITS == 4:
+        t = tl.arange(0, GP // 2)
+        mask = row_valid[:, None] & (t < G // 2)[None, :]
+        packed = tl.load(wire_ptr + (payload + start // 2)[:, None] + t[None, :], mask=mask,
+                         other=0)
+        codes = tl.reshape(tl.join(packed & 0x0F, packed >> 4), [packed.shape[0], GP])
+    else:
+        t = tl.arange(0, GP)
+        mask = row_valid[:, None] & (t < G)[None, :]
+        codes = tl.load(wire_ptr + (payload + start)[:, None] + t[None, :], mask=mask, other=0)
+    return codes
+
+
+@triton.jit
+def hadamard_tile(x, h_ptr, HB: tl.constexpr):
+    """Multiply every contiguous block of ``HB`` values of each row of ``x`` [R, GP] by the
+    orthonormal Hadamard matrix at ``h_ptr`` (fp32 [HB, HB]); ``GP`` is a multiple of HB."""
+    R: tl.constexpr = x.shape[0]
+    GP: tl.constexpr = x.shape[1]
+    blocks = tl.reshape(x, [R * GP // HB, HB])
+    r = tl.arange(0, HB)
+    h = tl.load(h_ptr + r[:, None] * HB + r[None, :])
+    if HB >= 16:
+        y = tl.dot(blocks, h, input_precision="ieee")
+    else:
+        # tl.dot needs every dimension >= 16 on a GPU: small blocks multiply by broadcasting.
+        y = tl.sum(blocks[:, :, None] * h[None, :, :], axis=1)
+    return tl.reshape(y, [R, GP])
+
+
+@triton.jit
+def cast_for_store(x, ptr):
+    """fp32 ``x`` rounded to the element type of ``ptr`` as torch rounds it (to nearest even).
+
+    bf16 is rounded by hand: the interpreter truncates fp32 -> bf16, and the hand rounding is
+    what ``cvt.rn.bf16.f32`` does on a GPU anyway (NaN becomes torch's 0x7FC0).
+    """
+    if ptr.dtype.element_ty == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        bits = tl.where(x != x, 0x7FC00000, bits)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(ptr.dtype.element_ty)
+
+
+# ---------------------------------------------------------------------------- host helpers
+
+
+def tile_rows(group_size: int, hadamard_block: int = 0) -> tuple[int, int]:
+    """``(R, GP)``: groups per program and padded group width for a group size."""
+    gp = triton.next_power_of_2(group_size)
+    rows = max(1, TILE_ELEMENTS // gp)
+    if hadamard_block >= 16:
+        # tl.dot needs at least 16 blocks in the tile.
+        rows = max(rows, triton.next_power_of_2(-(-16 * hadamard_block // gp)))
+    return rows, gp
+
+
+def num_warps(rows: int, gp: int) -> int:
+    return 8 if rows * gp >= 4096 else 4
+
+
+def seed_words(seed: int) -> tuple[int, int]:
+    seed &= (1 << 64) - 1
+    return seed & 0xFFFFFFFF, seed >> 32
+
+
+def check_stream(stochastic: bool, numel: int) -> None:
+    if stochastic and numel > _STREAM_LIMIT:
+        raise ValueError(f"random-stream indices [0, {numel}) exceed 2**32")
+
+
+def check_wire(wire: torch.Tensor, name: str) -> None:
+    """The kernels store fp32 scales through the uint8 pointer: it must be 4-byte aligned."""
+    if not wire.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if wire.data_ptr() % 4:
+        raise ValueError(f"{name} must start at a 4-byte aligned address (it holds fp32 "
+                         "scales): allocate it whole or slice it at a multiple of 4 bytes")
+
+
+def check_output(t: torch.Tensor, name: str) -> None:
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous: the Triton kernels write it in place")
+
+
+def check_same_device(*tensors: torch.Tensor) -> None:
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise ValueError(f"tensors on different devices: {sorted(map(str, devices))}")
+
+
+def check_hadamard(hadamard_block: int, group_size: int, chunk: int | None = None) -> None:
+    """The kernels transform blocks inside a tile row (one group): ``group_size`` must be a
+    multiple of the block, and so must a tlq_sender chunk (blocks are contiguous input)."""
+    check_hadamard_block(hadamard_block)
+    if group_size % hadamard_block:
+        raise ValueError(f"group_size={group_size} is not a multiple of "
+                         f"hadamard_block={hadamard_block}")
+    if chunk is not None and chunk % hadamard_block:
+        raise ValueError(f"each destination chunk holds {chunk} elements, not a multiple of "
+                         f"hadamard_block={hadamard_block}: pad the buffer")
+
+
+@functools.lru_cache(maxsize=32)
+def _hadamard_on(block: int, device: str) -> torch.Tensor:
+    return hadamard_matrix(block, device).contiguous()
+
+
+def hadamard_operand(block: int, device: torch.device) -> torch.Tensor:
+    """The fp32 ``block x block`` matrix on ``device`` (cached: no copy per call)."""
+    return _hadamard_on(block, str(device))

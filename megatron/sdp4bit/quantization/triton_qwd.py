@@ -1,0 +1,104 @@
+"""Fused Triton kernels of the qWD weight-difference all-gather (see :mod:`.reference`).
+
+``qwd_sender``: one pass reads the fp32 main shard and the bf16 replica shard, forms the
+difference, and writes the message (scales and packed codes). ``qwd_receiver``: one pass reads
+the gathered messages and the replica and writes ``replica + D(message)`` for every shard.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megatron.sdp4bit.quantization import format as fmt
+from megatron.sdp4bit.quantization import triton_common as tc
+
+
+@triton.jit(do_not_specialize=["k0", "k1"])
+def _qwd_sender_kernel(main_ptr, replica_ptr, out_ptr, ngroups, k0, k1,
+                       G: tl.constexpr, GP: tl.constexpr, R: tl.constexpr,
+                       BITS: tl.constexpr, QMAX: tl.constexpr, HAS_REPLICA: tl.constexpr,
+                       STOCHASTIC: tl.constexpr):
+    g = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)  # group index [R]
+    t = tl.arange(0, GP)
+    row_valid = g < ngroups
+    idx = g[:, None] * G + t[None, :]  # element index = random-stream index
+    mask = row_valid[:, None] & (t < G)[None, :]
+    x = tl.load(main_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    if HAS_REPLICA:
+        x = x - tl.load(replica_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    codes, scale = tc.quantize_tile(x, idx, k0, k1, QMAX, STOCHASTIC)
+    tc.store_groups(out_ptr, g * 0, g, row_valid, codes, scale, 0, ngroups, G, GP, BITS)
+
+
+@triton.jit
+def _qwd_receiver_kernel(wire_ptr, replica_ptr, ngroups, groups_per_shard, msg_nbytes,
+                         G: tl.constexpr, GP: tl.constexpr, R: tl.constexpr,
+                         BITS: tl.constexpr, QMAX: tl.constexpr, ACCUMULATE: tl.constexpr):
+    g = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)  # group of the whole replica
+    t = tl.arange(0, GP)
+    row_valid = g < ngroups
+    shard = g // groups_per_shard
+    gl = g - shard * groups_per_shard
+    base = shard * msg_nbytes
+    scale = tl.load(wire_ptr.to(tl.pointer_type(tl.float32)) + base // 4 + gl, mask=row_valid,
+                    other=0.0)
+    codes = tc.load_codes(wire_ptr, base + 4 * groups_per_shard, gl * G, row_valid, G, GP, BITS)
+    value = tc.dequantize_tile(codes, scale[:, None], QMAX)
+    idx = g[:, None] * G + t[None, :]
+    mask = row_valid[:, None] & (t < G)[None, :]
+    if ACCUMULATE:
+        value = tl.load(replica_ptr + idx, mask=mask, other=0.0).to(tl.float32) + value
+    tl.store(replica_ptr + idx, tc.cast_for_store(value, replica_ptr), mask=mask)
+
+
+def qwd_sender(main_shard: torch.Tensor, replica_shard: torch.Tensor | None, out: torch.Tensor,
+               *, bits: int, group_size: int, stochastic: bool, seed: int) -> None:
+    """Triton version of :func:`..reference.qwd_sender` (same arguments and bytes)."""
+    numel = main_shard.numel()
+    fmt.check_message_shape(numel, bits, group_size)
+    fmt.split_messages(out, 1, numel, bits, group_size)  # validates out's dtype and size
+    tc.check_wire(out, "out")
+    if replica_shard is not None:
+        if replica_shard.numel() != numel:
+            raise ValueError(f"replica_shard has {replica_shard.numel()} elements, "
+                             f"main_shard {numel}: they must be the same shard")
+        tc.check_same_device(main_shard, replica_shard, out)
+    else:
+        tc.check_same_device(main_shard, out)
+    tc.check_stream(stochastic, numel)
+    ngroups = numel // group_size
+    if ngroups == 0:
+        return
+    main = main_shard.reshape(-1).contiguous()
+    replica = main if replica_shard is None else replica_shard.reshape(-1).contiguous()
+    rows, gp = tc.tile_rows(group_size)
+    k0, k1 = tc.seed_words(seed)
+    _qwd_sender_kernel[(triton.cdiv(ngroups, rows),)](
+        main, replica, out, ngroups, k0, k1, G=group_size, GP=gp, R=rows, BITS=bits,
+        QMAX=fmt.qmax(bits), HAS_REPLICA=replica_shard is not None, STOCHASTIC=stochastic,
+        num_warps=tc.num_warps(rows, gp), **tc.LAUNCH_OPTIONS)
+
+
+def qwd_receiver(wire: torch.Tensor, replica: torch.Tensor, *, world: int, bits: int,
+                 group_size: int, accumulate: bool = True) -> None:
+    """Triton version of :func:`..reference.qwd_receiver` (same arguments and bytes)."""
+    if world < 1 or replica.numel() % world:
+        raise ValueError(f"replica of {replica.numel()} elements does not split into "
+                         f"world={world} equal shards")
+    shard = replica.numel() // world
+    fmt.check_message_shape(shard, bits, group_size)
+    fmt.split_messages(wire, world, shard, bits, group_size)
+    tc.check_wire(wire, "wire")
+    tc.check_output(replica, "replica")
+    tc.check_same_device(wire, replica)
+    ngroups = replica.numel() // group_size
+    if ngroups == 0:
+        return
+    rows, gp = tc.tile_rows(group_size)
+    _qwd_receiver_kernel[(triton.cdiv(ngroups, rows),)](
+        wire, replica, ngroups, shard // group_size,
+        fmt.message_nbytes(shard, bits, group_size), G=group_size, GP=gp, R=rows, BITS=bits,
+        QMAX=fmt.qmax(bits), ACCUMULATE=accumulate, num_warps=tc.num_warps(rows, gp),
+        **tc.LAUNCH_OPTIONS)

@@ -1,0 +1,236 @@
+"""Fused Triton kernels of the two-level gradient reduce-scatter (see :mod:`.reference`).
+
+Each program owns ``R`` output groups. ``tlq_sender`` gathers them from the input in
+destination order, applies the Hadamard transform in registers and writes the messages;
+``tlq_middle`` and ``tlq_receiver`` decode the same group of every incoming message, sum in
+fp32 in message order (as ``torch.sum`` over a handful of rows does), then requantize or
+transform back and write the shard.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megatron.sdp4bit.quantization import format as fmt
+from megatron.sdp4bit.quantization import triton_common as tc
+
+
+@triton.jit
+def _source_index(o, msg_numel, chunk, num_dests, slices):
+    """Input index of output element ``o``: output message ``p * D + d`` holds the chunks
+    ``inp[b, d, p, :]`` for b = 0..B-1 (input viewed as [B, D, P, chunk])."""
+    msg = o // msg_numel
+    r = o - msg * msg_numel
+    b = r // chunk
+    j = r - b * chunk
+    p = msg // num_dests
+    d = msg - p * num_dests
+    return ((b * num_dests + d) * slices + p) * chunk + j
+
+
+@triton.jit(do_not_specialize=["k0", "k1"])
+def _tlq_sender_kernel(inp_ptr, out_ptr, h_ptr, ngroups, msg_numel, chunk, num_dests, slices,
+                       msg_nbytes, k0, k1,
+                       G: tl.constexpr, GP: tl.constexpr, R: tl.constexpr,
+                       BITS: tl.constexpr, QMAX: tl.constexpr, HB: tl.constexpr,
+                       CHUNK_ALIGNED: tl.constexpr, STOCHASTIC: tl.constexpr):
+    g = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)  # output group [R]
+    t = tl.arange(0, GP)
+    row_valid = g < ngroups
+    start = g * G
+    o = start[:, None] + t[None, :]  # output index = random-stream index
+    mask = row_valid[:, None] & (t < G)[None, :]
+    if CHUNK_ALIGNED:
+        # Chunks hold whole groups: one index computation per row, contiguous loads.
+        src = _source_index(start, msg_numel, chunk, num_dests, slices)[:, None] + t[None, :]
+    else:
+        src = _source_index(o, msg_numel, chunk, num_dests, slices)
+    x = tl.load(inp_ptr + src, mask=mask, other=0.0).to(tl.float32)
+    if HB > 0:
+        x = tc.hadamard_tile(x, h_ptr, HB)
+    codes, scale = tc.quantize_tile(x, o, k0, k1, QMAX, STOCHASTIC)
+    msg = start // msg_numel
+    groups_per_msg = msg_numel // G
+    gl = (start - msg * msg_numel) // G
+    tc.store_groups(out_ptr, msg, gl, row_valid, codes, scale, msg_nbytes, groups_per_msg,
+                    G, GP, BITS)
+
+
+@triton.jit
+def _dequantize_message(wire_ptr, k, msg_nbytes, groups_per_msg, start, row_valid,
+                        G_MSG: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr,
+                        TILE_G: tl.constexpr, TILE_GP: tl.constexpr):
+    """fp32 values ``start[r] + 0..TILE_G-1`` of message ``k`` (groups of ``G_MSG``)."""
+    base = k * msg_nbytes
+    scale_ptr = wire_ptr.to(tl.pointer_type(tl.float32)) + base // 4
+    if TILE_G <= G_MSG:
+        # G_MSG is a multiple of TILE_G: a row lies inside one message group.
+        scale = tl.load(scale_ptr + start // G_MSG, mask=row_valid, other=0.0)[:, None]
+    else:
+        t = tl.arange(0, TILE_GP)
+        mask = row_valid[:, None] & (t < TILE_G)[None, :]
+        scale = tl.load(scale_ptr + (start[:, None] + t[None, :]) // G_MSG, mask=mask,
+                        other=0.0)
+    codes = tc.load_codes(wire_ptr, base + 4 * groups_per_msg, start, row_valid, TILE_G,
+                          TILE_GP, BITS)
+    return tc.dequantize_tile(codes, scale, QMAX)
+
+
+@triton.jit
+def _dequantize_sum(wire_ptr, n_in, msg_nbytes, groups_per_msg, start, row_valid,
+                    G_MSG: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr,
+                    TILE_G: tl.constexpr, TILE_GP: tl.constexpr):
+    """fp32 sum over the ``n_in`` messages, in message order, of the tile's elements."""
+    acc = _dequantize_message(wire_ptr, 0, msg_nbytes, groups_per_msg, start, row_valid,
+                              G_MSG, BITS, QMAX, TILE_G, TILE_GP)
+    for k in range(1, n_in):
+        acc = acc + _dequantize_message(wire_ptr, k, msg_nbytes, groups_per_msg, start,
+                                        row_valid, G_MSG, BITS, QMAX, TILE_G, TILE_GP)
+    return acc
+
+
+@triton.jit(do_not_specialize=["k0", "k1"])
+def _tlq_middle_kernel(wire_ptr, out_ptr, n_in, in_nbytes, in_groups, ngroups, out_numel,
+                       out_nbytes, k0, k1,
+                       G_IN: tl.constexpr, BITS_IN: tl.constexpr, QMAX_IN: tl.constexpr,
+                       G: tl.constexpr, GP: tl.constexpr, R: tl.constexpr,
+                       BITS: tl.constexpr, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr):
+    g = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)  # output group [R]
+    t = tl.arange(0, GP)
+    row_valid = g < ngroups
+    start = g * G  # index in the summed vector = output index = random-stream index
+    total = _dequantize_sum(wire_ptr, n_in, in_nbytes, in_groups, start, row_valid,
+                            G_IN, BITS_IN, QMAX_IN, G, GP)
+    codes, scale = tc.quantize_tile(total, start[:, None] + t[None, :], k0, k1, QMAX,
+                                    STOCHASTIC)
+    msg = start // out_numel
+    gl = (start - msg * out_numel) // G
+    tc.store_groups(out_ptr, msg, gl, row_valid, codes, scale, out_nbytes, out_numel // G,
+                    G, GP, BITS)
+
+
+@triton.jit
+def _tlq_receiver_kernel(wire_ptr, out_ptr, h_ptr, n_in, msg_nbytes, ngroups, scale_by,
+                         G: tl.constexpr, GP: tl.constexpr, R: tl.constexpr,
+                         BITS: tl.constexpr, QMAX: tl.constexpr, HB: tl.constexpr,
+                         APPLY_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr):
+    g = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
+    t = tl.arange(0, GP)
+    row_valid = g < ngroups
+    start = g * G
+    total = _dequantize_sum(wire_ptr, n_in, msg_nbytes, ngroups, start, row_valid,
+                            G, BITS, QMAX, G, GP)
+    if HB > 0:
+        total = tc.hadamard_tile(total, h_ptr, HB)
+    if APPLY_SCALE:
+        total = total * scale_by
+    idx = start[:, None] + t[None, :]
+    mask = row_valid[:, None] & (t < G)[None, :]
+    if ACCUMULATE:
+        total = tl.load(out_ptr + idx, mask=mask, other=0.0).to(tl.float32) + total
+    tl.store(out_ptr + idx, tc.cast_for_store(total, out_ptr), mask=mask)
+
+
+def _hadamard_arg(hadamard_block: int, fallback: torch.Tensor) -> torch.Tensor:
+    if hadamard_block:
+        return tc.hadamard_operand(hadamard_block, fallback.device)
+    return fallback  # never read: HB == 0 compiles the transform out
+
+
+def tlq_sender(inp: torch.Tensor, out: torch.Tensor, *, num_dests: int, blocks_per_dest: int,
+               slices: int, bits: int, group_size: int, hadamard_block: int,
+               stochastic: bool, seed: int) -> None:
+    """Triton version of :func:`..reference.tlq_sender` (same arguments and bytes)."""
+    count = num_dests * blocks_per_dest * slices
+    if min(num_dests, blocks_per_dest, slices) < 1 or inp.numel() % count:
+        raise ValueError(f"input of {inp.numel()} elements does not split into "
+                         f"blocks_per_dest={blocks_per_dest} x num_dests={num_dests} x "
+                         f"slices={slices} equal chunks")
+    chunk = inp.numel() // count
+    msg_numel = blocks_per_dest * chunk
+    fmt.check_message_shape(msg_numel, bits, group_size)
+    fmt.split_messages(out, slices * num_dests, msg_numel, bits, group_size)
+    tc.check_wire(out, "out")
+    tc.check_same_device(inp, out)
+    if hadamard_block:
+        tc.check_hadamard(hadamard_block, group_size, chunk)
+    tc.check_stream(stochastic, inp.numel())
+    ngroups = inp.numel() // group_size
+    if ngroups == 0:
+        return
+    flat = inp.reshape(-1).contiguous()
+    rows, gp = tc.tile_rows(group_size, hadamard_block)
+    k0, k1 = tc.seed_words(seed)
+    _tlq_sender_kernel[(triton.cdiv(ngroups, rows),)](
+        flat, out, _hadamard_arg(hadamard_block, flat), ngroups, msg_numel, chunk, num_dests,
+        slices, fmt.message_nbytes(msg_numel, bits, group_size), k0, k1,
+        G=group_size, GP=gp, R=rows, BITS=bits, QMAX=fmt.qmax(bits), HB=hadamard_block,
+        CHUNK_ALIGNED=chunk % group_size == 0, STOCHASTIC=stochastic,
+        num_warps=tc.num_warps(rows, gp), **tc.LAUNCH_OPTIONS)
+
+
+def tlq_middle(wire_in: torch.Tensor, out: torch.Tensor, *, n_in: int, numel: int,
+               bits_in: int, group_size_in: int, n_out: int, bits_out: int,
+               group_size_out: int, stochastic: bool, seed: int) -> None:
+    """Triton version of :func:`..reference.tlq_middle` (same arguments and bytes)."""
+    if n_in < 1 or n_out < 1 or numel % n_out:
+        raise ValueError(f"numel={numel} must split into n_out={n_out} equal messages and "
+                         f"n_in={n_in} must be positive")
+    out_numel = numel // n_out
+    fmt.check_message_shape(numel, bits_in, group_size_in)
+    fmt.split_messages(wire_in, n_in, numel, bits_in, group_size_in)
+    fmt.check_message_shape(out_numel, bits_out, group_size_out)
+    fmt.split_messages(out, n_out, out_numel, bits_out, group_size_out)
+    tc.check_wire(wire_in, "wire_in")
+    tc.check_wire(out, "out")
+    tc.check_same_device(wire_in, out)
+    _check_group_nesting(group_size_in, group_size_out)
+    tc.check_stream(stochastic, numel)
+    ngroups = numel // group_size_out
+    if ngroups == 0:
+        return
+    rows, gp = tc.tile_rows(group_size_out)
+    k0, k1 = tc.seed_words(seed)
+    _tlq_middle_kernel[(triton.cdiv(ngroups, rows),)](
+        wire_in, out, n_in, fmt.message_nbytes(numel, bits_in, group_size_in),
+        numel // group_size_in, ngroups, out_numel,
+        fmt.message_nbytes(out_numel, bits_out, group_size_out), k0, k1,
+        G_IN=group_size_in, BITS_IN=bits_in, QMAX_IN=fmt.qmax(bits_in),
+        G=group_size_out, GP=gp, R=rows, BITS=bits_out, QMAX=fmt.qmax(bits_out),
+        STOCHASTIC=stochastic, num_warps=tc.num_warps(rows, gp), **tc.LAUNCH_OPTIONS)
+
+
+def _check_group_nesting(group_size_in: int, group_size_out: int) -> None:
+    """A tile row (one output group) reads input scales either one per row (the output group
+    lies inside an input group) or one per element (it spans whole input groups)."""
+    if group_size_in % group_size_out and group_size_out % group_size_in:
+        raise ValueError(f"group_size_in={group_size_in} and group_size_out={group_size_out} "
+                         "must divide one another in the Triton middle kernel")
+
+
+def tlq_receiver(wire_in: torch.Tensor, out: torch.Tensor, *, n_in: int, bits: int,
+                 group_size: int, hadamard_block: int, scale: float = 1.0,
+                 accumulate: bool = False) -> None:
+    """Triton version of :func:`..reference.tlq_receiver` (same arguments and bytes)."""
+    numel = out.numel()
+    if n_in < 1:
+        raise ValueError(f"n_in={n_in} must be positive")
+    fmt.check_message_shape(numel, bits, group_size)
+    fmt.split_messages(wire_in, n_in, numel, bits, group_size)
+    tc.check_wire(wire_in, "wire_in")
+    tc.check_output(out, "out")
+    tc.check_same_device(wire_in, out)
+    if hadamard_block:
+        tc.check_hadamard(hadamard_block, group_size)
+    ngroups = numel // group_size
+    if ngroups == 0:
+        return
+    rows, gp = tc.tile_rows(group_size, hadamard_block)
+    _tlq_receiver_kernel[(triton.cdiv(ngroups, rows),)](
+        wire_in, out, _hadamard_arg(hadamard_block, out), n_in,
+        fmt.message_nbytes(numel, bits, group_size), ngroups, float(scale),
+        G=group_size, GP=gp, R=rows, BITS=bits, QMAX=fmt.qmax(bits), HB=hadamard_block,
+        APPLY_SCALE=scale != 1.0, ACCUMULATE=accumulate, num_warps=tc.num_warps(rows, gp),
+        **tc.LAUNCH_OPTIONS)
