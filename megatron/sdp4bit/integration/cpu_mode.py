@@ -1,0 +1,139 @@
+"""CPU development mode: run megatron-core 0.16.1 on CPU with the gloo backend.
+
+megatron-core assumes CUDA: it allocates its buffers on ``torch.cuda.current_device()``,
+creates small bookkeeping tensors with ``device="cuda"``, and recognises mixed-precision
+parameters by ``param.type() == "torch.cuda.BFloat16Tensor"``. On a CUDA-less build every
+one of those calls raises or takes the wrong branch. ``enable_cpu_mode()`` is the only
+place in SDP4Bit that changes that; nothing else in the package touches devices, and a
+run with CUDA never calls it (it refuses to switch on when CUDA is available).
+
+What it changes (all in this process, in the thread that calls it, until exit):
+
+1. ``torch.cuda.current_device`` returns ``0`` instead of raising "Torch not compiled with
+   CUDA enabled". Used by ``param_and_grad_buffer`` (buffer allocation),
+   ``p2p_communication`` (pipeline shapes), ``distrib_optimizer`` (checkpoint buffers).
+2. A ``TorchFunctionMode`` (``_CudaToCpuMode``), pushed on the mode stack, rewrites
+   CUDA device arguments to ``"cpu"``:
+   - the ``device=`` keyword of every torch function when it names CUDA (``"cuda"``,
+     ``"cuda:N"``, ``torch.device("cuda")``) or is a bare int (which means a CUDA
+     ordinal). Used by the optimizers' ``found_inf``/``_scale`` tensors,
+     ``schedules.forward_backward_*`` (``total_num_tokens``), ``clip_grads``;
+   - ``Tensor.to(<cuda device>)`` and ``Tensor.cuda()`` become moves to the CPU.
+   Each of these would otherwise raise, so the mode changes no call that works on CPU.
+3. The same mode makes ``Tensor.type()`` (no argument) of a CPU floating-point tensor
+   report the CUDA type name (``torch.cuda.BFloat16Tensor``...). ``DistributedOptimizer``
+   and ``Float16OptimizerWithFloat16Params`` pick the fp32-main-parameter branch with this
+   string test and raise ``TypeError`` for anything else; ``clip_grads`` asserts it.
+   This is the one rewrite of a call that does not raise on CPU; ``Tensor.type()`` without
+   arguments is used nowhere in SDP4Bit.
+4. The "CUDA" random state is the CPU generator's: ``torch.cuda.get_rng_state`` returns
+   ``torch.get_rng_state()``, ``torch.cuda.manual_seed`` seeds the CPU generator, and
+   megatron-core's ``tensor_parallel.random._set_cuda_rng_state`` sets it (its CUDA version
+   queues the call until CUDA initialises, i.e. never). ``CudaRNGStatesTracker`` (used by
+   ``model_parallel_cuda_manual_seed`` and by every attention layer's ``fork()`` around
+   dropout) then swaps the CPU generator's state, which is the generator that CPU dropout
+   draws from: the tracker keeps its meaning (distinct streams per TP rank) on CPU.
+
+What it needs from the caller, through ordinary megatron-core options (no patch):
+``TransformerConfig(use_cpu_initialization=True)``, ``get_gpt_layer_local_spec()``
+(no Transformer Engine), no fused kernels (``masked_softmax_fusion``,
+``bias_activation_fusion``, ``gradient_accumulation_fusion``... left off), and the
+default process group on gloo.
+
+Limits: the mode stack is thread-local, so only the calling thread (the training thread;
+megatron-core runs its Python on one thread) sees the rewrite. There is no ``disable``:
+a process either runs megatron-core on CPU or not.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["enable_cpu_mode", "cpu_mode_active"]
+
+_mode: "_CudaToCpuMode | None" = None
+
+
+def _names_cuda(device: Any) -> bool:
+    if isinstance(device, bool):
+        return False
+    if isinstance(device, int):
+        return True  # a bare ordinal is a CUDA device for every torch factory
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device == "cuda" or device.startswith("cuda:")
+    return False
+
+
+_CPU = torch.device("cpu")
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA device arguments to CPU; see the module docstring (items 2 and 3)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs and _names_cuda(kwargs["device"]):
+            kwargs = {**kwargs, "device": _CPU}
+        if func is torch.Tensor.cuda:
+            return torch.Tensor.to(args[0], _CPU, non_blocking=kwargs.get("non_blocking", False))
+        if func is torch.Tensor.to and len(args) >= 2 and _names_cuda(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            if args[0].device.type == "cpu" and args[0].is_floating_point():
+                return name.replace("torch.", "torch.cuda.", 1)
+            return name
+        return func(*args, **kwargs)
+
+
+def _current_device_cpu() -> int:
+    return 0
+
+
+def _cuda_get_rng_state_cpu(device: Any = "cuda") -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cuda_manual_seed_cpu(seed: int) -> None:
+    torch.manual_seed(seed)
+
+
+def _megatron_set_rng_state_cpu(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+    torch.set_rng_state(new_state)
+
+
+def cpu_mode_active() -> bool:
+    """Whether :func:`enable_cpu_mode` has switched this process to CPU mode."""
+    return _mode is not None
+
+
+def enable_cpu_mode(*, force: bool = False) -> None:
+    """Make megatron-core run on CPU (see the module docstring). Idempotent.
+
+    Refuses with ``RuntimeError`` when CUDA is available, because a GPU run must use
+    megatron-core unchanged; ``force=True`` overrides that (for debugging only: tensors
+    that megatron-core meant for the GPU then live on the CPU).
+    """
+    global _mode
+    if _mode is not None:
+        return
+    if torch.cuda.is_available() and not force:
+        raise RuntimeError(
+            "enable_cpu_mode() refused: CUDA is available, and GPU runs must use megatron-core "
+            "unchanged. Run on the GPU without CPU mode, hide the GPUs "
+            "(CUDA_VISIBLE_DEVICES=''), or pass force=True to debug on the CPU anyway."
+        )
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    torch.cuda.current_device = _current_device_cpu
+    torch.cuda.get_rng_state = torch.cuda.random.get_rng_state = _cuda_get_rng_state_cpu
+    torch.cuda.manual_seed = torch.cuda.random.manual_seed = _cuda_manual_seed_cpu
+    mcore_random._set_cuda_rng_state = _megatron_set_rng_state_cpu
+    mode = _CudaToCpuMode()
+    mode.__enter__()
+    _mode = mode

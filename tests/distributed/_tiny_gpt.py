@@ -1,0 +1,216 @@
+"""A tiny megatron-core GPT trained with DDP + the distributed optimizer, for gloo tests.
+
+Test code only (the trainer builds its own model in ``megatron.sdp4bit.training``).
+Every function runs inside a rank started by ``_spawn.spawn``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megatron.sdp4bit.integration.cpu_mode import enable_cpu_mode
+
+SEQ = 32
+VOCAB = 128
+MICRO_BATCH = 2
+HIDDEN = 64
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One training configuration of the tiny GPT."""
+
+    bf16: bool = True
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    bucket_size: int | None = None  # None = one bucket per buffer
+    num_microbatches: int = 1
+    lr: float = 3e-3
+
+
+def init_parallel(tp: int = 1, pp: int = 1) -> None:
+    """CPU mode (no CUDA here) and megatron's TP/PP/DP groups on the default gloo group."""
+    from megatron.core import parallel_state
+
+    if not torch.cuda.is_available():
+        enable_cpu_mode()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+    )
+
+
+def build(setup: Setup, seed: int = 1):
+    """GPTModel (2 layers, hidden 64) -> [Float16Module] -> DDP, and its distributed optimizer.
+
+    Returns ``(ddp_model, optimizer)``. The same seed gives the same initial weights on
+    every DP rank (megatron relies on that; it does not broadcast them).
+    """
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = torch.bfloat16 if setup.bf16 else torch.float32
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        pipeline_dtype=dtype,
+        params_dtype=torch.float32,
+        bf16=setup.bf16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        batch_p2p_sync=False,  # its torch.cuda.synchronize() guards an old-PyTorch race only
+    )
+    # Seeds the RNG tracker as Megatron-LM does; same init on every DP rank (megatron-core
+    # relies on that and does not broadcast), distinct per PP stage.
+    torch.manual_seed(seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
+    tensor_parallel.model_parallel_cuda_manual_seed(
+        seed + 100 * parallel_state.get_pipeline_model_parallel_rank(), force_reset_rng=True
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+    )
+    if setup.bf16:
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        use_distributed_optimizer=True,
+        overlap_grad_reduce=setup.overlap_grad_reduce,
+        overlap_param_gather=setup.overlap_param_gather,
+        bucket_size=setup.bucket_size,
+    )
+    ddp = DistributedDataParallel(config, ddp_config, model)
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=setup.lr,
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        clip_grad=1.0,
+        bf16=setup.bf16,
+        params_dtype=dtype,
+        use_distributed_optimizer=True,
+    )
+    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    # The schedule calls these, as Megatron-LM's training loop wires them.
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    if setup.overlap_grad_reduce:
+        config.no_sync_func = ddp.no_sync
+    return ddp, optimizer
+
+
+def batch(step: int, micro: int, dp_rank: int) -> dict[str, torch.Tensor]:
+    """Fixed synthetic data: a noisy affine sequence rule the model can learn quickly."""
+    gen = torch.Generator().manual_seed(10_000 * step + 100 * micro + dp_rank)
+    start = torch.randint(0, VOCAB, (MICRO_BATCH, 1), generator=gen)
+    stride = torch.randint(1, 4, (MICRO_BATCH, 1), generator=gen)
+    tokens = (start + stride * torch.arange(SEQ + 1)) % VOCAB
+    return {
+        "tokens": tokens[:, :-1].contiguous(),
+        "labels": tokens[:, 1:].contiguous(),
+        "position_ids": torch.arange(SEQ).expand(MICRO_BATCH, SEQ).contiguous(),
+    }
+
+
+def _loss_func(output_tensor: torch.Tensor):
+    loss = output_tensor.float().mean()
+    # clone: the schedule divides the returned loss in place by the number of microbatches
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def _forward_step(data_iterator, model):
+    data = next(data_iterator)
+    output = model(
+        data["tokens"], data["position_ids"], attention_mask=None, labels=data["labels"]
+    )
+    return output, _loss_func
+
+
+def train_step(ddp, optimizer, setup: Setup, step: int, before_update=None) -> float | None:
+    """One iteration as Megatron-LM runs it; the mean loss on the last PP stage, else None.
+
+    ``before_update()`` runs between backward and the optimizer step: there the parameter
+    all-gather of the previous step has completed even with ``overlap_param_gather`` (the
+    forward pass waited for every bucket).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    data = iter([batch(step, m, dp_rank) for m in range(setup.num_microbatches)])
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=_forward_step,
+        data_iterator=data,
+        model=[ddp],
+        num_microbatches=setup.num_microbatches,
+        seq_length=SEQ,
+        micro_batch_size=MICRO_BATCH,
+        forward_only=False,
+    )
+    if before_update is not None:
+        before_update()
+    ok, _, _ = optimizer.step()
+    assert ok, "optimizer step skipped"
+    if not parallel_state.is_pipeline_last_stage():
+        return None
+    local = torch.stack([x["lm loss"] for x in losses]).mean()
+    dist.all_reduce(local, group=parallel_state.get_data_parallel_group())
+    return local.item() / parallel_state.get_data_parallel_world_size()
+
+
+def param_buffers(ddp) -> list[torch.Tensor]:
+    """The model replica: the flat parameter buffers of the DDP module."""
+    return [buf.param_data for buf in ddp.buffers + ddp.expert_parallel_buffers]
+
+
+def assert_replicas_identical(ddp) -> None:
+    """Every DP rank holds bitwise the same parameter buffers (compared as raw bits)."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_data_parallel_group()
+    world = dist.get_world_size(group)
+    for i, buf in enumerate(param_buffers(ddp)):
+        bits = buf.detach().view(torch.uint8)  # raw bytes: gloo has no int16
+        gathered = [torch.empty_like(bits) for _ in range(world)]
+        dist.all_gather(gathered, bits.contiguous(), group=group)
+        for r, other in enumerate(gathered):
+            if not torch.equal(other, gathered[0]):
+                n = int((other != gathered[0]).sum())
+                raise AssertionError(f"buffer {i}: DP rank {r} differs from rank 0 in {n} elements")
+
+
+def replica_snapshot(ddp) -> list[torch.Tensor]:
+    return [b.detach().clone() for b in param_buffers(ddp)]
+
+
+def finish_param_sync(ddp) -> None:
+    """Complete an all-gather left in flight by ``overlap_param_gather`` (end of training)."""
+    if ddp.ddp_config.overlap_param_gather:
+        ddp.start_param_sync(force_sync=True)
