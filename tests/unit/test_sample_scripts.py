@@ -1,0 +1,250 @@
+"""Every script in sample_scripts/ launches a pretrain_gpt.py command line the real parser accepts.
+
+Each script is checked with ``bash -n``, then run with fake ``torchrun``/``srun``/``scontrol``/
+``sbatch`` first on ``PATH``: the fake ``torchrun`` records its argv, the fake ``srun`` records
+its own and runs the rest of its command line. The recorded ``pretrain_gpt.py`` arguments go
+through ``megatron.sdp4bit.training.arguments.parse_args`` (full validation, no process group)
+and the result is compared with the paper's model cards and methods (shared/PAPER.md).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megatron.sdp4bit.training.arguments import parse_args, sdp4bit_config_from_args
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = REPO / "sample_scripts"
+
+ACCURACY_MODELS = ("125M", "350M", "1.3B", "6.7B")
+METHODS = ("baseline", "quantWeightDiff", "quantGradwithoutHT", "quantGrad", "quantWeightDiff_Grad")
+SPEED_MODELS = ("1.3B", "2.7B", "6.7B", "13B", "18B")
+
+# (layers, hidden, heads, lr, micro batch) from the paper's model cards.
+CARDS = {
+    "125M": (12, 768, 12, 6e-4, 8),
+    "350M": (24, 1024, 16, 3e-4, 8),
+    "1.3B": (24, 2048, 16, 2e-4, 2),
+    "6.7B": (32, 4096, 32, 1.2e-4, 2),
+}
+SPEED_SHAPES = {
+    "1.3B": (24, 2048, 16),
+    "2.7B": (32, 2560, 32),
+    "6.7B": (32, 4096, 32),
+    "13B": (40, 5120, 40),
+    "18B": (40, 6144, 48),
+}
+# (TP, PP) of Table 2 on the A100 (4 GPUs/node) and H800 (8 GPUs/node) clusters.
+SPEED_TP_PP = {
+    "a100": {"1.3B": (1, 1), "2.7B": (1, 1), "6.7B": (4, 1), "13B": (4, 2), "18B": (4, 2)},
+    "h800": {"1.3B": (1, 1), "2.7B": (1, 1), "6.7B": (4, 1), "13B": (8, 1), "18B": (8, 1)},
+}
+
+FAKE_TORCHRUN = """#!/usr/bin/env bash
+printf '%s\\0' "$@" > "$RECORD_DIR/torchrun"
+"""
+# srun OPTIONS... PROGRAM ARGS...: record, then run PROGRAM as SLURM would on one node.
+FAKE_SRUN = """#!/usr/bin/env bash
+printf '%s\\0' "$@" > "$RECORD_DIR/srun"
+while [[ "$1" == -* ]]; do
+    case "$1" in --*=*) shift ;; --kill-on-bad-exit|--exclusive) shift ;; *) shift 2 ;; esac
+done
+exec "$@"
+"""
+FAKE_SCONTROL = """#!/usr/bin/env bash
+[[ "$1 $2" == "show hostnames" ]] || exit 3
+printf 'gpu-node-%s\\n' 07 08 09 10
+"""
+# one line per submission, arguments separated by tabs
+FAKE_SBATCH = """#!/usr/bin/env bash
+(IFS=$'\\t'; echo "$*") >> "$RECORD_DIR/sbatch"
+"""
+
+
+def all_scripts() -> list[Path]:
+    return sorted(p for p in SCRIPTS.rglob("*") if p.suffix in (".sh", ".sbatch"))
+
+
+def accuracy_script(model: str, method: str) -> Path:
+    return SCRIPTS / "accuracy" / model / method / "train.sh"
+
+
+def speed_script(model: str, method: str) -> Path:
+    return SCRIPTS / "speed" / model / f"{method}.sbatch"
+
+
+@pytest.fixture(scope="module")
+def fake_bin(tmp_path_factory) -> Path:
+    bin_dir = tmp_path_factory.mktemp("fake_bin")
+    for name, text in (("torchrun", FAKE_TORCHRUN), ("srun", FAKE_SRUN),
+                       ("scontrol", FAKE_SCONTROL), ("sbatch", FAKE_SBATCH)):
+        path = bin_dir / name
+        path.write_text(text)
+        path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return bin_dir
+
+
+def run_script(script: Path, fake_bin: Path, tmp_path: Path, **env: str) -> dict[str, str]:
+    """Run ``script`` with the fakes; return what each fake that ran recorded."""
+    records = tmp_path / "records"
+    records.mkdir(exist_ok=True)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    for name in ("NNODES", "GPUS_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "CLUSTER", "LAUNCHER",
+                 "SDP4BIT_HOME", "EXTRA_ARGS", "TRAIN_ITERS", "MICRO_BATCH_SIZE", "DATA_PATH",
+                 "WANDB_PROJECT"):
+        base.pop(name, None)
+    base.update(PATH=f"{fake_bin}{os.pathsep}{base['PATH']}", RECORD_DIR=str(records),
+                RUN_ROOT=str(tmp_path / "runs"), **env)
+    result = subprocess.run(["bash", str(script)], env=base, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, f"{script} failed:\n{result.stderr}"
+    return {p.name: p.read_text() for p in records.iterdir()}
+
+
+def argv(record: str) -> list[str]:
+    """The argv a fake recorded as NUL-terminated strings."""
+    assert record.endswith("\0")
+    return record.split("\0")[:-1]
+
+
+def pretrain_argv(record: str) -> tuple[list[str], list[str]]:
+    """Split a recorded torchrun argv into (torchrun options, pretrain_gpt.py arguments)."""
+    torchrun_argv = argv(record)
+    (i,) = [i for i, a in enumerate(torchrun_argv) if a.endswith("pretrain_gpt.py")]
+    assert Path(torchrun_argv[i]) == REPO / "pretrain_gpt.py"
+    return torchrun_argv[:i], torchrun_argv[i + 1:]
+
+
+def option(args: list[str], name: str) -> str:
+    (i,) = [i for i, a in enumerate(args) if a == name]
+    return args[i + 1]
+
+
+def test_every_script_is_valid_bash_and_executable():
+    scripts = all_scripts()
+    # 20 accuracy + 10 speed + the sweep + common.sh
+    assert len(scripts) == len(ACCURACY_MODELS) * len(METHODS) + 2 * len(SPEED_MODELS) + 2
+    for script in scripts:
+        result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert result.returncode == 0, f"{script}: {result.stderr}"
+        if script.name != "common.sh":
+            assert script.stat().st_mode & stat.S_IXUSR, f"{script} is not executable"
+            assert "pretrain_gpt.py" in script.read_text() or script.name == "sweep.sh"
+
+
+def check_method(args, method: str) -> None:
+    cfg = sdp4bit_config_from_args(args)
+    assert args.use_distributed_optimizer
+    weights = method in ("quantWeightDiff", "quantWeightDiff_Grad", "sdp4bit")
+    grads = method in ("quantGradwithoutHT", "quantGrad", "quantWeightDiff_Grad", "sdp4bit")
+    hadamard = method in ("quantGrad", "quantWeightDiff_Grad", "sdp4bit")
+    assert (cfg.quantized_weights, cfg.quantized_gradients, cfg.hadamard_transform) == (
+        weights, grads, hadamard)
+    if weights:
+        assert (cfg.weight_quantization_bits, cfg.wq_group_size, cfg.weight_quantization_mode) == (
+            4, 2048, "diff")
+    if grads:
+        assert (cfg.gradient_quantization_bits_intra, cfg.gq_group_size_intra) == (8, 128)
+        assert (cfg.gradient_quantization_bits_inter, cfg.gq_group_size_inter) == (4, 128)
+        assert cfg.quantization_rounding == "stochastic"
+    # the topology is detected from where the ranks run, never forced by a script
+    assert cfg.dp_ranks_per_node is None
+
+
+@pytest.mark.parametrize("model", ACCURACY_MODELS)
+def test_accuracy_scripts_parse_with_the_model_card(model, fake_bin, tmp_path):
+    layers, hidden, heads, lr, micro = CARDS[model]
+    for method in METHODS:
+        rec = run_script(accuracy_script(model, method), fake_bin, tmp_path,
+                         NNODES="4", GPUS_PER_NODE="4", MASTER_ADDR="node0")
+        assert set(rec) == {"torchrun"}  # no SLURM: one torchrun on this node
+        launcher, cmd = pretrain_argv(rec["torchrun"])
+        assert option(launcher, "--nnodes") == "4"
+        assert option(launcher, "--nproc-per-node") == "4"
+        assert option(launcher, "--rdzv-endpoint") == "node0:29500"
+        args = parse_args(cmd, world_size=16)
+        assert (args.num_layers, args.hidden_size, args.num_attention_heads) == (layers, hidden, heads)
+        assert (args.seq_length, args.max_position_embeddings) == (2048, 2048)
+        assert (args.micro_batch_size, args.global_batch_size, args.train_iters) == (micro, 256, 80000)
+        assert args.num_microbatches == 256 // (micro * 16)
+        assert args.lr == pytest.approx(lr) and args.min_lr == pytest.approx(lr / 10)
+        assert (args.lr_decay_style, args.lr_decay_iters, args.lr_warmup_fraction) == (
+            "cosine", 70000, 0.01)
+        assert (args.adam_beta1, args.adam_beta2, args.adam_eps) == (0.9, 0.95, 1e-8)
+        assert (args.weight_decay, args.clip_grad, args.bf16) == (0.1, 1.0, True)
+        assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (1, 1)
+        assert args.recompute_granularity == "selective"
+        assert args.overlap_grad_reduce == (model in ("1.3B", "6.7B"))
+        assert not args.mock_data and args.tokenizer_type == "GPT2BPETokenizer"
+        assert args.data_path == [str(REPO / "data/pile/pile_text_document")]
+        run_dir = tmp_path / "runs" / "accuracy" / model / method
+        assert args.save == args.load == str(run_dir / "checkpoints")
+        assert args.metrics_jsonl == str(run_dir / "metrics.jsonl")
+        check_method(args, method)
+
+
+@pytest.mark.parametrize("cluster", ["a100", "h800"])
+def test_speed_scripts_under_slurm_use_the_papers_parallelism(cluster, fake_bin, tmp_path):
+    gpus = 4 if cluster == "a100" else 8
+    for model in SPEED_MODELS:
+        for method in ("baseline", "sdp4bit"):
+            # sbatch --nodes 4: SLURM's variables give nodes, GPUs and the rendezvous host
+            rec = run_script(speed_script(model, method), fake_bin, tmp_path, CLUSTER=cluster,
+                             SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="4",
+                             SLURM_GPUS_ON_NODE=str(gpus), SLURM_JOB_NODELIST="gpu-node-[07-10]")
+            assert option(argv(rec["srun"]), "--nodes") == "4"
+            assert option(argv(rec["srun"]), "--ntasks-per-node") == "1"
+            launcher, cmd = pretrain_argv(rec["torchrun"])
+            assert option(launcher, "--nproc-per-node") == str(gpus)
+            assert option(launcher, "--rdzv-endpoint") == "gpu-node-07:29500"
+            assert option(launcher, "--rdzv-id") == "4242"
+            args = parse_args(cmd, world_size=4 * gpus)
+            tp, pp = SPEED_TP_PP[cluster][model]
+            assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (tp, pp)
+            assert (args.num_layers, args.hidden_size, args.num_attention_heads) == SPEED_SHAPES[model]
+            assert args.mock_data and args.micro_batch_size == 1 and args.num_microbatches == 1
+            assert args.global_batch_size == 4 * gpus // (tp * pp)
+            assert args.train_iters == 30 and args.log_interval == 1
+            check_method(args, method)
+            pipeline = 8 if method == "sdp4bit" and model in ("1.3B", "2.7B", "6.7B") else 1
+            assert args.gradient_alltoall_pipeline == pipeline
+
+
+def test_environment_overrides_reach_the_command_line(fake_bin, tmp_path):
+    rec = run_script(accuracy_script("125M", "quantGrad"), fake_bin, tmp_path,
+                     NNODES="2", GPUS_PER_NODE="2", TRAIN_ITERS="50", MICRO_BATCH_SIZE="4",
+                     DATA_PATH="0.3 /d/pile_a 0.7 /d/pile_b", WANDB_PROJECT="sdp4bit",
+                     EXTRA_ARGS="--exit-interval 20 --quantization-rounding nearest")
+    _, cmd = pretrain_argv(rec["torchrun"])
+    args = parse_args(cmd, world_size=4)
+    assert (args.train_iters, args.micro_batch_size, args.exit_interval) == (50, 4, 20)
+    assert args.data_path == ["0.3", "/d/pile_a", "0.7", "/d/pile_b"]
+    assert args.wandb_project == "sdp4bit" and args.wandb_exp_name == "accuracy-125M-quantGrad"
+    assert sdp4bit_config_from_args(args).quantization_rounding == "nearest"
+
+
+def test_speed_script_refuses_a_world_size_the_model_parallelism_does_not_divide(fake_bin, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(PATH=f"{fake_bin}{os.pathsep}{env['PATH']}", RECORD_DIR=str(tmp_path),
+               NNODES="1", GPUS_PER_NODE="6", CLUSTER="a100", RUN_ROOT=str(tmp_path))
+    result = subprocess.run(["bash", str(speed_script("13B", "sdp4bit"))], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "13B needs TP x PP = 8 to divide 6 GPUs" in result.stderr
+    assert not (tmp_path / "torchrun").exists()
+
+
+def test_sweep_submits_every_speed_script_per_node_count(fake_bin, tmp_path):
+    rec = run_script(SCRIPTS / "speed" / "sweep.sh", fake_bin, tmp_path,
+                     NODE_COUNTS="4 16", SBATCH_ARGS="--partition gpu")
+    jobs = [line.split("\t") for line in rec["sbatch"].splitlines()]
+    submitted = sorted((j[1], j[-1]) for j in jobs)
+    expected = sorted((n, f"sample_scripts/speed/{m}/{k}.sbatch")
+                      for n in ("4", "16") for m in SPEED_MODELS for k in ("baseline", "sdp4bit"))
+    assert submitted == expected
+    assert all(j[0] == "--nodes" and j[2:4] == ["--partition", "gpu"] for j in jobs)
