@@ -24,6 +24,12 @@ def _require_file(flag: str, path: str | None) -> str:
     return path
 
 
+def _identity(tok: object, **fields: object) -> dict[str, object]:
+    # megatron-core hashes ``tokenizer.unique_identifiers`` into the names of its cached
+    # dataset index files: a different tokenizer must give a different cache.
+    return {"class": type(tok).__name__, **fields}
+
+
 class GPT2BPETokenizer:
     """GPT-2 byte-level BPE from ``vocab.json`` + ``merges.txt``; end of document ``<|endoftext|>``."""
 
@@ -45,6 +51,8 @@ class GPT2BPETokenizer:
         if eod is None:
             raise ValueError(f"--vocab-file {vocab_file} has no {GPT2_EOD} token")
         self._eod = eod
+        self.unique_identifiers = _identity(self, vocab_file=os.path.abspath(vocab_file),
+                                            merge_file=os.path.abspath(merge_file))
 
     @property
     def vocab_size(self) -> int:
@@ -73,6 +81,7 @@ class SentencePieceTokenizer:
         if eos < 0:
             raise ValueError(f"--tokenizer-model {model_file} defines no eos piece to end documents")
         self._eod = eos
+        self.unique_identifiers = _identity(self, tokenizer_model=os.path.abspath(model_file))
 
     @property
     def vocab_size(self) -> int:
@@ -96,6 +105,7 @@ class NullTokenizer:
         if vocab_size < 1:
             raise ValueError(f"--vocab-size={vocab_size} must be >= 1")
         self._n = vocab_size
+        self.unique_identifiers = _identity(self, vocab_size=vocab_size)
 
     @property
     def vocab_size(self) -> int:

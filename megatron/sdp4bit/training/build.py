@@ -1,0 +1,129 @@
+"""Process setup and the objects a run needs: distributed init, seeds, model, optimizer,
+schedule, datasets, checkpoint restore."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+import socket
+from datetime import timedelta
+
+import numpy
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megatron.sdp4bit.training import checkpointing
+from megatron.sdp4bit.training.data import build_datasets
+from megatron.sdp4bit.training.loop import TrainState
+from megatron.sdp4bit.training.model import (
+    build_model,
+    build_optimizer,
+    transformer_config_from_args,
+    wrap_ddp,
+)
+from megatron.sdp4bit.training.tokenizers import build_tokenizer, padded_vocab_size
+
+
+def init_distributed(args: argparse.Namespace) -> None:
+    """torchrun's environment -> process group + megatron-core's parallel state.
+
+    NCCL on CUDA; without CUDA, megatron-core is switched to CPU mode and gloo is used.
+    A plain ``python pretrain_gpt.py`` (no torchrun) runs as a world of one.
+    """
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl"
+    else:
+        from megatron.sdp4bit.integration.cpu_mode import enable_cpu_mode
+
+        enable_cpu_mode()
+        backend = "gloo"
+        # In CPU mode megatron-core's "CUDA" RNG is the CPU generator, so its tracker warns on
+        # every dropout that the CPU state moved; that is expected here, not a problem.
+        logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
+    dist.init_process_group(backend, timeout=timedelta(minutes=10))
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+    seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    numpy.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def detect_dp_ranks_per_node() -> int:
+    """N = DP ranks sharing this rank's node. A node is a (host, torchrun node rank) pair, so
+    several ``torchrun --nnodes`` launches on one machine count as separate nodes."""
+    group = parallel_state.get_data_parallel_group()
+    key = f"{socket.gethostname()}/{os.environ.get('GROUP_RANK', '0')}"
+    keys: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(keys, key, group=group)
+    counts = {k: keys.count(k) for k in keys}
+    if len(set(counts.values())) != 1:
+        raise ValueError(f"data-parallel ranks are spread unevenly over nodes {counts}: "
+                         "pass --dp-ranks-per-node N")
+    return counts[key]
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _scheduler(args: argparse.Namespace, optimizer) -> OptimizerParamScheduler:
+    # Megatron-LM counts schedule steps in samples.
+    gbs = args.global_batch_size
+    decay = args.lr_decay_iters * gbs
+    warmup = (int(args.lr_warmup_fraction * decay) if args.lr_warmup_fraction is not None
+              else args.lr_warmup_iters * gbs)
+    return OptimizerParamScheduler(
+        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=warmup, lr_decay_steps=decay, lr_decay_style=args.lr_decay_style,
+        start_wd=args.start_weight_decay, end_wd=args.end_weight_decay,
+        wd_incr_steps=args.train_iters * gbs, wd_incr_style=args.weight_decay_incr_style)
+
+
+def build_state(args: argparse.Namespace) -> tuple[TrainState, object]:
+    """Model, optimizer, schedule and data; returns (state, transformer config)."""
+    tokenizer = build_tokenizer(args)
+    vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+                              args.tensor_model_parallel_size)
+    config = transformer_config_from_args(args)
+    model = [wrap_ddp(args, config, build_model(args, config, vocab))]
+    # Megatron-LM's hooks: finalize (DP grad sync, embedding tying) and gradient-sync control.
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = model[0].no_sync
+    if args.overlap_grad_reduce:
+        config.grad_sync_func = model[0].start_grad_sync
+    if args.overlap_param_gather:
+        config.param_sync_func = model[0].start_param_sync
+    optimizer = build_optimizer(args, model)
+    scheduler = _scheduler(args, optimizer)
+    datasets = build_datasets(args, tokenizer)
+    state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler,
+                       datasets=datasets, vocab_size=vocab)
+    return state, config
+
+
+def restore(args: argparse.Namespace, state: TrainState) -> None:
+    """``--load``: continue from the latest checkpoint there (a fresh start if it has none)."""
+    if not args.load:
+        return
+    iteration, consumed = checkpointing.load_checkpoint(
+        args.load, state.model, state.optimizer, state.scheduler,
+        load_optim=not args.no_load_optim, load_rng=not args.no_load_rng)
+    state.iteration, state.consumed_samples = iteration, consumed
+    if dist.get_rank() == 0:
+        print(f"loaded checkpoint from {args.load} at iteration {iteration}"
+              if iteration else f"no checkpoint in {args.load}: starting from scratch", flush=True)

@@ -1,0 +1,61 @@
+"""Per-iteration communication bytes for the log line.
+
+With SDP4Bit installed, the integration's ``CommStats`` counts what the quantized
+collectives really sent and what the unquantized ones would have. Without it (the baseline
+run), megatron-core's own collectives run; their bytes follow from the bucket sizes, by the
+same accounting rule as ``megatron.sdp4bit.comm.stats`` (bytes leaving this rank; the
+reduce-scatter split into the hops of the two-level schedule), so both runs' fields compare.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.sdp4bit.comm.stats import CommStats
+
+FIELDS = {
+    "comm_bytes_params": "param_bytes",
+    "baseline_comm_bytes_params": "param_bytes_baseline",
+    "comm_bytes_grads_intra": "grad_intra_bytes",
+    "baseline_comm_bytes_grads_intra": "grad_intra_bytes_baseline",
+    "comm_bytes_grads_inter": "grad_inter_bytes",
+    "baseline_comm_bytes_grads_inter": "grad_inter_bytes_baseline",
+}
+
+
+def _buckets(model_chunks):
+    for chunk in model_chunks:
+        for buffer in list(chunk.buffers) + list(getattr(chunk, "expert_parallel_buffers", [])):
+            for bucket in buffer.buckets:
+                yield buffer, bucket
+
+
+def add_unquantized_iteration(stats: CommStats, model_chunks, *, dp_size: int,
+                              ranks_per_node: int, distributed_optimizer: bool) -> None:
+    """Add one iteration of megatron-core's unquantized collectives to ``stats`` (as both the
+    sent bytes and the baseline)."""
+    n, m = ranks_per_node, dp_size // ranks_per_node
+    for buffer, bucket in _buckets(model_chunks):
+        shard = bucket.grad_data.numel() // dp_size
+        grad_elem = bucket.grad_data.element_size()
+        # A reduce-scatter sends (W-1) shards; an all-reduce (ring) twice that.
+        factor = 1 if distributed_optimizer else 2
+        intra = factor * (n - 1) * m * shard * grad_elem
+        inter = factor * (m - 1) * shard * grad_elem
+        stats.grad_intra_bytes += intra
+        stats.grad_intra_bytes_baseline += intra
+        stats.grad_inter_bytes += inter
+        stats.grad_inter_bytes_baseline += inter
+        if distributed_optimizer:
+            param_elem = torch.empty((), dtype=buffer.param_dtype).element_size()
+            sent = (dp_size - 1) * shard * param_elem
+            stats.param_bytes += sent
+            stats.param_bytes_baseline += sent
+
+
+def snapshot_fields(stats: CommStats, iterations: int) -> dict[str, int]:
+    """The log-line fields, averaged per iteration over ``iterations``; resets ``stats``."""
+    snap = stats.snapshot()
+    stats.reset()
+    it = max(iterations, 1)
+    return {key: snap[attr] // it for key, attr in FIELDS.items()}

@@ -1,0 +1,102 @@
+"""Train/valid/test datasets (megatron-core's GPTDataset or MockGPTDataset) and iterators.
+
+Sizes follow Megatron-LM: train = ``train_iters x global batch`` samples, valid =
+``(train_iters // eval_interval + 1) x eval_iters x global batch``, test =
+``eval_iters x global batch``. The sampler hands every DP rank its slice of each global
+batch in order, starting at ``consumed_samples``, so a resumed run reads exactly the
+samples the uninterrupted run would have read.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.utils import get_blend_from_list
+
+
+def dataset_config(args: argparse.Namespace, tokenizer) -> GPTDatasetConfig:
+    return GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=None if args.mock_data else get_blend_from_list(args.data_path),
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        tokenizer=tokenizer,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        # Causal masking happens inside attention; no dense mask tensor per sample.
+        create_attention_mask=False,
+    )
+
+
+def dataset_sizes(args: argparse.Namespace) -> list[int]:
+    gbs = args.global_batch_size
+    evals = args.train_iters // args.eval_interval + 1
+    return [args.train_iters * gbs, evals * args.eval_iters * gbs, args.eval_iters * gbs]
+
+
+def build_datasets(args: argparse.Namespace, tokenizer) -> list:
+    """[train, valid, test]; rank 0 builds (and caches index files) before the others."""
+    cls = MockGPTDataset if args.mock_data else GPTDataset
+    config = dataset_config(args, tokenizer)
+    sizes = dataset_sizes(args)
+
+    def build() -> list:
+        return BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    datasets = build() if rank == 0 else None
+    if dist.is_initialized():
+        dist.barrier()
+    if datasets is None:
+        datasets = build()
+    return datasets
+
+
+def sample_indices(consumed: int, total: int, micro_batch_size: int, dp_rank: int,
+                   dp_size: int) -> Iterator[list[int]]:
+    """This rank's micro-batches of dataset indices, in order, from ``consumed`` on.
+
+    Samples are dealt out in steps of ``micro_batch_size x dp_size``: DP rank r takes
+    the r-th block of ``micro_batch_size`` consecutive indices of every step.
+    """
+    step = micro_batch_size * dp_size
+    if consumed % step:
+        raise ValueError(f"consumed samples {consumed} is not a multiple of micro batch x "
+                         f"data-parallel size = {step}: the checkpoint came from another layout")
+    for start in range(consumed, total - step + 1, step):
+        lo = start + dp_rank * micro_batch_size
+        yield list(range(lo, lo + micro_batch_size))
+
+
+def _collate(samples: list[dict]) -> dict[str, torch.Tensor]:
+    return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in samples[0]
+            if samples[0][k] is not None}
+
+
+def batch_iterator(dataset, consumed: int, args: argparse.Namespace,
+                   cycle: bool = False) -> Iterator[dict[str, torch.Tensor]] | None:
+    """Micro-batches for this DP rank from ``consumed`` on; ``cycle`` restarts at 0 when the
+    dataset runs out (for validation, which Megatron-LM also cycles)."""
+    if dataset is None or len(dataset) == 0:
+        return None
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+
+    def gen() -> Iterator[dict[str, torch.Tensor]]:
+        start = consumed
+        while True:
+            for idx in sample_indices(start, len(dataset), args.micro_batch_size, dp_rank, dp_size):
+                yield _collate([dataset[i] for i in idx])
+            if not cycle:
+                return
+            start = 0
+
+    return gen()

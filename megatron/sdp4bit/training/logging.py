@@ -1,0 +1,136 @@
+"""Megatron-LM's progress lines, the ``--metrics-jsonl`` file, TensorBoard and W&B.
+
+Training line (Megatron-LM's fields and order, then this rank's communication)::
+
+    [2025-01-01 12:00:00] iteration       10/     100 | consumed samples:          80 |
+    elapsed time per iteration (ms): 52.1 | throughput per GPU (TFLOP/s/GPU): 0.0 |
+    learning rate: 9.000000E-04 | global batch size:     8 | lm loss: 5.170436E+00 |
+    loss scale: 1.0 | grad norm: 1.234 | number of skipped iterations:   0 |
+    number of nan iterations:   0 | params all-gather bytes: 1024 (baseline 4096) |
+    grads intra bytes: 2112 (baseline 8192) | grads inter bytes: 1088 (baseline 8192) |
+
+(one line; wrapped here). Byte counts are per iteration, averaged over the logging interval,
+sent by this rank. :func:`parse_log_line` reads a line back (tests, tools).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from typing import Any
+
+COMM_KEYS = ("comm_bytes_params", "comm_bytes_grads_intra", "comm_bytes_grads_inter")
+
+
+def format_train_line(m: dict[str, Any]) -> str:
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    return (
+        f" [{stamp}] iteration {m['iteration']:8d}/{m['train_iters']:8d} |"
+        f" consumed samples: {m['consumed_samples']:12d} |"
+        f" elapsed time per iteration (ms): {m['elapsed_ms']:.1f} |"
+        f" throughput per GPU (TFLOP/s/GPU): {m['tflops_per_gpu']:.1f} |"
+        f" learning rate: {m['learning_rate']:.6E} |"
+        f" global batch size: {m['global_batch_size']:5d} |"
+        f" lm loss: {m['lm_loss']:.6E} |"
+        f" loss scale: {m['loss_scale']:.1f} |"
+        f" grad norm: {m['grad_norm']:.3f} |"
+        f" number of skipped iterations: {m['skipped_iterations']:3d} |"
+        f" number of nan iterations: {m['nan_iterations']:3d} |"
+        f" params all-gather bytes: {m['comm_bytes_params']} (baseline {m['baseline_comm_bytes_params']}) |"
+        f" grads intra bytes: {m['comm_bytes_grads_intra']} (baseline {m['baseline_comm_bytes_grads_intra']}) |"
+        f" grads inter bytes: {m['comm_bytes_grads_inter']} (baseline {m['baseline_comm_bytes_grads_inter']}) |"
+    )
+
+
+_LINE = re.compile(
+    r"iteration\s+(?P<iteration>\d+)/\s*(?P<train_iters>\d+) \|"
+    r" consumed samples:\s+(?P<consumed_samples>\d+) \|"
+    r" elapsed time per iteration \(ms\): (?P<elapsed_ms>[\d.]+) \|"
+    r" throughput per GPU \(TFLOP/s/GPU\): (?P<tflops_per_gpu>[\d.]+) \|"
+    r" learning rate: (?P<learning_rate>\S+) \|"
+    r" global batch size:\s+(?P<global_batch_size>\d+) \|"
+    r" lm loss: (?P<lm_loss>\S+) \|"
+    r" loss scale: (?P<loss_scale>\S+) \|"
+    r" grad norm: (?P<grad_norm>\S+) \|"
+    r" number of skipped iterations:\s+(?P<skipped_iterations>\d+) \|"
+    r" number of nan iterations:\s+(?P<nan_iterations>\d+) \|"
+    r" params all-gather bytes: (?P<comm_bytes_params>\d+) \(baseline (?P<baseline_comm_bytes_params>\d+)\) \|"
+    r" grads intra bytes: (?P<comm_bytes_grads_intra>\d+) \(baseline (?P<baseline_comm_bytes_grads_intra>\d+)\) \|"
+    r" grads inter bytes: (?P<comm_bytes_grads_inter>\d+) \(baseline (?P<baseline_comm_bytes_grads_inter>\d+)\) \|"
+)
+
+
+def parse_log_line(line: str) -> dict[str, float] | None:
+    """The fields of a training line as numbers, or ``None`` if ``line`` is not one."""
+    match = _LINE.search(line)
+    if match is None:
+        return None
+    return {k: (int(v) if v.isdigit() else float(v)) for k, v in match.groupdict().items()}
+
+
+def format_eval_lines(iteration: int, loss: float, label: str = "validation") -> str:
+    ppl = math.exp(min(20.0, loss))
+    body = (f" {label} loss at iteration {iteration} | lm loss value: {loss:.6E} |"
+            f" lm loss PPL: {ppl:.6E} |")
+    bar = "-" * (len(body) + 1)
+    return f"{bar}\n{body}\n{bar}"
+
+
+class MetricsWriter:
+    """Fans metrics out to the JSON-lines file, TensorBoard and W&B (each optional)."""
+
+    def __init__(self, args) -> None:
+        self._jsonl = open(args.metrics_jsonl, "a", encoding="utf-8") if args.metrics_jsonl else None
+        self._tb = None
+        self._tb_interval = args.tensorboard_log_interval
+        self._tb_ppl = args.log_validation_ppl_to_tensorboard
+        if args.tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as err:
+                raise ImportError("--tensorboard-dir needs the tensorboard package: "
+                                  "pip install tensorboard") from err
+            self._tb = SummaryWriter(log_dir=args.tensorboard_dir)
+        self._wandb = None
+        if args.wandb_project:
+            try:
+                import wandb
+            except ImportError as err:
+                raise ImportError("--wandb-project needs the wandb package: pip install wandb"
+                                  ) from err
+            self._wandb = wandb.init(project=args.wandb_project, name=args.wandb_exp_name or None,
+                                     dir=args.wandb_save_dir or None, config=vars(args))
+
+    def train(self, m: dict[str, Any]) -> None:
+        self._write(m)
+        step = m["iteration"]
+        if self._tb is not None and step % self._tb_interval == 0:
+            for key in ("lm_loss", "learning_rate", "grad_norm", "loss_scale", "elapsed_ms",
+                        "tflops_per_gpu", *COMM_KEYS, *("baseline_" + k for k in COMM_KEYS)):
+                self._tb.add_scalar(key.replace("_", " ") if key == "lm_loss" else key, m[key], step)
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in m.items() if isinstance(v, (int, float))}, step=step)
+
+    def evaluation(self, iteration: int, loss: float) -> None:
+        self._write({"iteration": iteration, "val_lm_loss": loss, "val_lm_ppl": math.exp(min(20.0, loss))})
+        if self._tb is not None:
+            self._tb.add_scalar("lm loss validation", loss, iteration)
+            if self._tb_ppl:
+                self._tb.add_scalar("lm loss validation ppl", math.exp(min(20.0, loss)), iteration)
+        if self._wandb is not None:
+            self._wandb.log({"val_lm_loss": loss}, step=iteration)
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()

@@ -1,0 +1,200 @@
+"""The training loop: micro-batches through megatron-core's pipeline schedule, optimizer
+step, LR schedule, evaluation, logging, checkpoints and ``--exit-interval``."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron.sdp4bit.comm.stats import CommStats
+from megatron.sdp4bit.training import checkpointing
+from megatron.sdp4bit.training.comm_counters import add_unquantized_iteration, snapshot_fields
+from megatron.sdp4bit.training.data import batch_iterator
+from megatron.sdp4bit.training.logging import MetricsWriter, format_eval_lines, format_train_line
+
+
+@dataclass
+class TrainState:
+    """Everything the loop works on; built by :mod:`megatron.sdp4bit.training.setup`."""
+
+    model: list  # megatron-core DistributedDataParallel chunks
+    optimizer: Any
+    scheduler: Any
+    datasets: list  # [train, valid, test]
+    vocab_size: int
+    iteration: int = 0
+    consumed_samples: int = 0
+    comm_stats: CommStats = field(default_factory=CommStats)
+    quantized: bool = False  # True when SDP4Bit's collectives count the bytes themselves
+    ranks_per_node: int = 1
+    first_loss: float | None = None
+    last_loss: float | None = None
+    last_val_loss: float | None = None
+
+
+def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
+    losses = output.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    tokens = batch["tokens"].to(device, non_blocking=True)
+    labels = batch["labels"].to(device, non_blocking=True)
+    loss_mask = batch["loss_mask"].to(device, non_blocking=True)
+    position_ids = batch["position_ids"].to(device, non_blocking=True)
+    output = model(tokens, position_ids, None, labels=labels)
+    return output, partial(_loss_func, loss_mask)
+
+
+def _mean_loss(losses: list[dict], group) -> float:
+    """Mean of the micro-batch losses over the DP group; NaN-preserving."""
+    if losses:
+        value = torch.stack([d["lm loss"].float() for d in losses]).mean().reshape(1).cpu()
+    else:  # not the last pipeline stage: contributes nothing
+        value = torch.zeros(1)
+    dist.all_reduce(value, group=group)
+    return value.item() / dist.get_world_size(group)
+
+
+def _flops_per_iteration(args: argparse.Namespace, vocab: int) -> float:
+    """Model FLOPs of one training iteration (forward + backward = 3 x forward matmuls)."""
+    h, s, L, f = args.hidden_size, args.seq_length, args.num_layers, args.ffn_hidden_size
+    mlp = (3 if args.swiglu else 2) * h * f
+    per_token = L * (2 * (4 * h * h + mlp) + 4 * s * h) + 2 * h * vocab
+    return 3.0 * per_token * args.global_batch_size * s
+
+
+def train_step(args, state: TrainState, data_iterator) -> tuple[float, float, bool]:
+    for chunk in state.model:
+        chunk.zero_grad_buffer()
+    state.optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=_forward_step, data_iterator=data_iterator, model=state.model,
+        num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, forward_only=False)
+    ok, grad_norm, _ = state.optimizer.step()
+    if ok:
+        state.scheduler.step(increment=args.global_batch_size)
+    dp_group = parallel_state.get_data_parallel_group()
+    return _mean_loss(losses, dp_group), (grad_norm if grad_norm is not None else 0.0), ok
+
+
+@torch.no_grad()
+def evaluate(args, state: TrainState, iterator) -> float | None:
+    if iterator is None or args.eval_iters == 0:
+        return None
+    for chunk in state.model:
+        chunk.eval()
+    losses: list[dict] = []
+    for _ in range(args.eval_iters):
+        losses += get_forward_backward_func()(
+            forward_step_func=_forward_step, data_iterator=iterator, model=state.model,
+            num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size, forward_only=True)
+    for chunk in state.model:
+        chunk.train()
+    return _mean_loss(losses, parallel_state.get_data_parallel_group())
+
+
+def _is_logging_rank() -> bool:
+    # Megatron-LM prints from the last rank: it holds the loss with pipeline parallelism.
+    return dist.get_rank() == dist.get_world_size() - 1
+
+
+def _save(args, state: TrainState) -> None:
+    checkpointing.save_checkpoint(args.save, state.iteration, state.consumed_samples,
+                                  state.model, state.optimizer, state.scheduler)
+    if _is_logging_rank():
+        print(f"saved checkpoint at iteration {state.iteration:7d} to {args.save}", flush=True)
+
+
+def train(args: argparse.Namespace, state: TrainState, on_iteration=None) -> TrainState:
+    """Run from ``state.iteration`` to ``--train-iters`` (or ``--exit-interval``).
+
+    ``on_iteration(iteration)`` runs before each step (SDP4Bit uses it to start gradient
+    quantization at ``--gradients-quantization-start-iteration``).
+    """
+    metrics = MetricsWriter(args) if _is_logging_rank() else None
+    gbs = args.global_batch_size
+    train_iter = batch_iterator(state.datasets[0], state.consumed_samples, args)
+    evals_done = state.iteration // args.eval_interval
+    valid_iter = batch_iterator(state.datasets[1], evals_done * args.eval_iters * gbs, args,
+                                cycle=True)
+    flops = _flops_per_iteration(args, state.vocab_size)
+    skipped = nan_iters = 0
+    start_iteration = state.iteration
+    window_loss, window_iters, window_start = 0.0, 0, time.time()
+    try:
+        while state.iteration < args.train_iters:
+            if on_iteration is not None:
+                on_iteration(state.iteration)
+            loss, grad_norm, ok = train_step(args, state, train_iter)
+            state.iteration += 1
+            state.consumed_samples += gbs
+            if not state.quantized:
+                add_unquantized_iteration(state.comm_stats, state.model,
+                                          dp_size=args.data_parallel_size,
+                                          ranks_per_node=state.ranks_per_node,
+                                          distributed_optimizer=args.use_distributed_optimizer)
+            skipped += 0 if ok else 1
+            nan_iters += 0 if loss == loss else 1
+            if state.first_loss is None:
+                state.first_loss = loss
+            state.last_loss = loss
+            window_loss += loss
+            window_iters += 1
+            if state.iteration % args.log_interval == 0:
+                elapsed = (time.time() - window_start) / window_iters
+                comm = snapshot_fields(state.comm_stats, window_iters)
+                record = {
+                    "iteration": state.iteration, "train_iters": args.train_iters,
+                    "consumed_samples": state.consumed_samples, "elapsed_ms": elapsed * 1e3,
+                    "tflops_per_gpu": flops / (elapsed * args.world_size * 1e12),
+                    "learning_rate": state.optimizer.param_groups[0]["lr"],
+                    "global_batch_size": gbs, "lm_loss": window_loss / window_iters,
+                    "loss_scale": state.optimizer.get_loss_scale().item(),
+                    "grad_norm": float(grad_norm), "skipped_iterations": skipped,
+                    "nan_iterations": nan_iters, **comm,
+                }
+                if metrics is not None:
+                    print(format_train_line(record), flush=True)
+                    metrics.train(record)
+                skipped = nan_iters = 0
+                window_loss, window_iters, window_start = 0.0, 0, time.time()
+            if args.eval_interval and state.iteration % args.eval_interval == 0:
+                val = evaluate(args, state, valid_iter)
+                if val is not None:
+                    state.last_val_loss = val
+                    if metrics is not None:
+                        print(format_eval_lines(state.iteration, val), flush=True)
+                        metrics.evaluation(state.iteration, val)
+                window_start = time.time()  # evaluation time is not iteration time
+            saved = False
+            if args.save and args.save_interval and state.iteration % args.save_interval == 0:
+                _save(args, state)
+                saved = True
+            if args.exit_interval and state.iteration % args.exit_interval == 0:
+                if args.save and not saved:
+                    _save(args, state)
+                if metrics is not None:
+                    print(f"exiting program at iteration {state.iteration}", flush=True)
+                return state
+        if (args.save and state.iteration > start_iteration
+                and not (args.save_interval and state.iteration % args.save_interval == 0)):
+            _save(args, state)
+    finally:
+        if metrics is not None:
+            metrics.close()
+    return state

@@ -1,0 +1,154 @@
+"""Model, DDP wrapper and optimizer from the command line: megatron-core's own classes.
+
+``GPTModel`` with the local layer spec (Transformer Engine's when it is importable and CUDA
+is present), wrapped in ``Float16Module`` for bf16/fp16, then in megatron-core's
+``DistributedDataParallel``; the optimizer comes from ``get_megatron_optimizer`` (the
+distributed optimizer with ``--use-distributed-optimizer``).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _use_transformer_engine(impl: str) -> bool:
+    if impl == "local":
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        if impl == "transformer_engine":
+            raise ImportError("--transformer-impl transformer_engine: the transformer_engine "
+                              "package is not installed; pip install transformer-engine or use "
+                              "--transformer-impl local") from None
+        return False
+    if not torch.cuda.is_available():
+        if impl == "transformer_engine":
+            raise NotImplementedError("--transformer-impl transformer_engine needs CUDA")
+        return False
+    return True
+
+
+def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
+    cuda = torch.cuda.is_available()
+    kwargs = dict(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        kv_channels=args.kv_channels,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        layernorm_epsilon=args.norm_epsilon,
+        normalization=args.normalization,
+        add_bias_linear=args.add_bias_linear,
+        gated_linear_unit=args.swiglu,
+        init_method_std=args.init_method_std,
+        fp16=args.fp16,
+        bf16=args.bf16,
+        params_dtype=_DTYPES[args.params_dtype],
+        pipeline_dtype=_DTYPES[args.params_dtype],
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        # CPU mode builds weights on the host; fused CUDA kernels do not exist there.
+        use_cpu_initialization=not cuda,
+        masked_softmax_fusion=cuda,
+        bias_activation_fusion=cuda and not args.swiglu,
+        bias_dropout_fusion=cuda,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+    )
+    if args.swiglu:
+        kwargs["activation_func"] = F.silu
+    return TransformerConfig(**kwargs)
+
+
+def build_model(args: argparse.Namespace, config: TransformerConfig, vocab_size: int) -> GPTModel:
+    """One GPTModel chunk for this pipeline stage (no virtual pipeline)."""
+    if _use_transformer_engine(args.transformer_impl):
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        spec = get_gpt_layer_with_transformer_engine_spec()
+    else:
+        spec = get_gpt_layer_local_spec(normalization=args.normalization)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+def wrap_ddp(args: argparse.Namespace, config: TransformerConfig, model: torch.nn.Module,
+             ) -> DistributedDataParallel:
+    if args.fp16 or args.bf16:
+        model = Float16Module(config, model)
+    ddp_kwargs = dict(
+        # Megatron-LM forces fp32 gradient reduction with bf16; SDP4Bit accumulates in fp32
+        # in every case, so the buffers are fp32 for all precisions.
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        check_for_nan_in_grad=True,
+    )
+    if args.ddp_bucket_size is not None:
+        ddp_kwargs["bucket_size"] = args.ddp_bucket_size
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(**ddp_kwargs), model)
+    ddp.broadcast_params()  # every DP replica starts from DP rank 0's initialization
+    return ddp
+
+
+def build_optimizer(args: argparse.Namespace, model_chunks: list[DistributedDataParallel],
+                    ) -> MegatronOptimizer:
+    config = OptimizerConfig(
+        optimizer=args.optimizer,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum,
+        fp16=args.fp16,
+        bf16=args.bf16,
+        params_dtype=_DTYPES[args.params_dtype],
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        overlap_param_gather=args.overlap_param_gather,
+        clip_grad=args.clip_grad,
+    )
+    return get_megatron_optimizer(config, model_chunks)

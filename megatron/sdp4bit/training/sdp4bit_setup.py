@@ -1,0 +1,44 @@
+"""Installing SDP4Bit into the built model/optimizer, and the end-of-run summary."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from megatron.sdp4bit.config import SDP4BitConfig
+from megatron.sdp4bit.training.loop import TrainState
+
+
+def install(config: SDP4BitConfig, state: TrainState, transformer_config) -> object | None:
+    """Install the quantized collectives when a quantization flag is on; ``None`` otherwise
+    (the run then uses megatron-core's collectives unchanged)."""
+    if not config.enabled:
+        return None
+    try:
+        from megatron.sdp4bit.integration import install_sdp4bit
+    except ImportError as err:
+        raise NotImplementedError(
+            "this checkout has no megatron.sdp4bit.integration.install_sdp4bit; "
+            "--quantized-weights/--quantized-gradients cannot run") from err
+    handle = install_sdp4bit(state.model, state.optimizer, config)
+    state.comm_stats = handle.stats
+    state.quantized = True
+    return handle
+
+
+def iteration_hook(handle) -> Callable[[int], None] | None:
+    """Tell the integration which iteration starts (stochastic-rounding streams and
+    ``--gradients-quantization-start-iteration`` depend on it)."""
+    if handle is None:
+        return None
+    return handle.set_iteration
+
+
+def print_summary(args: argparse.Namespace, state: TrainState) -> None:
+    if dist.get_rank() != dist.get_world_size() - 1 or state.first_loss is None:
+        return
+    val = f", validation loss {state.last_val_loss:.4f}" if state.last_val_loss is not None else ""
+    print(f"training done at iteration {state.iteration}: lm loss {state.first_loss:.4f} -> "
+          f"{state.last_loss:.4f}{val}", flush=True)
