@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron.sdp4bit.quantization import format as fmt
 from megatron.sdp4bit.quantization.hadamard import check_hadamard_block, hadamard_matrix
 
 # Elements per program: enough work per program to hide memory latency on a GPU, small enough
@@ -189,13 +190,18 @@ def check_stream(stochastic: bool, numel: int) -> None:
         raise ValueError(f"random-stream indices [0, {numel}) exceed 2**32")
 
 
-def check_wire(wire: torch.Tensor, name: str) -> None:
-    """The kernels store fp32 scales through the uint8 pointer: it must be 4-byte aligned."""
-    if not wire.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
+def check_wire(wire: torch.Tensor, name: str, count: int, numel: int, bits: int,
+               group_size: int) -> None:
+    """``wire`` must hold ``count`` messages (as :func:`..format.split_messages` checks) and be
+    4-byte aligned and contiguous: the kernels store fp32 scales through its uint8 pointer."""
+    if wire.dtype != torch.uint8 or wire.dim() != 1 or not wire.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous 1D uint8 buffer, got "
+                         f"{tuple(wire.shape)} {wire.dtype}")
     if wire.data_ptr() % 4:
         raise ValueError(f"{name} must start at a 4-byte aligned address (it holds fp32 "
                          "scales): allocate it whole or slice it at a multiple of 4 bytes")
+    if numel:
+        fmt.split_messages(wire, count, numel, bits, group_size)
 
 
 def check_output(t: torch.Tensor, name: str) -> None:

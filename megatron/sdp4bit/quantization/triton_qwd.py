@@ -58,8 +58,7 @@ def qwd_sender(main_shard: torch.Tensor, replica_shard: torch.Tensor | None, out
     """Triton version of :func:`..reference.qwd_sender` (same arguments and bytes)."""
     numel = main_shard.numel()
     fmt.check_message_shape(numel, bits, group_size)
-    fmt.split_messages(out, 1, numel, bits, group_size)  # validates out's dtype and size
-    tc.check_wire(out, "out")
+    tc.check_wire(out, "out", 1, numel, bits, group_size)
     if replica_shard is not None:
         if replica_shard.numel() != numel:
             raise ValueError(f"replica_shard has {replica_shard.numel()} elements, "
@@ -89,8 +88,7 @@ def qwd_receiver(wire: torch.Tensor, replica: torch.Tensor, *, world: int, bits:
                          f"world={world} equal shards")
     shard = replica.numel() // world
     fmt.check_message_shape(shard, bits, group_size)
-    fmt.split_messages(wire, world, shard, bits, group_size)
-    tc.check_wire(wire, "wire")
+    tc.check_wire(wire, "wire", world, shard, bits, group_size)
     tc.check_output(replica, "replica")
     tc.check_same_device(wire, replica)
     ngroups = replica.numel() // group_size

@@ -82,8 +82,10 @@ def _dequantize_message(wire_ptr, k, msg_nbytes, groups_per_msg, start, row_vali
 def _dequantize_sum(wire_ptr, n_in, msg_nbytes, groups_per_msg, start, row_valid,
                     G_MSG: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr,
                     TILE_G: tl.constexpr, TILE_GP: tl.constexpr):
-    """fp32 sum over the ``n_in`` messages, in message order, of the tile's elements."""
-    acc = _dequantize_message(wire_ptr, 0, msg_nbytes, groups_per_msg, start, row_valid,
+    """fp32 sum over the ``n_in`` messages, in message order, of the tile's elements.
+
+    Starts from +0 as torch.sum does (so that -0 + +0 = +0 matches bit for bit)."""
+    acc = 0.0 + _dequantize_message(wire_ptr, 0, msg_nbytes, groups_per_msg, start, row_valid,
                               G_MSG, BITS, QMAX, TILE_G, TILE_GP)
     for k in range(1, n_in):
         acc = acc + _dequantize_message(wire_ptr, k, msg_nbytes, groups_per_msg, start,
@@ -151,8 +153,7 @@ def tlq_sender(inp: torch.Tensor, out: torch.Tensor, *, num_dests: int, blocks_p
     chunk = inp.numel() // count
     msg_numel = blocks_per_dest * chunk
     fmt.check_message_shape(msg_numel, bits, group_size)
-    fmt.split_messages(out, slices * num_dests, msg_numel, bits, group_size)
-    tc.check_wire(out, "out")
+    tc.check_wire(out, "out", slices * num_dests, msg_numel, bits, group_size)
     tc.check_same_device(inp, out)
     if hadamard_block:
         tc.check_hadamard(hadamard_block, group_size, chunk)
@@ -180,11 +181,9 @@ def tlq_middle(wire_in: torch.Tensor, out: torch.Tensor, *, n_in: int, numel: in
                          f"n_in={n_in} must be positive")
     out_numel = numel // n_out
     fmt.check_message_shape(numel, bits_in, group_size_in)
-    fmt.split_messages(wire_in, n_in, numel, bits_in, group_size_in)
     fmt.check_message_shape(out_numel, bits_out, group_size_out)
-    fmt.split_messages(out, n_out, out_numel, bits_out, group_size_out)
-    tc.check_wire(wire_in, "wire_in")
-    tc.check_wire(out, "out")
+    tc.check_wire(wire_in, "wire_in", n_in, numel, bits_in, group_size_in)
+    tc.check_wire(out, "out", n_out, out_numel, bits_out, group_size_out)
     tc.check_same_device(wire_in, out)
     _check_group_nesting(group_size_in, group_size_out)
     tc.check_stream(stochastic, numel)
@@ -218,8 +217,7 @@ def tlq_receiver(wire_in: torch.Tensor, out: torch.Tensor, *, n_in: int, bits: i
     if n_in < 1:
         raise ValueError(f"n_in={n_in} must be positive")
     fmt.check_message_shape(numel, bits, group_size)
-    fmt.split_messages(wire_in, n_in, numel, bits, group_size)
-    tc.check_wire(wire_in, "wire_in")
+    tc.check_wire(wire_in, "wire_in", n_in, numel, bits, group_size)
     tc.check_output(out, "out")
     tc.check_same_device(wire_in, out)
     if hadamard_block:
