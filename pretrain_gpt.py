@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         state, transformer_config = build.build_state(args)
         state.ranks_per_node = sdp4bit_config.dp_ranks_per_node or build.detect_dp_ranks_per_node()
         sdp4bit_config = sdp4bit_config.replace(dp_ranks_per_node=state.ranks_per_node)
+        build.print_topology(args, state.ranks_per_node)
         handle = sdp4bit_setup.install(sdp4bit_config, state, transformer_config)
         build.restore(args, state)
         loop.train(args, state, on_iteration=sdp4bit_setup.iteration_hook(handle))

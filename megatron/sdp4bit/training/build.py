@@ -75,6 +75,15 @@ def detect_dp_ranks_per_node() -> int:
     return counts[key]
 
 
+def print_topology(args: argparse.Namespace, ranks_per_node: int) -> None:
+    if dist.get_rank() == 0:
+        dp = args.data_parallel_size
+        print(f"data-parallel topology: {dp} ranks = {ranks_per_node} per node x "
+              f"{dp // ranks_per_node} nodes (TP {args.tensor_model_parallel_size}, "
+              f"PP {args.pipeline_model_parallel_size}, {args.num_microbatches} micro-batches "
+              f"per step)", flush=True)
+
+
 def teardown() -> None:
     if dist.is_initialized():
         parallel_state.destroy_model_parallel()

@@ -96,10 +96,17 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    # DDP and Float16Module forward load_state_dict without returning torch's key report.
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
 def _model_state(model_chunks) -> list[dict[str, torch.Tensor]]:
     # Transformer Engine keeps non-tensor ``_extra_state`` (fp8 metadata); it is not needed to
     # resume a bf16/fp32 run and would defeat weights_only loading.
-    return [{k: v for k, v in m.state_dict().items() if isinstance(v, torch.Tensor)}
+    return [{k: v for k, v in _unwrap(m).state_dict().items() if isinstance(v, torch.Tensor)}
             for m in model_chunks]
 
 
@@ -173,7 +180,7 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler, *, load_optim
                               f"this run has {_layout()}: resume with the same layout")
     own = _read(os.path.join(directory, f"rank_{dist.get_rank():05d}.pt"))
     for chunk, state in zip(model_chunks, own["model"]):
-        missing, unexpected = chunk.load_state_dict(state, strict=False)
+        missing, unexpected = _unwrap(chunk).load_state_dict(state, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
             raise CheckpointError(f"model in {directory} does not match this model: missing "
