@@ -1,0 +1,344 @@
+"""TLq / TLq-HS two-level reduce-scatter on real gloo ranks, one spawn per N x M topology.
+
+[Note: the error bounds these tests assert]
+A b-bit group quantizer with scale ``s = absmax / qmax`` (``qmax = 2**(b-1) - 1``) makes a
+per-element error ``|e| < s`` with stochastic rounding (``|e| <= s/2`` to nearest), and
+stochastic rounding is unbiased with ``E[e^2] = s^2 f(1-f) <= s^2/4``.
+
+Compose the hops for the element i of shard r (in the Hadamard domain when the transform is
+on: it is orthonormal per block, so block 2-norms are preserved; the bound is then checked
+per block of H values):
+
+* intra hop: each of the W senders k quantizes its value with scale ``s1_k`` (its group of
+  ``intra_group_size`` at ``intra_bits``): error ``e1_k``, ``|e1_k| < s1_k``;
+* node m requantizes its partial sum ``y_m = p_m + sum_{k in m} e1_k`` (``p_m`` the exact
+  partial) with scale ``s2_m = absmax_group(y_m) / qmax2 <= max_group(|p_m| + sum |e1_k|)
+  / qmax2``: error ``|e2_m| < s2_m``;
+* so ``|err_i| < B_i = sum_k s1_k + sum_m s2_m`` (rigorous; one hop only: ``sum_k s_k``),
+  and, errors being zero-mean and uncorrelated, ``E||err||^2 <= V = sum_i (sum_k s1_k^2 +
+  sum_m s2_m^2) / 4``. The statistical check asserts ``||err||^2 <= 2 V`` over >= 512
+  elements (Hoeffding: a failure chance below e^-60 for correct code), tight enough to
+  catch any routing mistake, which makes errors the size of the data.
+
+AVG divides everything by W. fp32 arithmetic adds ~1e-6 relative (slack 1e-5 of
+``sum_k |x_k|``); a bf16 output adds a rounding of at most ``2^-8 |value|``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from _spawn import spawn
+
+pytestmark = pytest.mark.distributed
+
+TOPOLOGIES = [(2, 1), (1, 2), (2, 2), (2, 3), (4, 2), (2, 4), (1, 4), (4, 1)]  # (N, M)
+G_INTRA, G_INTER, H = 64, 32, 32
+SHARD = 512  # elements per rank's shard: a multiple of the divisor's per-shard unit at P=4
+
+
+def _qmax(bits: int) -> int:
+    return 2 ** (bits - 1) - 1
+
+
+def _group_absmax(v: torch.Tensor, g: int) -> torch.Tensor:
+    """Per-element absmax of the aligned group of g holding it; v [..., S]."""
+    shape = v.shape
+    return v.abs().reshape(*shape[:-1], -1, g).amax(-1, keepdim=True).expand(
+        *shape[:-1], shape[-1] // g, g).reshape(shape)
+
+
+def _hadamard64(v: torch.Tensor, block: int) -> torch.Tensor:
+    from megatron.sdp4bit.quantization.hadamard import hadamard_matrix
+
+    h = hadamard_matrix(block).double()
+    return (v.reshape(-1, block) @ h).reshape(v.shape)
+
+
+def _bounds(shards: torch.Tensor, n: int, m: int, cfg, avg: bool, rho: float
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(B [S] rigorous, per-element; V-terms [S]; sum_k |x_k| [S]) in the transform domain.
+
+    ``shards`` [W, S] fp64: every rank's input for this rank's shard. ``rho`` = 1 for
+    stochastic rounding, 1/2 for nearest.
+    """
+    x = _hadamard64(shards, cfg.hadamard_block) if cfg.hadamard_block else shards
+    w = n * m
+    if n > 1 and m > 1:
+        s1 = _group_absmax(x, cfg.intra_group_size) / _qmax(cfg.intra_bits)  # [W, S]
+        partial = x.view(m, n, -1).sum(1)
+        e1_node = (rho * s1).view(m, n, -1).sum(1)
+        s2 = _group_absmax(partial.abs() + e1_node, cfg.inter_group_size) / _qmax(cfg.inter_bits)
+        bound = rho * (s1.sum(0) + s2.sum(0))
+        var = (s1.square().sum(0) + s2.square().sum(0)) / 4
+    else:
+        bits, g = ((cfg.intra_bits, cfg.intra_group_size) if m == 1
+                   else (cfg.inter_bits, cfg.inter_group_size))
+        s = _group_absmax(x, g) / _qmax(bits)
+        bound, var = rho * s.sum(0), s.square().sum(0) / 4
+    scale = 1.0 / w if avg else 1.0
+    return bound * scale, var * scale**2, x.abs().sum(0) * scale
+
+
+def _check_error(out: torch.Tensor, shards: torch.Tensor, n: int, m: int, cfg, avg: bool,
+                 statistical: bool = True) -> float:
+    """Assert the bounds of the module docstring; return the relative L2 error."""
+    ref = shards.sum(0) / (n * m if avg else 1)
+    err = out.double() - ref
+    rho = 1.0 if cfg.stochastic else 0.5
+    bound, var, mag = _bounds(shards, n, m, cfg, avg, rho)
+    out_round = 2.0**-8 * (ref.abs() + bound) if out.dtype == torch.bfloat16 else 0 * ref
+    block = cfg.hadamard_block or 1
+    # per element (no Hadamard) or per block 2-norm (Hadamard: orthonormal per block)
+    e_blk = err.view(-1, block).norm(dim=1)
+    limit = (bound * (1 + 1e-4) + 1e-5 * mag).view(-1, block).norm(dim=1) \
+        + out_round.view(-1, block).norm(dim=1)
+    worst = (e_blk / limit).max().item()
+    assert worst <= 1.0, f"error exceeds the rigorous bound by {worst:.3f}x"
+    if statistical:
+        noise = err.norm() - out_round.norm() - 1e-5 * mag.norm()
+        assert noise.item() ** 2 <= 2 * var.sum().item(), (
+            f"||err||^2 = {noise.item() ** 2:.4g} > 2 V = {2 * var.sum().item():.4g}")
+    return (err.norm() / ref.norm()).item()
+
+
+def _gather_shards(x: torch.Tensor, group, world: int, rank: int) -> torch.Tensor:
+    """[W, S] fp64: every rank's input values for this rank's shard."""
+    everything = torch.empty(world * x.numel(), dtype=torch.float64)
+    dist.all_gather_into_tensor(everything, x.double(), group=group)
+    s = x.numel() // world
+    return everything.view(world, world, s)[:, rank, :]
+
+
+def _data(rank: int, length: int, seed: int, outliers: bool = False) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    x = torch.randn(length, generator=gen)
+    if outliers:  # one large value in every 64: TLq-HS's motivating gradient shape
+        pos = torch.arange(0, length, 64) + torch.randint(0, 64, (length // 64,), generator=gen)
+        x[pos] = 60.0 * torch.sign(torch.randn(pos.numel(), generator=gen))
+    return x
+
+
+def _accuracy_cases(topo, world: int, rank: int) -> None:
+    from megatron.sdp4bit.comm import GradientQuantConfig, two_level_reduce_scatter
+
+    for case, (op, dtype, hadamard, async_op) in enumerate(
+            [(op, dtype, hb, a) for op in (ReduceOp.SUM, ReduceOp.AVG)
+             for dtype in (torch.float32, torch.bfloat16) for hb in (0, H)
+             for a in (False, True)]):
+        cfg = GradientQuantConfig(intra_group_size=G_INTRA, inter_group_size=G_INTER,
+                                  hadamard_block=hadamard, pipeline_slices=2,
+                                  kernel_backend="torch")
+        # two buckets in flight at once when async: both must complete correctly
+        xs = [_data(rank, world * SHARD, 10 * case + b).to(dtype) for b in range(2)]
+        outs = [torch.full((SHARD,), float("nan"), dtype=dtype) for _ in xs]
+        handles = [two_level_reduce_scatter(o, x, topology=topo, config=cfg, op=op,
+                                            async_op=async_op, seed=case * 7 + b)
+                   for b, (o, x) in enumerate(zip(outs, xs))]
+        assert all((h is None) != async_op for h in handles)
+        for h in handles:
+            if h is not None:
+                assert h.wait() and h.is_completed()
+        for o, x in zip(outs, xs):
+            shards = _gather_shards(x, topo.group, world, rank)
+            _check_error(o, shards, topo.ranks_per_node, topo.nodes, cfg, op == ReduceOp.AVG)
+    # Same data as torch's own reduce_scatter_tensor (gloo supports it for fp32 SUM).
+    cfg = GradientQuantConfig(intra_group_size=G_INTRA, inter_group_size=G_INTER,
+                              hadamard_block=H, pipeline_slices=2, kernel_backend="torch")
+    x = _data(rank, world * SHARD, 99)
+    ours, theirs = torch.empty(SHARD), torch.empty(SHARD)
+    two_level_reduce_scatter(ours, x, topology=topo, config=cfg, seed=3)
+    dist.reduce_scatter_tensor(theirs, x.clone(), group=topo.group)
+    shards = _gather_shards(x, topo.group, world, rank)
+    bound, _, mag = _bounds(shards, topo.ranks_per_node, topo.nodes, cfg, False, 1.0)
+    diff = _hadamard64(ours.double() - theirs.double(), H)
+    assert (diff.view(-1, H).norm(dim=1)
+            <= (bound * 1.001 + 2e-5 * mag).view(-1, H).norm(dim=1)).all()
+
+
+def _pipeline_and_variant_cases(topo, world: int, rank: int) -> None:
+    from megatron.sdp4bit.comm import GradientQuantConfig, two_level_reduce_scatter
+
+    n, m = topo.ranks_per_node, topo.nodes
+    x = _data(rank, world * SHARD, 5)
+    # Round to nearest: slicing only reorders messages, so P = 1, 2, 4 agree bit for bit.
+    results = []
+    for p in (1, 2, 4):
+        cfg = GradientQuantConfig(intra_group_size=G_INTRA, inter_group_size=G_INTER,
+                                  hadamard_block=H, pipeline_slices=p, stochastic=False,
+                                  kernel_backend="torch")
+        out = torch.empty(SHARD)
+        two_level_reduce_scatter(out, x, topology=topo, config=cfg, seed=1)
+        results.append(out)
+    shards = _gather_shards(x, topo.group, world, rank)
+    _check_error(results[0], shards, n, m, cfg, False, statistical=False)
+    for p, out in zip((2, 4), results[1:]):
+        assert torch.equal(out, results[0]), f"P={p} differs from P=1 with nearest rounding"
+
+    # Outlier-heavy gradients: the Hadamard transform lowers the error.
+    xo = _data(rank, world * SHARD, 6, outliers=True)
+    shards_o = _gather_shards(xo, topo.group, world, rank)
+    errs = {}
+    for hb in (0, H):
+        cfg = GradientQuantConfig(intra_group_size=G_INTRA, inter_group_size=G_INTER,
+                                  hadamard_block=hb, kernel_backend="torch")
+        out = torch.empty(SHARD)
+        two_level_reduce_scatter(out, xo, topology=topo, config=cfg, seed=2)
+        errs[hb] = _check_error(out, shards_o, n, m, cfg, False, statistical=False)
+    assert errs[H] < 0.7 * errs[0], f"Hadamard did not help on outliers: {errs}"
+
+    # ULq (4-bit on both hops) is worse than TLq (8-bit intra, 4-bit inter) where an intra
+    # hop exists; with N = 1 the intra bit width is unused and both must agree exactly.
+    errs = {}
+    outs = {}
+    for intra_bits in (8, 4):
+        cfg = GradientQuantConfig(intra_bits=intra_bits, intra_group_size=G_INTRA,
+                                  inter_group_size=G_INTER, kernel_backend="torch")
+        out = torch.empty(SHARD)
+        two_level_reduce_scatter(out, x, topology=topo, config=cfg, seed=4)
+        errs[intra_bits] = _check_error(out, shards, n, m, cfg, False)
+        outs[intra_bits] = out
+    if n > 1:
+        assert errs[4] > 1.2 * errs[8], f"ULq not worse than TLq: {errs}"
+    else:
+        assert torch.equal(outs[4], outs[8])
+
+
+def _expected_bytes(numel: int, bits: int, group: int) -> int:
+    """Wire size of one message, written out: fp32 scales + packed payload."""
+    return 4 * math.ceil(numel / group) + numel * bits // 8
+
+
+def _byte_cases(topo, world: int, rank: int) -> None:
+    """The counters equal the formula and what actually went into the collectives."""
+    from megatron.sdp4bit.comm import CommStats, GradientQuantConfig, two_level_reduce_scatter
+
+    n, m = topo.ranks_per_node, topo.nodes
+    sent = {"intra": 0, "inter": 0}
+    original = dist.all_to_all_single
+
+    def counting(output, input, *args, group=None, **kwargs):
+        hop = "intra" if group is topo.intra_group else "inter"
+        assert group is (topo.intra_group if hop == "intra" else topo.inter_group)
+        k = dist.get_world_size(group)
+        sent[hop] += input.numel() * input.element_size() * (k - 1) // k
+        return original(output, input, *args, group=group, **kwargs)
+
+    # Distinct bits and group sizes per hop: each flag must show on its own hop only.
+    cfg = GradientQuantConfig(intra_bits=4, intra_group_size=128, inter_bits=8,
+                              inter_group_size=32, pipeline_slices=4, kernel_backend="torch")
+    stats = CommStats()
+    dist.all_to_all_single = counting
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            two_level_reduce_scatter(torch.empty(SHARD, dtype=dtype),
+                                     _data(rank, world * SHARD, 8).to(dtype),
+                                     topology=topo, config=cfg, seed=0, stats=stats)
+    finally:
+        dist.all_to_all_single = original
+    p, c = 4, SHARD // 4
+    if n > 1 and m > 1:
+        intra = 2 * (n - 1) * p * _expected_bytes(m * c, 4, 128)
+        inter = 2 * (m - 1) * p * _expected_bytes(c, 8, 32)
+    else:
+        intra = 2 * (n - 1) * _expected_bytes(SHARD, 4, 128)
+        inter = 2 * (m - 1) * _expected_bytes(SHARD, 8, 32)
+    assert (stats.grad_intra_bytes, stats.grad_inter_bytes) == (intra, inter)
+    assert (sent["intra"], sent["inter"]) == (intra, inter)
+    per_elem = 4 + 2  # one fp32 call and one bf16 call
+    assert stats.grad_intra_bytes_baseline == (n - 1) * m * SHARD * per_elem
+    assert stats.grad_inter_bytes_baseline == (m - 1) * SHARD * per_elem
+    assert stats.grad_bytes_baseline == (world - 1) * SHARD * per_elem  # = ring reduce-scatter
+    snap = stats.snapshot()
+    stats.reset()
+    assert stats.snapshot() == dict.fromkeys(snap, 0) and snap["grad_intra_bytes"] == intra
+
+
+def _bad_input_cases(topo, world: int, rank: int) -> None:
+    """Every rank raises the same ValueError before any collective; the group stays usable."""
+    from megatron.sdp4bit.comm import GradientQuantConfig, two_level_reduce_scatter
+
+    cfg = GradientQuantConfig(intra_group_size=G_INTRA, inter_group_size=G_INTER,
+                              pipeline_slices=2, kernel_backend="torch")
+    x = torch.randn(world * SHARD)
+    with pytest.raises(ValueError, match="output must hold input.numel"):
+        two_level_reduce_scatter(torch.empty(SHARD + 1), x, topology=topo, config=cfg, seed=0)
+    short = torch.randn(world * (SHARD - 64))  # shard 448 is not a multiple of 2 x 64
+    with pytest.raises(ValueError, match=r"not a multiple of .*pad_numel"):
+        two_level_reduce_scatter(torch.empty(SHARD - 64), short, topology=topo, config=cfg,
+                                 seed=0)
+    with pytest.raises(ValueError, match="inter_bits=2 is not supported"):
+        GradientQuantConfig(inter_bits=2)
+    with pytest.raises(ValueError, match="op=.* is not supported"):
+        two_level_reduce_scatter(torch.empty(SHARD), x, topology=topo, config=cfg,
+                                 op=ReduceOp.MAX, seed=0)
+    with pytest.raises(ValueError, match="dtype torch.int32 is not supported"):
+        two_level_reduce_scatter(torch.empty(SHARD, dtype=torch.int32), x, topology=topo,
+                                 config=cfg, seed=0)
+    dist.barrier(group=topo.group)  # nobody is stuck in a collective
+
+
+def _topology_cases(topo, n: int, m: int, world: int, rank: int) -> None:
+    from megatron.sdp4bit.comm import GradientQuantConfig, build_topology, \
+        two_level_reduce_scatter
+
+    assert (topo.world, topo.ranks_per_node, topo.nodes) == (world, n, m)
+    assert (topo.rank, topo.node, topo.local) == (rank, rank // n, rank % n)
+    if n > 1:
+        assert dist.get_process_group_ranks(topo.intra_group) == list(
+            range(topo.node * n, topo.node * n + n))
+    else:
+        assert topo.intra_group is None
+    if m > 1:
+        assert dist.get_process_group_ranks(topo.inter_group) == list(
+            range(topo.local, world, n))
+    else:
+        assert topo.inter_group is None
+    assert build_topology(None, ranks_per_node=n) == topo  # cached: no new groups
+    with pytest.raises(ValueError, match="does not divide the DP size"):
+        build_topology(None, ranks_per_node=world + 1)
+    # Detection from host names: every rank of this test runs on one host -> N = W, M = 1.
+    detected = build_topology(None)
+    assert (detected.ranks_per_node, detected.nodes) == (world, 1)
+    if world % 4 == 0:
+        # DP as a subgroup of a larger world (TP=2 x DP=W/2): every rank creates both DP
+        # groups; build_topology must create every subgroup on every rank in one order.
+        dp_groups = [dist.new_group(list(range(t, world, 2))) for t in (0, 1)]
+        dp = dp_groups[rank % 2]
+        sub = build_topology(dp, ranks_per_node=2)
+        dp_world, dp_rank = world // 2, rank // 2
+        assert (sub.world, sub.ranks_per_node, sub.nodes, sub.rank) == (dp_world, 2,
+                                                                          dp_world // 2, dp_rank)
+        cfg = GradientQuantConfig(intra_group_size=G_INTRA, inter_group_size=G_INTER,
+                                  kernel_backend="torch")
+        x = _data(rank, dp_world * SHARD, 11)
+        out = torch.empty(SHARD)
+        two_level_reduce_scatter(out, x, topology=sub, config=cfg, seed=0)
+        _check_error(out, _gather_shards(x, dp, dp_world, dp_rank), 2, dp_world // 2, cfg,
+                     False)
+        if n not in (1, world):  # these overrides were never built: all ranks gather and fail
+            with pytest.raises(ValueError, match="ranks_per_node differs between ranks"):
+                build_topology(None, ranks_per_node=1 if rank == 0 else world)
+    dist.barrier()
+
+
+def _worker(rank: int, world: int, n: int) -> None:
+    from megatron.sdp4bit.comm import build_topology
+
+    topo = build_topology(None, ranks_per_node=n)
+    m = world // n
+    _topology_cases(topo, n, m, world, rank)
+    _accuracy_cases(topo, world, rank)
+    _pipeline_and_variant_cases(topo, world, rank)
+    _byte_cases(topo, world, rank)
+    _bad_input_cases(topo, world, rank)
+
+
+@pytest.mark.parametrize("n,m", TOPOLOGIES, ids=[f"{n}x{m}" for n, m in TOPOLOGIES])
+def test_two_level_reduce_scatter(n: int, m: int) -> None:
+    spawn(_worker, n * m, n, timeout=240)
