@@ -204,7 +204,9 @@ def prepare(cache: Path, force: bool = False, workers: int = 1) -> dict[str, Pat
         "--vocab-file", str(p["vocab"]), "--merge-file", str(p["merges"]),
         "--append-eod", "--workers", str(workers), "--log-interval", "400",
     ]
-    result = subprocess.run(cmd, stdout=sys.stderr)
+    # A few seconds: its output is passed on at the end, to stderr (stdout carries the flags).
+    result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    sys.stderr.write(result.stdout)
     if result.returncode != 0:
         raise DataError(f"tools/preprocess_data.py failed with exit status {result.returncode}")
     p["stamp"].write_text(json.dumps(stamp, indent=1) + "\n")
