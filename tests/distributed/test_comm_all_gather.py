@@ -1,0 +1,204 @@
+"""qWD weight-difference all-gather (and qW, and the plain one) on real gloo ranks.
+
+[Note: the bounds these tests assert]
+Step t: every rank adds an update ``u_t`` to its fp32 main shard ``w_t``; qWD sends
+``Q(d_t)`` with ``d_t = w_t - w~_{t-1} = u_t - e_{t-1}`` (``e = w~ - w``, the replica's error).
+With b bits and stochastic rounding, ``|e_t| < s_t = absmax_group(d_t) / qmax``
+(``qmax = 7`` at 4 bits), and ``absmax(d_t) <= absmax(u_t) + absmax(e_{t-1})``. Checked at
+every step. Hence with ``|u| <= U`` the error never exceeds ``e* = U / (qmax - 1)`` (the
+fixed point of ``e = (U + e) / qmax``): it does not accumulate, and after 200 steps it is
+no larger than ``(qmax / (qmax - 1))`` times the first step's bound (invariant I2). A bf16
+replica adds one rounding per step, at most ``2^-8 |w~_t|`` (8-bit significand), to the
+per-step bound. The direct mode (qW) has ``|e_t| < absmax_group(w_t) / qmax``, which is
+what makes it much worse on weights that change slowly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _spawn import spawn
+
+pytestmark = pytest.mark.distributed
+
+GROUP = 64
+SHARD = 256
+STEPS = 200
+
+
+def _group_absmax(v: torch.Tensor, g: int) -> torch.Tensor:
+    return v.abs().view(-1, g).amax(1, keepdim=True).expand(-1, g).reshape(v.shape)
+
+
+def _check_step(replica: torch.Tensor, values: list[float]) -> list[float]:
+    """One collective per step: assert ``replica`` is bitwise identical on every rank (I1) and
+    return the max over ranks of each of ``values``."""
+    world = dist.get_world_size()
+    raw = torch.cat([replica.contiguous().view(torch.uint8),
+                     torch.tensor(values, dtype=torch.float64).view(torch.uint8)])
+    everything = torch.empty(world * raw.numel(), dtype=torch.uint8)
+    dist.all_gather_into_tensor(everything, raw)
+    rows = everything.view(world, -1)
+    nbytes = replica.numel() * replica.element_size()
+    assert bool((rows[:, :nbytes] == raw[:nbytes]).all()), "replicas differ between ranks (I1)"
+    return rows[:, nbytes:].contiguous().view(torch.float64).amax(0).tolist()
+
+
+def _initial(world: int, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """The same weights on every rank (same generator seed)."""
+    gen = torch.Generator().manual_seed(1234)
+    return (scale * torch.randn(world * SHARD, generator=gen)).to(dtype)
+
+
+def _run_steps(rank: int, world: int, dtype: torch.dtype, cfg, steps: int, update: float
+               ) -> tuple[list[float], float]:
+    """``steps`` optimizer-like steps, checking I1 and the per-step bound at each.
+
+    Returns (max replica error after each step, the fixed-point bound ``e*``).
+    """
+    from megatron.sdp4bit.comm import weight_difference_all_gather
+    from megatron.sdp4bit.quantization import derive_seed
+
+    qmax = 2 ** (cfg.bits - 1) - 1
+    replica = _initial(world, dtype, 1.0)
+    own = slice(rank * SHARD, (rank + 1) * SHARD)
+    main = replica[own].float().clone()
+    err_prev = replica[own].float() - main  # zero: main starts from the replica
+    gen = torch.Generator().manual_seed(77 + rank)
+    errors, u_max, w_max = [], 0.0, 0.0
+    rounding = 2.0**-8 * 1.01 if dtype == torch.bfloat16 else 0.0  # relative, per step
+    for step in range(steps):
+        u = update * torch.randn(SHARD, generator=gen)
+        main += u
+        weight_difference_all_gather(replica, main, group=None, config=cfg,
+                                     seed=derive_seed(1234, step, 0))
+        err = replica[own].float() - main
+        source = main if cfg.mode == "direct" else u.abs() + err_prev.abs()
+        limit = (_group_absmax(source, cfg.group_size) / qmax * (1 + 1e-5) + 1e-7
+                 + rounding * replica[own].float().abs())
+        assert (err.abs() <= limit).all(), f"step {step}: error above its bound"
+        err_prev = err
+        e_now, u_now, w_now = _check_step(replica, [err.abs().max().item(), u.abs().max().item(),
+                                                    replica.float().abs().max().item()])
+        errors.append(e_now)
+        u_max, w_max = max(u_max, u_now), max(w_max, w_now)
+    # fixed point of e = (U + e) / qmax + r:  e* = (U + qmax r) / (qmax - 1)
+    return errors, (u_max + qmax * rounding * w_max) / (qmax - 1) * (1 + 1e-5)
+
+
+def _qwd_cases(rank: int, world: int, steps: int) -> None:
+    from megatron.sdp4bit.comm import WeightQuantConfig
+
+    update = 1e-2
+    cfg = WeightQuantConfig(group_size=GROUP, kernel_backend="torch")
+    for dtype in (torch.float32, torch.bfloat16):
+        errors, fixed_point = _run_steps(rank, world, dtype, cfg, steps, update)
+        assert max(errors) <= fixed_point, (max(errors), fixed_point)  # I2: no accumulation
+        if dtype == torch.float32:
+            # and concretely: the last step is no worse than the first (a random walk would
+            # grow ~sqrt(steps) = 14x over 200 steps)
+            assert errors[-1] <= 2 * errors[0], f"error grew: {errors[0]:.3g} -> {errors[-1]:.3g}"
+            errors32 = errors
+    # 8 bits works the same way (shorter run), with a smaller error.
+    cfg8 = WeightQuantConfig(bits=8, group_size=GROUP, kernel_backend="torch")
+    errors8, fixed_point8 = _run_steps(rank, world, torch.float32, cfg8, 20, update)
+    assert max(errors8) <= fixed_point8 and errors8[-1] < errors32[19]
+
+    # qW (direct) on slowly changing weights: its error follows |w|, qWD's the update size.
+    direct = WeightQuantConfig(group_size=GROUP, mode="direct", kernel_backend="torch")
+    e_direct, _ = _run_steps(rank, world, torch.float32, direct, 20, 1e-3)
+    e_diff, _ = _run_steps(rank, world, torch.float32, cfg, 20, 1e-3)
+    assert e_direct[-1] > 20 * e_diff[-1], (e_direct[-1], e_diff[-1])
+
+
+def _async_and_plain_cases(rank: int, world: int) -> None:
+    from megatron.sdp4bit.comm import CommStats, WeightQuantConfig, unquantized_all_gather, \
+        weight_difference_all_gather
+
+    cfg = WeightQuantConfig(group_size=GROUP, kernel_backend="torch")
+    own = slice(rank * SHARD, (rank + 1) * SHARD)
+    for dtype in (torch.float32, torch.bfloat16):
+        start = _initial(world, dtype, 1.0)
+        main = start[own].float() + 1e-2 * torch.randn(SHARD)
+        sync, later = start.clone(), start.clone()
+        weight_difference_all_gather(sync, main, group=None, config=cfg, seed=9)
+        handle = weight_difference_all_gather(later, main, group=None, config=cfg, seed=9,
+                                              async_op=True)
+        assert torch.equal(later, start), "async all-gather changed the replica before wait()"
+        assert handle.wait() and handle.is_completed()
+        assert torch.equal(later, sync), "async and sync results differ"
+
+        # The plain path: the replica becomes every rank's main shard cast to its dtype.
+        stats = CommStats()
+        plain = start.clone()
+        handle = unquantized_all_gather(plain, main, group=None, stats=stats, async_op=True)
+        handle.wait()
+        everything = torch.empty(world * SHARD)
+        dist.all_gather_into_tensor(everything, main)
+        assert torch.equal(plain, everything.to(dtype))
+        sent = (world - 1) * SHARD * plain.element_size()
+        assert (stats.param_bytes, stats.param_bytes_baseline) == (sent, sent)
+
+
+def _byte_cases(rank: int, world: int) -> None:
+    from megatron.sdp4bit.comm import CommStats, WeightQuantConfig, weight_difference_all_gather
+
+    counted = []
+    original = dist.all_gather_into_tensor
+
+    def counting(output, input, *args, **kwargs):
+        # bytes leaving this rank: its message to each of the W - 1 others
+        counted.append(input.numel() * input.element_size() * (world - 1))
+        return original(output, input, *args, **kwargs)
+
+    stats = CommStats()
+    dist.all_gather_into_tensor = counting
+    try:
+        for bits, dtype in ((4, torch.bfloat16), (8, torch.float32)):
+            cfg = WeightQuantConfig(bits=bits, group_size=GROUP, kernel_backend="torch")
+            replica = _initial(world, dtype, 1.0)
+            main = replica[rank * SHARD:(rank + 1) * SHARD].float()
+            weight_difference_all_gather(replica, main, group=None, config=cfg, seed=0,
+                                         stats=stats)
+    finally:
+        dist.all_gather_into_tensor = original
+    expected = sum((world - 1) * (4 * math.ceil(SHARD / GROUP) + SHARD * bits // 8)
+                   for bits in (4, 8))
+    assert stats.param_bytes == expected == sum(counted)
+    assert stats.param_bytes_baseline == (world - 1) * SHARD * (2 + 4)
+    assert stats.grad_bytes == 0
+
+
+def _bad_input_cases(rank: int, world: int) -> None:
+    from megatron.sdp4bit.comm import WeightQuantConfig, weight_difference_all_gather
+
+    cfg = WeightQuantConfig(group_size=GROUP, kernel_backend="torch")
+    replica = _initial(world, torch.bfloat16, 1.0)
+    with pytest.raises(ValueError, match="main_shard must hold replica.numel"):
+        weight_difference_all_gather(replica, torch.zeros(SHARD - 2), group=None, config=cfg,
+                                     seed=0)
+    short = torch.zeros(world * 96, dtype=torch.bfloat16)  # 96 is not a multiple of 64
+    with pytest.raises(ValueError, match=r"parameter buffer of .* not a multiple of"):
+        weight_difference_all_gather(short, torch.zeros(96), group=None, config=cfg, seed=0)
+    with pytest.raises(ValueError, match="bits=3 is not supported"):
+        WeightQuantConfig(bits=3)
+    with pytest.raises(ValueError, match="mode='qw'"):
+        WeightQuantConfig(mode="qw")
+    dist.barrier()  # every rank raised before any collective: nobody is left waiting
+
+
+def _worker(rank: int, world: int, steps: int) -> None:
+    _qwd_cases(rank, world, steps)
+    _async_and_plain_cases(rank, world)
+    _byte_cases(rank, world)
+    _bad_input_cases(rank, world)
+
+
+# The 200-step run (the issue's I1/I2 test) on 4 ranks; an odd world with a shorter run.
+@pytest.mark.parametrize("world,steps", [(4, STEPS), (3, 30)], ids=["W4", "W3"])
+def test_weight_difference_all_gather(world: int, steps: int) -> None:
+    spawn(_worker, world, steps, timeout=240)
