@@ -1,0 +1,79 @@
+"""Comm-layer configs and the topology layout rules (no processes needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron.sdp4bit.comm import CommStats, GradientQuantConfig, WeightQuantConfig
+from megatron.sdp4bit.comm.topology import _resolve_n
+from megatron.sdp4bit.config import SDP4BitConfig
+
+
+def test_gradient_config_from_sdp4bit_maps_every_field() -> None:
+    cfg = SDP4BitConfig(gradient_quantization_bits_intra=4, gq_group_size_intra=256,
+                        gradient_quantization_bits_inter=8, gq_group_size_inter=64,
+                        hadamard_transform=True, hadamard_block_size=16,
+                        gradient_alltoall_pipeline=3, quantization_rounding="nearest",
+                        kernel_backend="torch")
+    assert GradientQuantConfig.from_sdp4bit(cfg) == GradientQuantConfig(
+        intra_bits=4, intra_group_size=256, inter_bits=8, inter_group_size=64,
+        hadamard_block=16, pipeline_slices=3, stochastic=False, kernel_backend="torch")
+    # Hadamard off -> block 0, whatever the block size flag says
+    assert GradientQuantConfig.from_sdp4bit(SDP4BitConfig()).hadamard_block == 0
+
+
+def test_weight_config_from_sdp4bit() -> None:
+    cfg = SDP4BitConfig(weight_quantization_bits=8, wq_group_size=512,
+                        weight_quantization_mode="direct")
+    assert WeightQuantConfig.from_sdp4bit(cfg) == WeightQuantConfig(
+        bits=8, group_size=512, mode="direct", stochastic=True, kernel_backend="auto")
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(intra_bits=2), "intra_bits=2 is not supported"),
+    (dict(inter_bits=16), "inter_bits=16 is not supported"),
+    (dict(intra_group_size=0), "intra_group_size=0 must be a positive even integer"),
+    (dict(inter_group_size=33), "inter_group_size=33 must be a positive even integer"),
+    (dict(hadamard_block=24), "hadamard_block=24 must be 0 .off. or a power of two"),
+    (dict(hadamard_block=256), "intra_group_size=128 is not a multiple of hadamard_block=256"),
+    (dict(pipeline_slices=0), "pipeline_slices=0 must be an integer >= 1"),
+    (dict(kernel_backend="cuda"), "kernel_backend='cuda'"),
+])
+def test_gradient_config_rejects(kwargs: dict, message: str) -> None:
+    base = dict(intra_group_size=128, inter_group_size=128)
+    with pytest.raises(ValueError, match=message):
+        GradientQuantConfig(**{**base, **kwargs})
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(bits=3), "bits=3 is not supported"),
+    (dict(group_size=-2), "group_size=-2 must be a positive even integer"),
+    (dict(mode="qw"), "mode='qw'"),
+])
+def test_weight_config_rejects(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        WeightQuantConfig(**kwargs)
+
+
+def test_topology_from_host_names() -> None:
+    ranks = tuple(range(6))
+    assert _resolve_n(ranks, ["a", "a", "b", "b", "c", "c"], None) == 2
+    assert _resolve_n(ranks, ["a"] * 6, None) == 6
+    assert _resolve_n(ranks, list("abcdef"), None) == 1
+    with pytest.raises(ValueError, match="not one contiguous block"):
+        _resolve_n(ranks, ["a", "b", "a", "b", "c", "c"], None)
+    with pytest.raises(ValueError, match="different numbers of DP ranks"):
+        _resolve_n(ranks, ["a", "a", "a", "a", "b", "b"], None)
+    # the override wins over the host names, and must divide the DP size
+    assert _resolve_n(ranks, ["a"] * 6, 3) == 3
+    with pytest.raises(ValueError, match="ranks_per_node=4 does not divide the DP size 6"):
+        _resolve_n(ranks, ["a"] * 6, 4)
+
+
+def test_stats_reset_and_totals() -> None:
+    stats = CommStats(grad_intra_bytes=3, grad_inter_bytes=4, grad_intra_bytes_baseline=10,
+                      grad_inter_bytes_baseline=20, param_bytes=5)
+    assert (stats.grad_bytes, stats.grad_bytes_baseline) == (7, 30)
+    snap = stats.snapshot()
+    stats.reset()
+    assert snap["param_bytes"] == 5 and stats.snapshot() == dict.fromkeys(snap, 0)
