@@ -33,19 +33,18 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.sdp4bit.training import build, loop, sdp4bit_setup
 
     build.init_distributed(args)
-    handle = None
     try:
-        state, transformer_config = build.build_state(args)
-        state.ranks_per_node = sdp4bit_config.dp_ranks_per_node or build.detect_dp_ranks_per_node()
-        sdp4bit_config = sdp4bit_config.replace(dp_ranks_per_node=state.ranks_per_node)
-        build.print_topology(args, state.ranks_per_node)
+        ranks_per_node = sdp4bit_config.dp_ranks_per_node or build.detect_dp_ranks_per_node()
+        sdp4bit_config = sdp4bit_config.replace(dp_ranks_per_node=ranks_per_node)
+        build.print_topology(args, ranks_per_node)
+        state, transformer_config = build.build_state(args, sdp4bit_config)
+        state.ranks_per_node = ranks_per_node
         handle = sdp4bit_setup.install(sdp4bit_config, state, transformer_config)
         build.restore(args, state)
         loop.train(args, state, on_iteration=sdp4bit_setup.iteration_hook(handle))
+        sdp4bit_setup.uninstall(args, state, handle)
         sdp4bit_setup.print_summary(args, state)
     finally:
-        if handle is not None:
-            handle.uninstall()
         build.teardown()
     return 0
 

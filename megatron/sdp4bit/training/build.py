@@ -17,6 +17,8 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron.sdp4bit.config import SDP4BitConfig
+from megatron.sdp4bit.integration import sdp4bit_padding
 from megatron.sdp4bit.training import checkpointing
 from megatron.sdp4bit.training.data import build_datasets
 from megatron.sdp4bit.training.loop import TrainState
@@ -103,13 +105,16 @@ def _scheduler(args: argparse.Namespace, optimizer) -> OptimizerParamScheduler:
         wd_incr_steps=args.train_iters * gbs, wd_incr_style=args.weight_decay_incr_style)
 
 
-def build_state(args: argparse.Namespace) -> tuple[TrainState, object]:
-    """Model, optimizer, schedule and data; returns (state, transformer config)."""
+def build_state(args: argparse.Namespace, sdp4bit_config: SDP4BitConfig,
+                ) -> tuple[TrainState, object]:
+    """Model, optimizer, schedule and data; returns (state, transformer config). DDP's
+    buckets are padded for SDP4Bit's groups when a quantization flag is on."""
     tokenizer = build_tokenizer(args)
     vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                               args.tensor_model_parallel_size)
     config = transformer_config_from_args(args)
-    model = [wrap_ddp(args, config, build_model(args, config, vocab))]
+    with sdp4bit_padding(sdp4bit_config):
+        model = [wrap_ddp(args, config, build_model(args, config, vocab))]
     # Megatron-LM's hooks: finalize (DP grad sync, embedding tying) and gradient-sync control.
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model[0].no_sync

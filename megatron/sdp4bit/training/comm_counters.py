@@ -31,9 +31,11 @@ def _buckets(model_chunks):
 
 
 def add_unquantized_iteration(stats: CommStats, model_chunks, *, dp_size: int,
-                              ranks_per_node: int, distributed_optimizer: bool) -> None:
+                              ranks_per_node: int, distributed_optimizer: bool,
+                              params: bool = True, grads: bool = True) -> None:
     """Add one iteration of megatron-core's unquantized collectives to ``stats`` (as both the
-    sent bytes and the baseline)."""
+    sent bytes and the baseline): the parameter all-gather if ``params``, the gradient
+    reduction if ``grads`` (the parts SDP4Bit does not replace in this iteration)."""
     n, m = ranks_per_node, dp_size // ranks_per_node
     for buffer, bucket in _buckets(model_chunks):
         shard = bucket.grad_data.numel() // dp_size
@@ -42,11 +44,12 @@ def add_unquantized_iteration(stats: CommStats, model_chunks, *, dp_size: int,
         factor = 1 if distributed_optimizer else 2
         intra = factor * (n - 1) * m * shard * grad_elem
         inter = factor * (m - 1) * shard * grad_elem
-        stats.grad_intra_bytes += intra
-        stats.grad_intra_bytes_baseline += intra
-        stats.grad_inter_bytes += inter
-        stats.grad_inter_bytes_baseline += inter
-        if distributed_optimizer:
+        if grads:
+            stats.grad_intra_bytes += intra
+            stats.grad_intra_bytes_baseline += intra
+            stats.grad_inter_bytes += inter
+            stats.grad_inter_bytes_baseline += inter
+        if distributed_optimizer and params:
             param_elem = torch.empty((), dtype=buffer.param_dtype).element_size()
             sent = (dp_size - 1) * shard * param_elem
             stats.param_bytes += sent

@@ -15,6 +15,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron.sdp4bit.comm.stats import CommStats
+from megatron.sdp4bit.config import SDP4BitConfig
 from megatron.sdp4bit.training import checkpointing
 from megatron.sdp4bit.training.comm_counters import add_unquantized_iteration, snapshot_fields
 from megatron.sdp4bit.training.data import batch_iterator
@@ -33,7 +34,8 @@ class TrainState:
     iteration: int = 0
     consumed_samples: int = 0
     comm_stats: CommStats = field(default_factory=CommStats)
-    quantized: bool = False  # True when SDP4Bit's collectives count the bytes themselves
+    sdp4bit: SDP4BitConfig = field(default_factory=SDP4BitConfig)
+    """What SDP4Bit replaces; its collectives count their own bytes, the rest is added here."""
     ranks_per_node: int = 1
     first_loss: float | None = None
     last_loss: float | None = None
@@ -141,13 +143,16 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None) -> Tra
             if on_iteration is not None:
                 on_iteration(state.iteration)
             loss, grad_norm, ok = train_step(args, state, train_iter)
+            q = state.sdp4bit
+            add_unquantized_iteration(
+                state.comm_stats, state.model, dp_size=args.data_parallel_size,
+                ranks_per_node=state.ranks_per_node,
+                distributed_optimizer=args.use_distributed_optimizer,
+                params=not q.quantized_weights,
+                grads=not q.quantized_gradients
+                or state.iteration < q.gradients_quantization_start_iteration)
             state.iteration += 1
             state.consumed_samples += gbs
-            if not state.quantized:
-                add_unquantized_iteration(state.comm_stats, state.model,
-                                          dp_size=args.data_parallel_size,
-                                          ranks_per_node=state.ranks_per_node,
-                                          distributed_optimizer=args.use_distributed_optimizer)
             skipped += 0 if ok else 1
             nan_iters += 0 if loss == loss else 1
             if state.first_loss is None:

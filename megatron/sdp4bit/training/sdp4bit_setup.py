@@ -24,8 +24,18 @@ def install(config: SDP4BitConfig, state: TrainState, transformer_config) -> obj
             "--quantized-weights/--quantized-gradients cannot run") from err
     handle = install_sdp4bit(state.model, state.optimizer, config)
     state.comm_stats = handle.stats
-    state.quantized = True
+    state.sdp4bit = config
     return handle
+
+
+def uninstall(args: argparse.Namespace, state: TrainState, handle) -> None:
+    """Back to megatron-core's collectives; an overlapped param gather must land first."""
+    if handle is None:
+        return
+    if args.overlap_param_gather:
+        for chunk in state.model:
+            chunk.start_param_sync(force_sync=True)
+    handle.uninstall()
 
 
 def iteration_hook(handle) -> Callable[[int], None] | None:
