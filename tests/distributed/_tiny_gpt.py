@@ -7,12 +7,12 @@ Every function runs inside a rank started by ``_spawn.spawn``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from megatron.sdp4bit.integration.cpu_mode import enable_cpu_mode
+from megatron.sdp4bit.config import SDP4BitConfig
+from megatron.sdp4bit.integration import enable_cpu_mode, sdp4bit_padding
 
 SEQ = 32
 VOCAB = 128
@@ -45,10 +45,11 @@ def init_parallel(tp: int = 1, pp: int = 1) -> None:
     )
 
 
-def build(setup: Setup, seed: int = 1):
+def build(setup: Setup, seed: int = 1, padding_for=None):
     """GPTModel (2 layers, hidden 64) -> [Float16Module] -> DDP, and its distributed optimizer.
 
-    Returns ``(ddp_model, optimizer)``. The same seed gives the same initial weights on
+    ``padding_for``: an ``SDP4BitConfig`` whose bucket padding the DDP buffers get (they
+    must, to install SDP4Bit). Returns ``(ddp_model, optimizer)``. The same seed gives the same initial weights on
     every DP rank (megatron relies on that; it does not broadcast them).
     """
     from megatron.core import parallel_state, tensor_parallel
@@ -103,7 +104,8 @@ def build(setup: Setup, seed: int = 1):
         overlap_param_gather=setup.overlap_param_gather,
         bucket_size=setup.bucket_size,
     )
-    ddp = DistributedDataParallel(config, ddp_config, model)
+    with sdp4bit_padding(padding_for or SDP4BitConfig()):
+        ddp = DistributedDataParallel(config, ddp_config, model)
     opt_config = OptimizerConfig(
         optimizer="adam",
         lr=setup.lr,

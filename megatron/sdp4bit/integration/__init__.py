@@ -1,0 +1,32 @@
+"""The megatron-core seams of SDP4Bit and megatron-core's CPU mode.
+
+::
+
+    with sdp4bit_padding(config):                 # before the buffers are built
+        ddp = DistributedDataParallel(...)
+    optimizer = get_megatron_optimizer(...)
+    handle = install_sdp4bit([ddp], optimizer, config)
+    ...  handle.set_iteration(it) at the start of every iteration ...
+    handle.uninstall()                             # megatron-core's own collectives again
+
+``enable_cpu_mode()`` (``cpu_mode.py``) makes megatron-core run on CPU with gloo; it is
+never called when CUDA is available. See docs/integration.md.
+"""
+
+from megatron.sdp4bit.integration.cpu_mode import cpu_mode_active, enable_cpu_mode
+from megatron.sdp4bit.integration.install import SDP4BitHandle, install_sdp4bit
+from megatron.sdp4bit.integration.padding import sdp4bit_padding
+from megatron.sdp4bit.integration.version import (
+    TESTED_MEGATRON_CORE_VERSIONS,
+    check_megatron_core_version,
+)
+
+__all__ = [
+    "SDP4BitHandle",
+    "TESTED_MEGATRON_CORE_VERSIONS",
+    "check_megatron_core_version",
+    "cpu_mode_active",
+    "enable_cpu_mode",
+    "install_sdp4bit",
+    "sdp4bit_padding",
+]

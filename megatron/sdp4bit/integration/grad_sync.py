@@ -1,0 +1,72 @@
+"""TLq / TLq-HS in megatron-core's gradient sync: the replaced ``start_grad_sync``.
+
+megatron-core 0.16.1, ``_ParamAndGradBucketGroup.start_grad_sync`` (param_and_grad_buffer.py)
+issues, inside a ``_coalescing_manager``, one ``reduce_scatter_tensor(shard_r, grad_data)``
+per bucket, asynchronously with ``overlap_grad_reduce`` (then ``finish_grad_sync`` waits on
+the stored ``grad_reduce_handle``), synchronously otherwise (``finish_grad_sync`` calls it).
+It is called from three places: the backward hook once every gradient of the group is
+ready (``register_grad_ready``), ``finish_grad_sync`` (first batch, and always without
+overlap), and ``DistributedDataParallel.start_grad_sync``.
+
+The replacement below is bound on each bucket-group instance (so all three callers reach
+it) and keeps that contract: same early return in the first batch, same NaN/large-gradient
+checks, same ``gradient_scaling_factor`` and SUM/AVG choice, same handle semantics. Only the
+collective differs: ``two_level_reduce_scatter`` on every bucket (not coalesced: each
+returns its own handle, and megatron-core's ``_coalescing_manager`` would not wait on ours).
+"""
+
+from __future__ import annotations
+
+import types
+
+from torch.distributed import ReduceOp
+
+from megatron.sdp4bit.comm import DPTopology, two_level_reduce_scatter
+from megatron.sdp4bit.integration.state import KIND_GRAD, RunState
+from megatron.sdp4bit.integration.work import BucketGroupWork
+
+
+def make_start_grad_sync(bucket_group, *, bucket_ids: list[int], topology: DPTopology,
+                         group_id: int, state: RunState):
+    """A ``start_grad_sync`` for ``bucket_group`` (bind it with :func:`types.MethodType`)."""
+    original = type(bucket_group).start_grad_sync  # megatron-core's, for the warm-up iterations
+
+    def start_grad_sync(self, force_all_reduce: bool | None = False) -> None:
+        if force_all_reduce:
+            raise NotImplementedError(
+                "force_all_reduce asks megatron-core for an all-reduce of the gradients; "
+                "SDP4Bit quantizes the distributed optimizer's reduce-scatter only: uninstall "
+                "SDP4Bit (handle.uninstall()) for this call")
+        if not state.quantize_gradients_now:
+            # gradients_quantization_start_iteration not reached: megatron-core's collective,
+            # as configured (counted apart so the trainer can report it).
+            for bucket_id in bucket_ids:
+                state.unquantized_grad_calls[bucket_id] += 1
+            return original(self, force_all_reduce=force_all_reduce)
+        if self.is_first_batch and self.grad_reduce_handle is not None:
+            return  # already dispatched in this first batch (megatron-core's rule)
+        assert self.grad_reduce_handle is None, "grad sync issued twice without a wait"
+        ddp_config = self.ddp_config
+        if ddp_config.check_for_nan_in_grad or ddp_config.check_for_large_grads:
+            self.check_grads(check_for_nan_or_inf=ddp_config.check_for_nan_in_grad,
+                             check_for_large=ddp_config.check_for_large_grads)
+        for bucket in self.buckets:
+            if bucket.gradient_scaling_factor != 1.0:
+                bucket.grad_data *= bucket.gradient_scaling_factor
+        op = ReduceOp.AVG if ddp_config.average_in_collective else ReduceOp.SUM
+        async_op = ddp_config.overlap_grad_reduce
+        world, rank = topology.world, topology.rank
+        works = []
+        for bucket, bucket_id in zip(self.buckets, bucket_ids):
+            grad = bucket.grad_data  # 1D, the whole bucket (fp32 with grad_reduce_in_fp32)
+            shard = grad.numel() // world
+            output = grad[rank * shard:(rank + 1) * shard]  # this rank's shard, in place
+            works.append(two_level_reduce_scatter(
+                output, grad, topology=topology, config=state.grad_config, op=op,
+                async_op=async_op, seed=state.seed(KIND_GRAD, bucket_id, group_id),
+                stats=state.stats))
+            state.grad_calls[bucket_id] += 1
+        self.grad_reduce_handle = BucketGroupWork(works) if async_op else None
+
+    return types.MethodType(start_grad_sync, bucket_group)
+

@@ -1,0 +1,119 @@
+"""qWD in megatron-core's parameter sync: main-shard views, the replaced copy and all-gather.
+
+megatron-core 0.16.1, bf16/fp16 parameters with the distributed optimizer:
+
+* ``DistributedOptimizer.step_with_ready_grads`` runs the inner Adam step on the fp32 main
+  shards, then ``_copy_main_params_to_model_params`` writes each main shard, cast to bf16,
+  into *this rank's shard of the bucket's* ``param_data`` (the replica), then, without
+  ``overlap_param_gather``, ``start_param_sync`` all-gathers every bucket's ``param_data``
+  from those shards. With ``overlap_param_gather`` the all-gathers are issued later, bucket
+  by bucket, from the forward pre-hooks of the next iteration.
+* So between the Adam step and the all-gather, the replica shard still holds the previous
+  replica *unless the copy has run*. The installed copy therefore skips the 16-bit groups:
+  the replica shard keeps the old values (no extra copy of the weights is needed to take the
+  difference), and the replaced ``start_param_sync`` sends ``Q(main - replica shard)`` and
+  applies every rank's dequantized difference on every rank (the owner too), which both
+  updates the replica and keeps it bitwise identical across DP ranks.
+
+The main shard of a bucket is not contiguous in the optimizer (one fp32 tensor per
+parameter piece), so each all-gather first gathers this rank's pieces into a shard-sized
+fp32 scratch buffer (1/W of the bucket), zero where the shard holds padding.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+
+import torch
+
+from megatron.sdp4bit.comm import weight_difference_all_gather
+from megatron.sdp4bit.integration.state import KIND_PARAM, RunState
+from megatron.sdp4bit.integration.work import BucketGroupWork
+
+
+@dataclass
+class MainShard:
+    """This rank's fp32 main weights of one bucket, as (offset in the shard, tensor) pieces."""
+
+    numel: int
+    device: torch.device
+    pieces: list[tuple[int, torch.Tensor]]  # (start in the local shard, 1D fp32 main param)
+    scratch: torch.Tensor | None = None  # 1D fp32, numel; allocated on first use
+
+    def gather(self) -> torch.Tensor:
+        if self.scratch is None:  # zeros stay where the shard holds padding
+            self.scratch = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        for start, main in self.pieces:
+            self.scratch[start:start + main.numel()].copy_(main.view(-1))
+        return self.scratch
+
+
+def main_shards(optimizers, bucket_id_of: dict[int, int], dp_rank_of: dict[int, int],
+                world_of: dict[int, int]) -> dict[int, MainShard]:
+    """Bucket id -> :class:`MainShard`, read from every ``DistributedOptimizer``'s range maps.
+
+    ``bucket_id_of`` / ``dp_rank_of`` / ``world_of`` are keyed by ``id(bucket)``.
+    Uses ``model_float16_groups`` / ``shard_fp32_from_float16_groups`` (parallel lists of
+    model params and their fp32 main shards), ``model_param_gbuf_map`` (param -> buffer,
+    bucket) and the range map's ``gbuf_world_in_bucket`` (the piece's place in the bucket).
+    """
+    shards: dict[int, MainShard] = {}
+    for opt in optimizers:
+        for model_group, main_group in zip(opt.model_float16_groups,
+                                           opt.shard_fp32_from_float16_groups):
+            for model_param, main in zip(model_group, main_group):
+                gbuf_index, _, bucket_index = opt.model_param_gbuf_map[model_param]
+                bucket = opt.buffers[gbuf_index].buckets[bucket_index]
+                key = id(bucket)
+                world = world_of[key]
+                shard = bucket.param_data.numel() // world
+                world_range = opt._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
+                start = world_range.start - dp_rank_of[key] * shard
+                assert 0 <= start and start + main.numel() <= shard, "piece outside the shard"
+                entry = shards.setdefault(bucket_id_of[key], MainShard(shard, bucket.param_data.device, []))
+                entry.pieces.append((start, main))
+    return shards
+
+
+def make_start_param_sync(bucket_group, *, bucket_ids: list[int], shards: dict[int, MainShard],
+                          group_id: int, state: RunState):
+    """A ``start_param_sync`` for ``bucket_group`` (megatron-core's contract, qWD inside)."""
+
+    def start_param_sync(self, force_sync: bool = False) -> None:
+        assert self.ddp_config.use_distributed_optimizer
+        if force_sync:
+            if self.param_gather_handle is not None:
+                self.param_gather_handle.wait()
+                self.param_gather_handle = None
+                return
+        else:
+            assert self.param_gather_handle is None
+        async_op = self.ddp_config.overlap_param_gather and not force_sync
+        group = self.intra_distributed_optimizer_instance_group
+        works = []
+        for bucket, bucket_id in zip(self.buckets, bucket_ids):
+            shard = shards[bucket_id]
+            works.append(weight_difference_all_gather(
+                bucket.param_data, shard.gather(), group=group, config=state.weight_config,
+                seed=state.seed(KIND_PARAM, bucket_id, group_id), stats=state.stats,
+                async_op=async_op))
+            state.param_calls[bucket_id] += 1
+        self.param_gather_handle = BucketGroupWork(works) if async_op else None
+        self.param_gather_dispatched = True
+
+    return types.MethodType(start_param_sync, bucket_group)
+
+
+def make_copy_main_params_to_model_params(optimizer):
+    """The optimizer's copy with the 16-bit groups left to the qWD all-gather.
+
+    fp32 model parameters (``model_fp32_groups``) are views of the replica that the inner
+    optimizer updated in place; install refuses qWD when there are any, so the copy has
+    nothing left to do.
+    """
+
+    def _copy_main_params_to_model_params(self) -> None:
+        assert not any(self.model_fp32_groups), "qWD installed with fp32 model params"
+
+    return types.MethodType(_copy_main_params_to_model_params, optimizer)
