@@ -78,12 +78,16 @@ def _dp_ranks_per_node() -> int:
     return sum(1 for g in members if g // GLOBAL_RANKS_PER_NODE == me)
 
 
-def _run(setup, cfg, steps: int = STEPS, *, install: bool = True, then_uninstall: bool = False):
-    """Train ``steps`` steps; check replicas every step. Returns (losses, handle, ddp)."""
+def _run(setup, cfg, steps: int = STEPS, *, install: bool = True, then_uninstall: bool = False,
+         layout=None):
+    """Train ``steps`` steps; check replicas every step. Returns (losses, handle, ddp).
+
+    ``layout``: the config whose bucket padding to build with (default ``cfg``).
+    """
     import _tiny_gpt as T
     from megatron.sdp4bit.integration import install_sdp4bit
 
-    ddp, optimizer = T.build(setup, padding_for=cfg)
+    ddp, optimizer = T.build(setup, padding_for=layout or cfg)
     handle = install_sdp4bit([ddp], optimizer, cfg) if install and cfg.enabled else None
     if then_uninstall:
         handle.uninstall()
@@ -201,6 +205,17 @@ def _uninstall_worker(rank: int, world_size: int) -> None:
     for a, b in zip(T.param_buffers(ddp), T.param_buffers(ref_ddp)):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     assert handle.stats.snapshot() == dict.fromkeys(handle.stats.snapshot(), 0)
+
+    # gradients_quantization_start_iteration=2: megatron-core's reduce-scatter for iterations
+    # 0 and 1 (so the losses through step 2 are the baseline's, bit for bit), TLq after.
+    late = dataclasses.replace(cfg, quantized_weights=False, hadamard_transform=False,
+                               gradients_quantization_start_iteration=2)
+    losses, handle, _ = _run(setup, late, steps, layout=cfg)
+    assert losses[:3] == ref_losses[:3] and losses[3] != ref_losses[3]
+    for bid in handle.bucket_numels:
+        assert handle.state.unquantized_grad_calls[bid] == 2
+        assert handle.state.grad_calls[bid] == steps - 2
+    assert handle.state.param_calls == {}
 
     # Install, train quantized, uninstall: megatron-core's own methods are back.
     ddp, optimizer = T.build(setup, padding_for=cfg)
