@@ -114,6 +114,25 @@ def test_same_seed_same_bytes():
     assert not torch.equal(a.data, c.data)
 
 
+def _mix32_exact(x: int) -> int:
+    m = 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & m
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & m
+    return x ^ (x >> 16)
+
+
+def test_uniform_matches_exact_integer_hash():
+    """The vectorized int64 hash (which relies on wrapping multiplies) equals exact integers."""
+    seed = 0x0123456789ABCDEF
+    k0, k1 = seed & 0xFFFFFFFF, seed >> 32
+    idx = [0, 1, 2, 12345, 2**31 - 1, 2**31, 2**32 - 1]
+    expected = [(_mix32_exact(_mix32_exact(i ^ k0) ^ k1) >> 8) * 2.0**-24 for i in idx]
+    got = [float(uniform(seed, i, 1)[0]) for i in idx]
+    assert got == expected
+
+
 def test_uniform_stream_is_counter_based():
     full = uniform(99, 0, 1000)
     assert torch.equal(uniform(99, 300, 200), full[300:500])

@@ -77,7 +77,15 @@ def split_messages(wire: torch.Tensor, count: int, numel: int, bits: int, group_
             f"wire buffer must be 1D uint8 with at least {count * nbytes} bytes, got "
             f"{tuple(wire.shape)} {wire.dtype}"
         )
+    if wire.storage_offset() % 4 or nbytes % 4:
+        raise ValueError(
+            f"wire buffer messages must start at 4-byte offsets (storage offset "
+            f"{wire.storage_offset()}, message of {nbytes} bytes): pad the buffer"
+        )
     ngroups = num_groups(numel, group_size)
+    if count * nbytes == 0:
+        empty = wire[:0]
+        return empty.view(torch.float32).view(count, 0), empty.view(count, 0)
     msgs = wire[: count * nbytes].view(count, nbytes)
     return msgs[:, : 4 * ngroups].view(torch.float32), msgs[:, 4 * ngroups:]
 

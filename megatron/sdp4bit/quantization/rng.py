@@ -25,20 +25,21 @@ MIX_C2 = 0x846CA68B
 _GOLDEN64 = 0x9E3779B97F4A7C15
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """``(x * c) mod 2**32`` for int64 ``x`` in [0, 2**32), without int64 overflow."""
-    lo = c & 0xFFFF
-    hi = c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & MASK32
+def mix32_(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32, in place, on an int64 tensor holding uint32 values.
 
-
-def mix32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 on int64 tensors holding uint32 values."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, MIX_C1)
-    x = x ^ (x >> 15)
-    x = _mul32(x, MIX_C2)
-    return x ^ (x >> 16)
+    The products overflow int64 (up to 2**64); torch's int64 multiply wraps like the
+    hardware's, and only the low 32 bits are kept, which wrapping leaves exact. (The unit
+    tests check this against Python's exact integers.)
+    """
+    x ^= x >> 16
+    x *= MIX_C1
+    x &= MASK32
+    x ^= x >> 15
+    x *= MIX_C2
+    x &= MASK32
+    x ^= x >> 16
+    return x
 
 
 def split_seed(seed: int) -> tuple[int, int]:
@@ -51,9 +52,13 @@ def uniform(seed: int, start: int, numel: int, device: torch.device | str = "cpu
     if start < 0 or start + numel > (1 << 32):
         raise ValueError(f"random-stream indices [{start}, {start + numel}) exceed 2**32")
     k0, k1 = split_seed(seed)
-    idx = torch.arange(start, start + numel, dtype=torch.int64, device=device)
-    h = mix32(mix32(idx ^ k0) ^ k1)
-    return (h >> 8).to(torch.float32) * (2.0**-24)
+    h = torch.arange(start, start + numel, dtype=torch.int64, device=device)
+    h ^= k0
+    mix32_(h)
+    h ^= k1
+    mix32_(h)
+    h >>= 8
+    return h.to(torch.float32).mul_(2.0**-24)
 
 
 def derive_seed(*parts: int) -> int:

@@ -42,7 +42,7 @@ _STREAM_LIMIT = 1 << 32
 
 @triton.jit
 def _mix32(x):
-    """lowbias32 on uint32 lanes (see :func:`..rng.mix32`)."""
+    """lowbias32 on uint32 lanes (see :func:`..rng.mix32_`)."""
     x = x ^ (x >> 16)
     x = x * 0x7FEB352D
     x = x ^ (x >> 15)
