@@ -132,8 +132,9 @@ accuracy_args() {
     ARGS+=(${EXTRA_ARGS:-})
 }
 
-# speed_args MODEL METHOD -> ARGS: Table 2 runs (mock data, micro batch 1, no accumulation,
-# 30 iterations: the paper reports the mean of the 10 after 20 warm-up iterations).
+# speed_args MODEL METHOD -> ARGS: Table 2 runs (mock data, so no data files are needed;
+# micro batch 1, no accumulation; 30 iterations: the paper reports the mean of the 10 after
+# 20 warm-up iterations).
 speed_args() {
     model_card "$1"
     method_args "$2"
@@ -154,7 +155,8 @@ speed_args() {
         --tensor-model-parallel-size "$tp" --pipeline-model-parallel-size "$pp"
         --micro-batch-size "$micro" --global-batch-size "$((micro * dp))"
         --train-iters "${TRAIN_ITERS:-30}" --mock-data
-        --tokenizer-type GPT2BPETokenizer --vocab-file "$VOCAB_FILE" --merge-file "$MERGE_FILE"
+        # GPT-2's vocabulary size without its files: the same padded embedding (50,304 rows)
+        --tokenizer-type NullTokenizer --vocab-size 50257
         --log-interval 1 --eval-interval 1000000 --eval-iters 0
         --tensorboard-dir "$RUN_DIR/tensorboard" --metrics-jsonl "$RUN_DIR/metrics.jsonl"
     )

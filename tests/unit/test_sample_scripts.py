@@ -208,6 +208,8 @@ def test_speed_scripts_under_slurm_use_the_papers_parallelism(cluster, fake_bin,
             assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (tp, pp)
             assert (args.num_layers, args.hidden_size, args.num_attention_heads) == SPEED_SHAPES[model]
             assert args.mock_data and args.micro_batch_size == 1 and args.num_microbatches == 1
+            # GPT-2's vocabulary size, without needing its files
+            assert (args.tokenizer_type, args.vocab_size) == ("NullTokenizer", 50257)
             assert args.global_batch_size == 4 * gpus // (tp * pp)
             assert args.train_iters == 30 and args.log_interval == 1
             check_method(args, method)
