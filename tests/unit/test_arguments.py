@@ -115,7 +115,12 @@ ERRORS = {
     "fp16-and-bf16": ("--fp16 --bf16", "--fp16 and --bf16 are mutually exclusive: pass one"),
     "unknown-flag": ("--no-such-flag", "unrecognized arguments: --no-such-flag"),
     "bad-bits": ("--use-distributed-optimizer --weight-quantization-bits 3",
-                 "weight_quantization_bits=3 is not supported: use one of (4, 8)"),
+                 "--weight-quantization-bits=3 is not supported: use one of (4, 8)"),
+    "hadamard-group": ("--use-distributed-optimizer --quantized-gradients --hadamard-transform "
+                       "--gq-group-size-inter 48",
+                       "--gq-group-size-inter=48 is not a multiple of --hadamard-block-size=32"),
+    "qwd-fp32": ("--use-distributed-optimizer --quantized-weights",
+                 "--quantized-weights requires 16-bit parameters: add --bf16 (or --fp16)"),
     "bad-choice": ("--weight-quantization-mode half", "argument --weight-quantization-mode: "
                    "invalid choice: 'half' (choose from diff, direct)"),
     "warmup-both": ("--lr-warmup-fraction 0.1 --lr-warmup-iters 3",

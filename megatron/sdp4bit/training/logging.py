@@ -30,7 +30,7 @@ def format_train_line(m: dict[str, Any]) -> str:
         f" [{stamp}] iteration {m['iteration']:8d}/{m['train_iters']:8d} |"
         f" consumed samples: {m['consumed_samples']:12d} |"
         f" elapsed time per iteration (ms): {m['elapsed_ms']:.1f} |"
-        f" throughput per GPU (TFLOP/s/GPU): {m['tflops_per_gpu']:.1f} |"
+        f" throughput per GPU (TFLOP/s/GPU): {m['tflops_per_gpu']:.4f} |"
         f" learning rate: {m['learning_rate']:.6E} |"
         f" global batch size: {m['global_batch_size']:5d} |"
         f" lm loss: {m['lm_loss']:.6E} |"

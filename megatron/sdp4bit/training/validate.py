@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 from megatron.sdp4bit.training.arguments import ArgumentsError
 from megatron.sdp4bit.training.sdp4bit_flags import sdp4bit_config_from_args
@@ -131,11 +132,19 @@ def _check_sdp4bit(args: argparse.Namespace) -> None:
     try:
         config = sdp4bit_config_from_args(args)
     except ValueError as err:
-        _fail(str(err).splitlines()[0])
+        # The config speaks in field names (wq_group_size=...); a user typed flags.
+        message = re.sub(r"\b([a-z]+(?:_[a-z0-9]+)+)=",
+                         lambda m: "--" + m.group(1).replace("_", "-") + "=",
+                         str(err).splitlines()[0])
+        _fail(message)
         return
     if config.enabled and not args.use_distributed_optimizer:
         on = "--quantized-weights" if config.quantized_weights else "--quantized-gradients"
         _fail(f"{on} requires --use-distributed-optimizer")
+    if config.quantized_weights and not (args.bf16 or args.fp16):
+        # With fp32 parameters the optimizer updates the replica in place: no old replica is
+        # left to take the weight difference against (see integration/install.py).
+        _fail("--quantized-weights requires 16-bit parameters: add --bf16 (or --fp16)")
     if config.dp_ranks_per_node is not None and args.data_parallel_size % config.dp_ranks_per_node:
         _fail(f"--dp-ranks-per-node={config.dp_ranks_per_node} does not divide the data-parallel "
               f"size {args.data_parallel_size}")
