@@ -41,7 +41,7 @@ def _check_step(replica: torch.Tensor, values: list[float]) -> list[float]:
     raw = torch.cat([replica.contiguous().view(torch.uint8),
                      torch.tensor(values, dtype=torch.float64).view(torch.uint8)])
     everything = torch.empty(world * raw.numel(), dtype=torch.uint8)
-    dist.all_gather_into_tensor(everything, raw)
+    dist.all_gather_single(everything, raw)
     rows = everything.view(world, -1)
     nbytes = replica.numel() * replica.element_size()
     assert bool((rows[:, :nbytes] == raw[:nbytes]).all()), "replicas differ between ranks (I1)"
@@ -138,7 +138,7 @@ def _async_and_plain_cases(rank: int, world: int) -> None:
         handle = unquantized_all_gather(plain, main, group=None, stats=stats, async_op=True)
         handle.wait()
         everything = torch.empty(world * SHARD)
-        dist.all_gather_into_tensor(everything, main)
+        dist.all_gather_single(everything, main)
         assert torch.equal(plain, everything.to(dtype))
         sent = (world - 1) * SHARD * plain.element_size()
         assert (stats.param_bytes, stats.param_bytes_baseline) == (sent, sent)
@@ -148,7 +148,7 @@ def _byte_cases(rank: int, world: int) -> None:
     from megatron.sdp4bit.comm import CommStats, WeightQuantConfig, weight_difference_all_gather
 
     counted = []
-    original = dist.all_gather_into_tensor
+    original = dist.all_gather_single
 
     def counting(output, input, *args, **kwargs):
         # bytes leaving this rank: its message to each of the W - 1 others
@@ -156,7 +156,7 @@ def _byte_cases(rank: int, world: int) -> None:
         return original(output, input, *args, **kwargs)
 
     stats = CommStats()
-    dist.all_gather_into_tensor = counting
+    dist.all_gather_single = counting
     try:
         for bits, dtype in ((4, torch.bfloat16), (8, torch.float32)):
             cfg = WeightQuantConfig(bits=bits, group_size=GROUP, kernel_backend="torch")
@@ -165,7 +165,7 @@ def _byte_cases(rank: int, world: int) -> None:
             weight_difference_all_gather(replica, main, group=None, config=cfg, seed=0,
                                          stats=stats)
     finally:
-        dist.all_gather_into_tensor = original
+        dist.all_gather_single = original
     expected = sum((world - 1) * (4 * math.ceil(SHARD / GROUP) + SHARD * bits // 8)
                    for bits in (4, 8))
     assert stats.param_bytes == expected == sum(counted)

@@ -1,4 +1,4 @@
-"""TLq / TLq-HS two-level reduce-scatter on real gloo ranks, one spawn per N x M topology.
+"""TLq / TLq-HS two-level reduce-scatter on real gloo ranks, every N x M topology in one spawn.
 
 [Note: the error bounds these tests assert]
 A b-bit group quantizer with scale ``s = absmax / qmax`` (``qmax = 2**(b-1) - 1``) makes a
@@ -37,7 +37,6 @@ from _spawn import spawn
 
 pytestmark = pytest.mark.distributed
 
-TOPOLOGIES = [(2, 1), (1, 2), (2, 2), (2, 3), (4, 2), (2, 4), (1, 4), (4, 1)]  # (N, M)
 G_INTRA, G_INTER, H = 64, 32, 32
 SHARD = 512  # elements per rank's shard: a multiple of the divisor's per-shard unit at P=4
 
@@ -110,7 +109,7 @@ def _check_error(out: torch.Tensor, shards: torch.Tensor, n: int, m: int, cfg, a
 def _gather_shards(x: torch.Tensor, group, world: int, rank: int) -> torch.Tensor:
     """[W, S] fp64: every rank's input values for this rank's shard."""
     everything = torch.empty(world * x.numel(), dtype=torch.float64)
-    dist.all_gather_into_tensor(everything, x.double(), group=group)
+    dist.all_gather_single(everything, x.double(), group=group)
     s = x.numel() // world
     return everything.view(world, world, s)[:, rank, :]
 
@@ -147,13 +146,14 @@ def _accuracy_cases(topo, world: int, rank: int) -> None:
         for o, x in zip(outs, xs):
             shards = _gather_shards(x, topo.group, world, rank)
             _check_error(o, shards, topo.ranks_per_node, topo.nodes, cfg, op == ReduceOp.AVG)
-    # Same data as torch's own reduce_scatter_tensor (gloo supports it for fp32 SUM).
+    # Same data as torch's own reduce-scatter (reduce_scatter_single, the new name of
+    # reduce_scatter_tensor; gloo supports it for fp32 SUM).
     cfg = GradientQuantConfig(intra_group_size=G_INTRA, inter_group_size=G_INTER,
                               hadamard_block=H, pipeline_slices=2, kernel_backend="torch")
     x = _data(rank, world * SHARD, 99)
     ours, theirs = torch.empty(SHARD), torch.empty(SHARD)
     two_level_reduce_scatter(ours, x, topology=topo, config=cfg, seed=3)
-    dist.reduce_scatter_tensor(theirs, x.clone(), group=topo.group)
+    dist.reduce_scatter_single(theirs, x.clone(), group=topo.group)
     shards = _gather_shards(x, topo.group, world, rank)
     bound, _, mag = _bounds(shards, topo.ranks_per_node, topo.nodes, cfg, False, 1.0)
     diff = _hadamard64(ours.double() - theirs.double(), H)
@@ -284,61 +284,78 @@ def _bad_input_cases(topo, world: int, rank: int) -> None:
 
 
 def _topology_cases(topo, n: int, m: int, world: int, rank: int) -> None:
-    from megatron.sdp4bit.comm import GradientQuantConfig, build_topology, \
-        two_level_reduce_scatter
+    from megatron.sdp4bit.comm import build_topology
 
+    ranks = dist.get_process_group_ranks(topo.group)  # global ranks in DP-rank order
     assert (topo.world, topo.ranks_per_node, topo.nodes) == (world, n, m)
     assert (topo.rank, topo.node, topo.local) == (rank, rank // n, rank % n)
     if n > 1:
-        assert dist.get_process_group_ranks(topo.intra_group) == list(
-            range(topo.node * n, topo.node * n + n))
+        assert dist.get_process_group_ranks(topo.intra_group) == ranks[
+            topo.node * n:(topo.node + 1) * n]
     else:
         assert topo.intra_group is None
     if m > 1:
-        assert dist.get_process_group_ranks(topo.inter_group) == list(
-            range(topo.local, world, n))
+        assert dist.get_process_group_ranks(topo.inter_group) == ranks[topo.local::n]
     else:
         assert topo.inter_group is None
-    assert build_topology(None, ranks_per_node=n) == topo  # cached: no new groups
-    with pytest.raises(ValueError, match="does not divide the DP size"):
-        build_topology(None, ranks_per_node=world + 1)
+    group = None if topo.group is dist.group.WORLD else topo.group
+    assert build_topology(group, ranks_per_node=n) == topo  # cached: no new groups
+    with pytest.raises(ValueError, match="ranks_per_node=7 does not divide the DP size"):
+        build_topology(group, ranks_per_node=7)  # same on every rank; divides no DP size
     # Detection from host names: every rank of this test runs on one host -> N = W, M = 1.
-    detected = build_topology(None)
+    detected = build_topology(group)
     assert (detected.ranks_per_node, detected.nodes) == (world, 1)
-    if world % 4 == 0:
-        # DP as a subgroup of a larger world (TP=2 x DP=W/2): every rank creates both DP
-        # groups; build_topology must create every subgroup on every rank in one order.
-        dp_groups = [dist.new_group(list(range(t, world, 2))) for t in (0, 1)]
-        dp = dp_groups[rank % 2]
-        sub = build_topology(dp, ranks_per_node=2)
-        dp_world, dp_rank = world // 2, rank // 2
-        assert (sub.world, sub.ranks_per_node, sub.nodes, sub.rank) == (dp_world, 2,
-                                                                          dp_world // 2, dp_rank)
-        cfg = GradientQuantConfig(intra_group_size=G_INTRA, inter_group_size=G_INTER,
-                                  kernel_backend="torch")
-        x = _data(rank, dp_world * SHARD, 11)
-        out = torch.empty(SHARD)
-        two_level_reduce_scatter(out, x, topology=sub, config=cfg, seed=0)
-        _check_error(out, _gather_shards(x, dp, dp_world, dp_rank), 2, dp_world // 2, cfg,
-                     False)
-        if n not in (1, world):  # these overrides were never built: all ranks gather and fail
-            with pytest.raises(ValueError, match="ranks_per_node differs between ranks"):
-                build_topology(None, ranks_per_node=1 if rank == 0 else world)
     dist.barrier()
 
 
-def _worker(rank: int, world: int, n: int) -> None:
+# One spawn of 8 ranks serves every topology: process start-up (importing torch) costs far
+# more than the collectives, so each phase carves the world into DP groups of W = N x M
+# ranks. Strided groups are what TP x DP looks like (TP=4 x DP=2: DP groups {0, 4}, ...);
+# every rank creates every DP group, as torch.distributed requires. No DP group appears in
+# two phases with the same role, because build_topology's cache makes a repeated call
+# collective-free: all ranks must repeat a call together or not at all.
+WORLD = 8
+PHASES = [  # (N, M, DP groups as global ranks)
+    (2, 1, [[t, t + 4] for t in range(4)]),
+    (1, 2, [[0, 3], [1, 2], [4, 7], [5, 6]]),  # not {6, 7}: the 2x3 phase builds that one
+    (2, 2, [[0, 2, 4, 6], [1, 3, 5, 7]]),
+    (1, 4, [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    (4, 1, [[0, 2, 4, 6], [1, 3, 5, 7]]),
+    (2, 3, [[0, 1, 2, 3, 4, 5], [6, 7]]),  # ranks 6 and 7 run a 2 x 1 beside it
+    (4, 2, [list(range(WORLD))]),
+    (2, 4, [list(range(WORLD))]),
+]
+
+
+def _phase(n: int, dp_groups: list[list[int]]) -> None:
     from megatron.sdp4bit.comm import build_topology
 
-    topo = build_topology(None, ranks_per_node=n)
-    m = world // n
-    _topology_cases(topo, n, m, world, rank)
+    handles = [None if len(g) == WORLD else dist.new_group(g) for g in dp_groups]
+    me = dist.get_rank()
+    index = next(i for i, g in enumerate(dp_groups) if me in g)
+    topo = build_topology(handles[index], ranks_per_node=n)
+    world, rank = len(dp_groups[index]), dp_groups[index].index(me)
+    _topology_cases(topo, topo.ranks_per_node, topo.nodes, world, rank)
     _accuracy_cases(topo, world, rank)
     _pipeline_and_variant_cases(topo, world, rank)
     _byte_cases(topo, world, rank)
     _bad_input_cases(topo, world, rank)
 
 
-@pytest.mark.parametrize("n,m", TOPOLOGIES, ids=[f"{n}x{m}" for n, m in TOPOLOGIES])
-def test_two_level_reduce_scatter(n: int, m: int) -> None:
-    spawn(_worker, n * m, n, timeout=240)
+def _worker(rank: int, world: int) -> None:
+    for n, m, dp_groups in PHASES:
+        try:
+            _phase(n, dp_groups)
+        except Exception as exc:
+            raise AssertionError(f"topology {n}x{m} (DP groups {dp_groups}): {exc}") from exc
+    # An override that differs between ranks, never built before: every rank fails alike.
+    from megatron.sdp4bit.comm import build_topology
+
+    with pytest.raises(ValueError, match="ranks_per_node differs between ranks"):
+        build_topology(None, ranks_per_node=1 if rank == 0 else WORLD)
+    dist.barrier()
+
+
+def test_two_level_reduce_scatter_all_topologies() -> None:
+    """Topologies N x M = 2x1, 1x2, 2x2, 1x4, 4x1, 2x3, 4x2, 2x4 (see PHASES)."""
+    spawn(_worker, WORLD, timeout=180)

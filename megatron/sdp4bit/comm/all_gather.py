@@ -35,6 +35,14 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 HOP_PARAM = 2  # distinct from the gradient hops' seeds
 
 
+def _all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None
+                ) -> dist.Work:
+    # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; the
+    # same collective either way. Looked up per call so that tests can count what it sends.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input, group=group, async_op=True)
+
+
 def _validate(replica: torch.Tensor, main_shard: torch.Tensor, world: int) -> None:
     for name, tensor in (("replica", replica), ("main_shard", main_shard)):
         if tensor.dtype not in _FLOAT_DTYPES:
@@ -105,7 +113,7 @@ def weight_difference_all_gather(replica: torch.Tensor, main_shard: torch.Tensor
                    stochastic=config.stochastic, seed=derive_seed(seed, HOP_PARAM, 0, rank),
                    backend=config.kernel_backend)
     wire = torch.empty(world * nbytes, dtype=torch.uint8, device=replica.device)  # W messages
-    handle = dist.all_gather_into_tensor(wire, message, group=group, async_op=True)
+    handle = _all_gather(wire, message, group)
 
     def apply() -> None:
         ops.qwd_receiver(wire, replica, world=world, bits=config.bits,
@@ -131,5 +139,5 @@ def unquantized_all_gather(replica: torch.Tensor, main_shard: torch.Tensor, *,
         stats.param_bytes += sent
         stats.param_bytes_baseline += sent
     send = main_shard.view(-1).to(replica.dtype, copy=True)  # a copy: the output overlaps it
-    handle = dist.all_gather_into_tensor(replica.view(-1), send, group=group, async_op=True)
+    handle = _all_gather(replica.view(-1), send, group)
     return _finish_with(handle, None, (send,), async_op)
