@@ -16,6 +16,7 @@ what makes it much worse on weights that change slowly.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -144,6 +145,24 @@ def _async_and_plain_cases(rank: int, world: int) -> None:
         assert (stats.param_bytes, stats.param_bytes_baseline) == (sent, sent)
 
 
+def _backend_cases(rank: int, world: int) -> None:
+    """The Triton kernels (interpreted on CPU) give the torch references' bits, here too."""
+    from megatron.sdp4bit.comm import WeightQuantConfig, weight_difference_all_gather
+    from megatron.sdp4bit.quantization.backend import triton_available
+
+    if not triton_available():
+        return
+    replicas = []
+    for backend in ("torch", "triton"):
+        replica = _initial(world, torch.bfloat16, 1.0)
+        main = replica[rank * SHARD:(rank + 1) * SHARD].float() + 0.01
+        weight_difference_all_gather(replica, main, group=None, seed=5,
+                                     config=WeightQuantConfig(group_size=GROUP,
+                                                              kernel_backend=backend))
+        replicas.append(replica)
+    assert torch.equal(replicas[0], replicas[1]), "triton and torch backends disagree"
+
+
 def _byte_cases(rank: int, world: int) -> None:
     from megatron.sdp4bit.comm import CommStats, WeightQuantConfig, weight_difference_all_gather
 
@@ -192,9 +211,13 @@ def _bad_input_cases(rank: int, world: int) -> None:
 
 
 def _worker(rank: int, world: int, steps: int) -> None:
+    # CPU tensors reach the Triton kernels only through the interpreter; triton reads this
+    # when it is imported, so set it before anything imports triton.
+    os.environ["TRITON_INTERPRET"] = "1"
     _qwd_cases(rank, world, steps)
     _async_and_plain_cases(rank, world)
     _byte_cases(rank, world)
+    _backend_cases(rank, world)
     _bad_input_cases(rank, world)
 
 

@@ -27,6 +27,7 @@ AVG divides everything by W. fp32 arithmetic adds ~1e-6 relative (slack 1e-5 of
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -34,6 +35,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from _spawn import spawn
+from megatron.sdp4bit.quantization.backend import triton_available
 
 pytestmark = pytest.mark.distributed
 
@@ -259,6 +261,21 @@ def _byte_cases(topo, world: int, rank: int) -> None:
     assert stats.snapshot() == dict.fromkeys(snap, 0) and snap["grad_intra_bytes"] == intra
 
 
+def _backend_cases(topo, world: int, rank: int) -> None:
+    """The Triton kernels (interpreted on CPU) give the torch references' bits, here too."""
+    from megatron.sdp4bit.comm import GradientQuantConfig, two_level_reduce_scatter
+
+    x = _data(rank, world * SHARD, 12).to(torch.bfloat16)
+    outs = []
+    for backend in ("torch", "triton"):
+        cfg = GradientQuantConfig(intra_group_size=G_INTRA, inter_group_size=G_INTER,
+                                  hadamard_block=H, pipeline_slices=2, kernel_backend=backend)
+        out = torch.empty(SHARD)
+        two_level_reduce_scatter(out, x, topology=topo, config=cfg, op=ReduceOp.AVG, seed=6)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]), "triton and torch backends disagree"
+
+
 def _bad_input_cases(topo, world: int, rank: int) -> None:
     """Every rank raises the same ValueError before any collective; the group stays usable."""
     from megatron.sdp4bit.comm import GradientQuantConfig, two_level_reduce_scatter
@@ -339,10 +356,15 @@ def _phase(n: int, dp_groups: list[list[int]]) -> None:
     _accuracy_cases(topo, world, rank)
     _pipeline_and_variant_cases(topo, world, rank)
     _byte_cases(topo, world, rank)
+    if topo.ranks_per_node > 1 and topo.nodes > 1 and triton_available():
+        _backend_cases(topo, world, rank)
     _bad_input_cases(topo, world, rank)
 
 
 def _worker(rank: int, world: int) -> None:
+    # CPU tensors reach the Triton kernels only through the interpreter; triton reads this
+    # when it is imported, so set it before anything imports triton.
+    os.environ["TRITON_INTERPRET"] = "1"
     for n, m, dp_groups in PHASES:
         try:
             _phase(n, dp_groups)
