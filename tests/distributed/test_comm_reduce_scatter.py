@@ -148,6 +148,16 @@ def _accuracy_cases(topo, world: int, rank: int) -> None:
         for o, x in zip(outs, xs):
             shards = _gather_shards(x, topo.group, world, rank)
             _check_error(o, shards, topo.ranks_per_node, topo.nodes, cfg, op == ReduceOp.AVG)
+    # In place, as megatron-core calls it: the output is this rank's shard of the input.
+    for async_op in (False, True):
+        x = _data(rank, world * SHARD, 13)
+        expected = torch.empty(SHARD)
+        two_level_reduce_scatter(expected, x, topology=topo, config=cfg, seed=8)
+        handle = two_level_reduce_scatter(x[rank * SHARD:(rank + 1) * SHARD], x, topology=topo,
+                                          config=cfg, seed=8, async_op=async_op)
+        if handle is not None:
+            handle.wait()
+        assert torch.equal(x[rank * SHARD:(rank + 1) * SHARD], expected)
     # Same data as torch's own reduce-scatter (reduce_scatter_single, the new name of
     # reduce_scatter_tensor; gloo supports it for fp32 SUM).
     cfg = GradientQuantConfig(intra_group_size=G_INTRA, inter_group_size=G_INTER,

@@ -109,8 +109,10 @@ def two_level_reduce_scatter(output: torch.Tensor, input: torch.Tensor, *,
     ``input.numel() // W`` elements, any of those dtypes (accumulation is fp32). ``op``: SUM or
     AVG. ``seed``: 64-bit seed of this call's rounding noise (derive it from the user seed,
     iteration and bucket). ``stats``: byte counters to add to. Returns a
-    :class:`CollectiveWork` when ``async_op`` (``input`` and ``output`` must stay untouched
-    until ``wait()``), else None. See [Note: the two-hop schedule].
+    :class:`CollectiveWork` when ``async_op`` (``output`` must stay untouched until
+    ``wait()``), else None. ``input`` is fully read (quantized) before this returns, so
+    ``output`` may be this rank's shard of ``input`` itself (megatron-core's in-place call).
+    See [Note: the two-hop schedule].
     """
     _validate(output, input, topology, config, op)
     _record(stats, topology, config, output.numel(), input.element_size())
