@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron.sdp4bit.comm import CommStats, GradientQuantConfig, WeightQuantConfig
-from megatron.sdp4bit.comm.topology import _resolve_n
+from megatron.sdp4bit.comm.topology import _resolve_n, node_id
 from megatron.sdp4bit.config import SDP4BitConfig
 
 
@@ -68,6 +68,17 @@ def test_topology_from_host_names() -> None:
     assert _resolve_n(ranks, ["a"] * 6, 3) == 3
     with pytest.raises(ValueError, match="ranks_per_node=4 does not divide the DP size 6"):
         _resolve_n(ranks, ["a"] * 6, 4)
+
+
+def test_node_id_tells_torchrun_agents_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    monkeypatch.delenv("GROUP_RANK", raising=False)
+    assert node_id() == socket.gethostname()
+    monkeypatch.setenv("GROUP_RANK", "1")
+    assert node_id() == socket.gethostname() + "/node1"
+    # two agents of 2 ranks on one host: two nodes
+    assert _resolve_n((0, 1, 2, 3), ["h/node0", "h/node0", "h/node1", "h/node1"], None) == 2
 
 
 def test_stats_reset_and_totals() -> None:

@@ -9,7 +9,7 @@ inter-node group holds the M DP ranks with local index ``n`` (group rank = ``m``
 same order, even for groups it is not a member of. A DP group is usually a subgroup of the
 world (e.g. TP=2 x DP=2: DP groups {0, 2} and {1, 3}), and different ranks pass different DP
 groups. So :func:`build_topology` first all-gathers, over the whole world, each rank's DP group
-(as global ranks), its host name and its ranks-per-node override; then every rank validates
+(as global ranks), its :func:`node_id` and its ranks-per-node override; then every rank validates
 every DP group's layout and creates the subgroups of all DP groups in one global order. The
 result is cached per (DP group ranks, override), so a second call runs no collective.
 Validation runs on the gathered data, identical everywhere: a bad placement raises the same
@@ -18,6 +18,7 @@ Validation runs on the gathered data, identical everywhere: a bad placement rais
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass
 
@@ -75,6 +76,17 @@ def _layout_error(ranks: tuple[int, ...], hosts: list[str]) -> str | None:
     return None
 
 
+def node_id() -> str:
+    """Where this rank runs: the host name, plus torchrun's node rank when there is one.
+
+    ``GROUP_RANK`` (set by torchrun's agent) tells apart two torchrun agents on one host, i.e.
+    a multi-node launch simulated on one machine; without torchrun it is the host alone.
+    """
+    host = socket.gethostname()
+    agent = os.environ.get("GROUP_RANK")
+    return host if agent is None else f"{host}/node{agent}"
+
+
 def _resolve_n(ranks: tuple[int, ...], hosts: list[str], override: int | None) -> int:
     if override is not None:
         if override < 1 or len(ranks) % override:
@@ -93,8 +105,9 @@ def build_topology(group: ProcessGroup | None = None,
 
     Collective over the *default* group (see [Note: creating subgroups collectively]): every
     rank of the world calls it at the same point, each with its own DP group and the same
-    ``ranks_per_node``. ``ranks_per_node`` overrides detection from host names (tests,
-    simulations); ranks are then assumed to be placed as DP rank ``r = m * N + n``. A repeated
+    ``ranks_per_node``. Without it, N comes from where the ranks run (:func:`node_id`);
+    ``ranks_per_node`` overrides that (tests, simulations), the ranks then being taken as
+    placed as DP rank ``r = m * N + n``. A repeated
     call with the same arguments returns the cached subgroups without any collective, so
     either every rank repeats an earlier call or none does.
     """
@@ -121,7 +134,7 @@ def _create(key: tuple[tuple[int, ...], int | None]) -> None:
     """Gather every rank's DP group, validate all of them, create all subgroups in order."""
     my_ranks, override = key
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (my_ranks, override, socket.gethostname()))
+    dist.all_gather_object(gathered, (my_ranks, override, node_id()))
     host_of = {g: entry[2] for g, entry in enumerate(gathered)}
     overrides = {entry[1] for entry in gathered}
     if len(overrides) != 1:
