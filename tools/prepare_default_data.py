@@ -29,7 +29,6 @@ import argparse
 import hashlib
 import importlib.util
 import json
-import os
 import re
 import shutil
 import sqlite3

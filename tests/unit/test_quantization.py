@@ -23,7 +23,6 @@ from megatron.sdp4bit.quantization import (
     quantize,
 )
 from megatron.sdp4bit.quantization import format as fmt
-from megatron.sdp4bit.quantization import reference
 from megatron.sdp4bit.quantization.hadamard import hadamard_matrix
 from megatron.sdp4bit.quantization.rng import derive_seed, uniform
 

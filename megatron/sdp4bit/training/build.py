@@ -7,7 +7,6 @@ import argparse
 import logging
 import os
 import random
-import socket
 from datetime import timedelta
 
 import numpy
@@ -17,6 +16,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron.sdp4bit.comm.topology import node_id
 from megatron.sdp4bit.config import SDP4BitConfig
 from megatron.sdp4bit.integration import sdp4bit_padding
 from megatron.sdp4bit.training import checkpointing
@@ -64,10 +64,11 @@ def init_distributed(args: argparse.Namespace) -> None:
 
 
 def detect_dp_ranks_per_node() -> int:
-    """N = DP ranks sharing this rank's node. A node is a (host, torchrun node rank) pair, so
-    several ``torchrun --nnodes`` launches on one machine count as separate nodes."""
+    """N = DP ranks sharing this rank's node, where a node is what the comm layer's
+    :func:`~megatron.sdp4bit.comm.topology.node_id` says (host plus torchrun node rank, so
+    several ``torchrun --nnodes`` launches on one machine count as separate nodes)."""
     group = parallel_state.get_data_parallel_group()
-    key = f"{socket.gethostname()}/{os.environ.get('GROUP_RANK', '0')}"
+    key = node_id()
     keys: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(keys, key, group=group)
     counts = {k: keys.count(k) for k in keys}
