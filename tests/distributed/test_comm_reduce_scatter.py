@@ -271,6 +271,72 @@ def _byte_cases(topo, world: int, rank: int) -> None:
     assert stats.snapshot() == dict.fromkeys(snap, 0) and snap["grad_intra_bytes"] == intra
 
 
+def _advance_cases(topo, world: int, rank: int) -> None:
+    """``advance()`` issues the inter-node hops before ``wait()`` and changes no bit.
+
+    Counted by wrapping ``dist.all_to_all_single``: with two hops, the call issues the P intra
+    hops only, ``advance()`` the P inter hops (twice: still P), ``wait()`` nothing more. With
+    one hop the single all-to-all goes at call time and ``advance()`` issues nothing.
+    """
+    from megatron.sdp4bit.comm import GradientQuantConfig, two_level_reduce_scatter
+
+    two_hops = topo.ranks_per_node > 1 and topo.nodes > 1
+    issued = {"intra": 0, "inter": 0}
+    original = dist.all_to_all_single
+
+    def counting(output, input, *args, group=None, **kwargs):
+        issued["intra" if group is topo.intra_group else "inter"] += 1
+        return original(output, input, *args, group=group, **kwargs)
+
+    xs = [_data(rank, world * SHARD, 20 + b) for b in range(2)]
+    for p in (1, 2):
+        for stochastic in (False, True):
+            cfg = GradientQuantConfig(intra_group_size=G_INTRA, inter_group_size=G_INTER,
+                                      hadamard_block=H, pipeline_slices=p,
+                                      stochastic=stochastic, kernel_backend="torch")
+            expected = []
+            for b, x in enumerate(xs):  # synchronous: never advanced from outside
+                expected.append(torch.empty(SHARD))
+                two_level_reduce_scatter(expected[-1], x, topology=topo, config=cfg, seed=b)
+            # Async, waited without advance(): the inter hops go out inside wait().
+            plain = torch.empty(SHARD)
+            two_level_reduce_scatter(plain, xs[0], topology=topo, config=cfg, seed=0,
+                                     async_op=True).wait()
+            assert torch.equal(plain, expected[0])
+            # As the integration does it: bucket 0 is advanced before bucket 1 is issued.
+            outs = [torch.empty(SHARD) for _ in xs]
+            dist.all_to_all_single = counting
+            try:
+                issued.update(intra=0, inter=0)
+                first = two_level_reduce_scatter(outs[0], xs[0], topology=topo, config=cfg,
+                                                 seed=0, async_op=True)
+                at_call = dict(issued)
+                first.advance()
+                after_advance = dict(issued)
+                first.advance()  # idempotent
+                assert issued == after_advance and first.is_advanced()
+                assert not first.is_completed()
+                second = two_level_reduce_scatter(outs[1], xs[1], topology=topo, config=cfg,
+                                                  seed=1, async_op=True)
+                first.wait()
+                second.wait()
+                first.advance()  # after wait: nothing left, nothing issued
+                second.wait()
+            finally:
+                dist.all_to_all_single = original
+            if two_hops:
+                assert at_call == {"intra": p, "inter": 0}, at_call
+                assert after_advance == {"intra": p, "inter": p}, after_advance
+                assert issued == {"intra": 2 * p, "inter": 2 * p}, issued
+            else:
+                one = int(world > 1)
+                assert at_call == after_advance == {
+                    "intra": one if topo.nodes == 1 else 0,
+                    "inter": one if topo.nodes > 1 else 0}, (at_call, after_advance)
+            for out, exp in zip(outs, expected):
+                assert torch.equal(out, exp), f"advance() changed bits (P={p}, {stochastic=})"
+
+
 def _backend_cases(topo, world: int, rank: int) -> None:
     """The Triton kernels (interpreted on CPU) give the torch references' bits, here too."""
     from megatron.sdp4bit.comm import GradientQuantConfig, two_level_reduce_scatter
@@ -366,6 +432,7 @@ def _phase(n: int, dp_groups: list[list[int]]) -> None:
     _accuracy_cases(topo, world, rank)
     _pipeline_and_variant_cases(topo, world, rank)
     _byte_cases(topo, world, rank)
+    _advance_cases(topo, world, rank)
     if topo.ranks_per_node > 1 and topo.nodes > 1 and triton_available():
         _backend_cases(topo, world, rank)
     _bad_input_cases(topo, world, rank)

@@ -133,12 +133,44 @@ def _check_method(name, setup, cfg, base_losses, report) -> None:
                 handle.state.grad_calls[bid]
             expected[key] += calls * value
     assert handle.stats.snapshot() == expected, (name, handle.stats.snapshot(), expected)
+    if setup.overlap_grad_reduce and cfg.quantized_gradients:
+        _check_early_advances(handle, ddp, STEPS, two_hops=n > 1 and m > 1)
     if losses[0] is not None:
         _assert_trains(losses, name)
         gap = abs(_final(losses) - _final(base_losses)) / _final(base_losses)
         report.append(f"{name}: final {_final(losses):.4f} vs baseline "
                       f"{_final(base_losses):.4f} ({100 * gap:.2f}%)")
         assert gap <= LOSS_BOUND, report[-1]
+
+
+def _bucket_ids_by_group(ddp) -> list[list[int]]:
+    """Bucket ids per bucket group, numbered as install_sdp4bit numbers them."""
+    groups, next_id = [], 0
+    for bg in ddp.bucket_groups:
+        groups.append(list(range(next_id, next_id + len(bg.buckets))))
+        next_id += len(bg.buckets)
+    return groups
+
+
+def _check_early_advances(handle, ddp, steps: int, two_hops: bool) -> None:
+    """With overlap_grad_reduce, each bucket group's start advanced every earlier group.
+
+    From the second step on (in the first, megatron-core starts the groups one by one inside
+    finish_grad_sync), backward starts all groups in turn, so every bucket except those of
+    the group started last had its inter hop issued by a later start, once per step. One hop
+    (N = 1 or M = 1): nothing to advance.
+    """
+    advances = handle.state.early_grad_advances
+    assert handle.state.pending_grad_works == []  # every handle was waited
+    if not two_hops:
+        assert sum(advances.values()) == 0, advances
+        return
+    groups = _bucket_ids_by_group(ddp)
+    not_advanced = [g for g in groups if all(advances[b] == 0 for b in g)]
+    assert len(not_advanced) == 1, (groups, advances)
+    for group in groups:
+        if group is not not_advanced[0]:
+            assert all(advances[b] == steps - 1 for b in group), (groups, advances)
 
 
 def _assert_trains(losses, what: str) -> None:
@@ -254,6 +286,91 @@ def _uninstall_worker(rank: int, world_size: int) -> None:
 
 def test_uninstall_restores_bit_exact_baseline() -> None:
     spawn(_uninstall_worker, 4, timeout=300)
+
+
+def _instrumented_run(setup, cfg, steps: int):
+    """Train with SDP4Bit, counting per step the inter-node all-to-alls issued before
+    ``finish_grad_sync`` and in all. Returns (losses, [(before, total)], handle, ddp)."""
+    import torch.distributed as dist
+
+    import _tiny_gpt as T
+    from megatron.sdp4bit.integration import install_sdp4bit
+
+    ddp, optimizer = T.build(setup, padding_for=cfg)
+    handle = install_sdp4bit([ddp], optimizer, cfg)
+    inter, before_finish = [0], []
+    all_to_all, finish = dist.all_to_all_single, ddp.finish_grad_sync
+
+    def counting(output, input, *args, group=None, **kwargs):
+        nodes = {r // GLOBAL_RANKS_PER_NODE for r in dist.get_process_group_ranks(group)}
+        inter[0] += len(nodes) > 1
+        return all_to_all(output, input, *args, group=group, **kwargs)
+
+    def finish_grad_sync(*args, **kwargs):
+        before_finish.append(inter[0])
+        return finish(*args, **kwargs)
+
+    losses, counts = [], []
+    ddp.finish_grad_sync, dist.all_to_all_single = finish_grad_sync, counting
+    try:
+        for step in range(steps):
+            handle.set_iteration(step)
+            inter[0] = 0
+            losses.append(T.train_step(ddp, optimizer, setup, step,
+                                       before_update=lambda: T.assert_replicas_identical(ddp)))
+            counts.append((before_finish[-1], inter[0]))
+    finally:
+        dist.all_to_all_single = all_to_all
+        del ddp.finish_grad_sync
+    T.finish_param_sync(ddp)
+    T.assert_replicas_identical(ddp)
+    return losses, counts, handle, ddp
+
+
+def _early_advance_worker(rank: int, world_size: int) -> None:
+    import _tiny_gpt as T
+    from megatron.sdp4bit.config import SDP4BitConfig
+    from megatron.sdp4bit.integration import grad_sync
+
+    T.init_parallel(1, 1)
+    slices, steps = 2, 4
+    cfg = SDP4BitConfig(**BASE, **METHODS["SDP4Bit"], dp_ranks_per_node=2,
+                        gradient_alltoall_pipeline=slices)
+    setup = T.Setup(overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=12_000)
+    losses, counts, handle, ddp = _instrumented_run(setup, cfg, steps)
+    groups = _bucket_ids_by_group(ddp)
+    assert sum(map(len, groups)) >= 3 and len(groups) >= 3, groups
+    _check_early_advances(handle, ddp, steps, two_hops=True)
+    n_buckets = sum(map(len, groups))
+    last = next(g for g in groups if handle.state.early_grad_advances[g[0]] == 0)
+    # Step 0: megatron-core starts and waits the groups one by one in finish_grad_sync. Later
+    # steps: every bucket but the last-started group's is on the inter-node wire before it.
+    assert counts[0] == (0, n_buckets * slices), counts
+    assert counts[1:] == [((n_buckets - len(last)) * slices, n_buckets * slices)] * (steps - 1), \
+        counts
+
+    # Reference: advance only inside wait() (the schedule before early advancing). Same bits.
+    def wait_only(state) -> None:
+        state.pending_grad_works.clear()
+
+    early = grad_sync.advance_pending_grad_works
+    grad_sync.advance_pending_grad_works = wait_only
+    try:
+        ref_losses, ref_counts, ref_handle, ref_ddp = _instrumented_run(setup, cfg, steps)
+    finally:
+        grad_sync.advance_pending_grad_works = early
+    assert ref_counts == [(0, n_buckets * slices)] * steps, ref_counts
+    assert sum(ref_handle.state.early_grad_advances.values()) == 0
+    assert losses == ref_losses
+    for a, b in zip(T.param_buffers(ddp), T.param_buffers(ref_ddp)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert handle.stats.snapshot() == ref_handle.stats.snapshot()
+
+
+def test_overlap_issues_inter_hops_during_backward() -> None:
+    """overlap_grad_reduce, 2 nodes x 2, >= 3 bucket groups: the inter-node hops of the earlier
+    buckets go out during backward (before finish_grad_sync), bit-identical to waiting."""
+    spawn(_early_advance_worker, 4, timeout=300)
 
 
 def test_untested_megatron_core_version_is_refused(monkeypatch) -> None:

@@ -6,22 +6,32 @@ DP rank r ends with ``sum_k input_k[r*S:(r+1)*S]`` (or the mean) in ``output`` (
 [Note: the two-hop schedule]
 W = N x M; the input is viewed as ``[M, N, P, c]`` (shard ``m*N + n`` cut in P slices of c).
 
-1. One fused sender call quantizes everything at the intra bits (after the Hadamard transform
-   when enabled) into ``P * N`` messages, slice-major; message (p, n') holds the M chunks
-   ``input[:, n', p, :]`` that local peer n' needs. Slice p's N messages are contiguous, so
-   one ``all_to_all_single`` on the intra-node group moves slice p. All P are issued at once.
-2. For each slice, once its intra hop has landed: dequantize the N received messages, sum in
-   fp32, requantize as M messages at the inter bits (still in the Hadamard domain: the
-   transform is linear), and issue the slice's inter-node ``all_to_all_single``.
-3. Dequantize the M node-partial sums of this rank's slice, sum, inverse Hadamard, scale
-   (1/W for AVG), write the slice of ``output``.
+1. At call time: one fused sender call quantizes everything at the intra bits (after the
+   Hadamard transform when enabled) into ``P * N`` messages, slice-major; message (p, n')
+   holds the M chunks ``input[:, n', p, :]`` that local peer n' needs. Slice p's N messages
+   are contiguous, so one ``all_to_all_single`` on the intra-node group moves slice p. All P
+   are issued at once.
+2. ``advance()`` of the returned work (or the start of ``wait()``): for each slice, wait for
+   its intra hop, dequantize the N received messages, sum in fp32, requantize as M messages
+   at the inter bits (still in the Hadamard domain: the transform is linear), and issue the
+   slice's inter-node ``all_to_all_single`` without waiting for it.
+3. The rest of ``wait()``: for each slice, wait for its inter hop, dequantize the M
+   node-partial sums of this rank's slice, sum, inverse Hadamard, scale (1/W for AVG), write
+   the slice of ``output``.
 
 Intra and inter hops use different process groups, so slice p's inter hop is in flight
 while slice p+1's intra hop still is (gloo runs each group's collectives on its own
-threads; NCCL on its own communicator). With one hop only (N = 1 or M = 1) the whole buffer
-goes in one all-to-all of W messages at that hop's bits and group size: there is nothing to
-overlap, so the pipeline slices do not change the schedule. With W = 1 the rank's message
-goes to itself without a collective (still quantized: no silent unquantized path).
+threads; NCCL on its own communicator), and slice p is decoded while the inter hops of the
+later slices are still in flight. A caller with several collectives in flight (gradient buckets issued
+during backward) calls ``advance()`` on the earlier ones when it issues the next, so their
+inter-node hops overlap the rest of backward instead of starting at ``wait()``; it must do
+so in the same order on every rank, since ``advance()`` issues collectives. When
+``advance()`` runs does not change a bit of the result (same messages, same seeds). With one
+hop only (N = 1 or M = 1) the whole buffer goes in one all-to-all of W messages at that
+hop's bits and group size, issued at call time: there is nothing to overlap, the pipeline
+slices do not change the schedule, and ``advance()`` has nothing to do. With W = 1 the
+rank's message goes to itself without a collective (still quantized: no silent unquantized
+path).
 
 Random streams: the sender uses ``derive_seed(seed, 0, 0, dp_rank)`` (one call for all
 slices; the stream index separates them), slice p's requantization
@@ -110,7 +120,7 @@ def two_level_reduce_scatter(output: torch.Tensor, input: torch.Tensor, *,
     AVG. ``seed``: 64-bit seed of this call's rounding noise (derive it from the user seed,
     iteration and bucket). ``stats``: byte counters to add to. Returns a
     :class:`CollectiveWork` when ``async_op`` (``output`` must stay untouched until
-    ``wait()``), else None. ``input`` is fully read (quantized) before this returns, so
+    ``wait()``; ``advance()`` issues the inter-node hop early), else None. ``input`` is fully read (quantized) before this returns, so
     ``output`` may be this rank's shard of ``input`` itself (megatron-core's in-place call).
     See [Note: the two-hop schedule].
     """
@@ -120,10 +130,9 @@ def two_level_reduce_scatter(output: torch.Tensor, input: torch.Tensor, *,
     inp = input.view(-1)
     out = output.view(-1)
     if topology.ranks_per_node > 1 and topology.nodes > 1:
-        finish = _two_hops(out, inp, topology, config, scale, seed)
+        work = CollectiveWork(*_two_hops(out, inp, topology, config, scale, seed))
     else:
-        finish = _one_hop(out, inp, topology, config, scale, seed)
-    work = CollectiveWork(finish)
+        work = CollectiveWork(_one_hop(out, inp, topology, config, scale, seed))
     if async_op:
         return work
     work.wait()
@@ -161,8 +170,10 @@ def _one_hop(out: torch.Tensor, inp: torch.Tensor, topo: DPTopology,
 
 
 def _two_hops(out: torch.Tensor, inp: torch.Tensor, topo: DPTopology,
-              config: GradientQuantConfig, scale: float, seed: int) -> Callable[[], None]:
-    """N > 1 and M > 1: see [Note: the two-hop schedule]. Issues the intra hops now."""
+              config: GradientQuantConfig, scale: float, seed: int
+              ) -> tuple[Callable[[], None], Callable[[], None]]:
+    """N > 1 and M > 1: see [Note: the two-hop schedule]. Issues the intra hops now; returns
+    (finish, advance) for :class:`CollectiveWork`."""
     n, m, p = topo.ranks_per_node, topo.nodes, config.pipeline_slices
     c = out.numel() // p
     intra_bytes = n * message_nbytes(m * c, config.intra_bits, config.intra_group_size)
@@ -180,18 +191,11 @@ def _two_hops(out: torch.Tensor, inp: torch.Tensor, topo: DPTopology,
                                group=topo.intra_group, async_op=True)
         for i in range(p)
     ]
+    send2 = torch.empty(p * inter_bytes, dtype=torch.uint8, device=inp.device)  # [P][M msgs]
+    recv2 = torch.empty_like(send2)
+    inter_work: list[dist.Work] = []
 
-    def receive(i: int, recv2: torch.Tensor, work: dist.Work) -> None:
-        work.wait()
-        ops.tlq_receiver(recv2[i * inter_bytes:(i + 1) * inter_bytes], out[i * c:(i + 1) * c],
-                         n_in=m, bits=config.inter_bits, group_size=config.inter_group_size,
-                         hadamard_block=config.hadamard_block, scale=scale,
-                         backend=config.kernel_backend)
-
-    def finish() -> None:
-        send2 = torch.empty(p * inter_bytes, dtype=torch.uint8, device=inp.device)  # [P][M msgs]
-        recv2 = torch.empty_like(send2)
-        inter_work: list[dist.Work] = []
+    def advance() -> None:
         for i in range(p):
             intra_work[i].wait()
             ops.tlq_middle(recv1[i * intra_bytes:(i + 1) * intra_bytes],
@@ -206,8 +210,14 @@ def _two_hops(out: torch.Tensor, inp: torch.Tensor, topo: DPTopology,
                 recv2[i * inter_bytes:(i + 1) * inter_bytes],
                 send2[i * inter_bytes:(i + 1) * inter_bytes],
                 group=topo.inter_group, async_op=True))
-            if i > 0:  # slice i's inter hop is in flight while slice i-1 is decoded
-                receive(i - 1, recv2, inter_work[i - 1])
-        receive(p - 1, recv2, inter_work[p - 1])
 
-    return finish
+    def finish() -> None:
+        for i in range(p):
+            inter_work[i].wait()
+            ops.tlq_receiver(recv2[i * inter_bytes:(i + 1) * inter_bytes],
+                             out[i * c:(i + 1) * c], n_in=m, bits=config.inter_bits,
+                             group_size=config.inter_group_size,
+                             hadamard_block=config.hadamard_block, scale=scale,
+                             backend=config.kernel_backend)
+
+    return finish, advance

@@ -13,17 +13,63 @@ it) and keeps that contract: same early return in the first batch, same NaN/larg
 checks, same ``gradient_scaling_factor`` and SUM/AVG choice, same handle semantics. Only the
 collective differs: ``two_level_reduce_scatter`` on every bucket (not coalesced: each
 returns its own handle, and megatron-core's ``_coalescing_manager`` would not wait on ours).
+
+[Note: advancing earlier buckets]
+With ``overlap_grad_reduce`` the backward hook starts bucket groups one by one while
+backward runs, and ``finish_grad_sync`` waits on them after backward. A two-hop
+``two_level_reduce_scatter`` issues its intra-node hop at call time, but its inter-node hop
+only in ``advance()`` (or ``wait()``), after the intra hop has landed and the node partial
+sum was requantized (comm/reduce_scatter.py, [Note: the two-hop schedule]). Left to
+``wait()``, the expensive inter-node hop of every bucket would start only after backward.
+So each quantized ``start_grad_sync`` first calls ``advance()`` on every async
+reduce-scatter started before it and not advanced yet (``RunState.pending_grad_works``, a
+FIFO shared by all bucket groups of the install), then issues its own buckets: bucket k's
+inter hop goes on the wire when bucket k+1 is ready, overlapping the rest of backward.
+
+Deterministic by construction: ``advance()`` issues collectives, and the calls to
+``start_grad_sync`` / ``finish_grad_sync`` come in the same order on every DP rank
+(megatron-core already relies on that for its own collectives), so the inter hops are
+issued in the same order everywhere. The bits do not change (same messages, same seeds,
+only earlier). A waited group's works leave the queue, so it is empty whenever no gradient
+collective is in flight (between iterations, and at ``uninstall()``, which refuses to run
+with one in flight). One-hop topologies (N = 1 or M = 1) have nothing to advance.
 """
 
 from __future__ import annotations
 
 import types
+from collections.abc import Sequence
 
 from torch.distributed import ReduceOp
 
-from megatron.sdp4bit.comm import DPTopology, two_level_reduce_scatter
+from megatron.sdp4bit.comm import CollectiveWork, DPTopology, two_level_reduce_scatter
 from megatron.sdp4bit.integration.state import KIND_GRAD, RunState
 from megatron.sdp4bit.integration.work import BucketGroupWork
+
+
+class _QueuedGroupWork(BucketGroupWork):
+    """A bucket group's ``grad_reduce_handle`` that takes its works off the advance queue
+    when waited (see [Note: advancing earlier buckets])."""
+
+    def __init__(self, works: Sequence[CollectiveWork], state: RunState) -> None:
+        super().__init__(works)
+        self._ids = {id(work) for work in works}
+        self._state = state
+
+    def wait(self, timeout: object = None) -> bool:
+        self._state.pending_grad_works = [
+            entry for entry in self._state.pending_grad_works if id(entry[1]) not in self._ids]
+        self._ids = set()
+        return super().wait(timeout)
+
+
+def advance_pending_grad_works(state: RunState) -> None:
+    """``advance()`` every queued reduce-scatter, oldest first, and empty the queue."""
+    pending, state.pending_grad_works = state.pending_grad_works, []
+    for bucket_id, work in pending:
+        if not work.is_advanced():
+            work.advance()
+            state.early_grad_advances[bucket_id] += 1
 
 
 def make_start_grad_sync(bucket_group, *, bucket_ids: list[int], topology: DPTopology,
@@ -56,6 +102,8 @@ def make_start_grad_sync(bucket_group, *, bucket_ids: list[int], topology: DPTop
         op = ReduceOp.AVG if ddp_config.average_in_collective else ReduceOp.SUM
         async_op = ddp_config.overlap_grad_reduce
         world, rank = topology.world, topology.rank
+        if async_op:  # earlier buckets' inter hops first: [Note: advancing earlier buckets]
+            advance_pending_grad_works(state)
         works = []
         for bucket, bucket_id in zip(self.buckets, bucket_ids):
             grad = bucket.grad_data  # 1D, the whole bucket (fp32 with grad_reduce_in_fp32)
@@ -66,7 +114,11 @@ def make_start_grad_sync(bucket_group, *, bucket_ids: list[int], topology: DPTop
                 async_op=async_op, seed=state.seed(KIND_GRAD, bucket_id, group_id),
                 stats=state.stats))
             state.grad_calls[bucket_id] += 1
-        self.grad_reduce_handle = BucketGroupWork(works) if async_op else None
+        if async_op:
+            state.pending_grad_works.extend(zip(bucket_ids, works))
+            self.grad_reduce_handle = _QueuedGroupWork(works, state)
+        else:
+            self.grad_reduce_handle = None
 
     return types.MethodType(start_grad_sync, bucket_group)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from megatron.sdp4bit.comm import CommStats, GradientQuantConfig, WeightQuantConfig
+from megatron.sdp4bit.comm import CollectiveWork, CommStats, GradientQuantConfig, WeightQuantConfig
 from megatron.sdp4bit.config import SDP4BitConfig
 from megatron.sdp4bit.quantization.rng import derive_seed
 
@@ -30,6 +30,12 @@ class RunState:
     """Quantized all-gathers issued, per bucket id."""
     unquantized_grad_calls: Counter = field(default_factory=Counter)
     """megatron-core reduce-scatters issued before gradients_quantization_start_iteration."""
+    pending_grad_works: list[tuple[int, CollectiveWork]] = field(default_factory=list)
+    """(bucket id, work) of the async quantized reduce-scatters whose inter-node hop is not
+    issued yet, in the order they were started (grad_sync.py, [Note: advancing earlier
+    buckets])."""
+    early_grad_advances: Counter = field(default_factory=Counter)
+    """Per bucket id: reduce-scatters advanced by a later bucket's start (before the wait)."""
 
     def seed(self, kind: int, bucket_id: int, group_id: int) -> int:
         """Rounding-noise seed of one collective: (user seed, iteration, bucket, kind, group).
