@@ -38,6 +38,7 @@ class TrainState:
     """What SDP4Bit replaces; its collectives count their own bytes, the rest is added here."""
     ranks_per_node: int = 1
     first_loss: float | None = None
+    first_loss_iteration: int | None = None
     last_loss: float | None = None
     last_val_loss: float | None = None
 
@@ -156,7 +157,7 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None) -> Tra
             skipped += 0 if ok else 1
             nan_iters += 0 if loss == loss else 1
             if state.first_loss is None:
-                state.first_loss = loss
+                state.first_loss, state.first_loss_iteration = loss, state.iteration
             state.last_loss = loss
             window_loss += loss
             window_iters += 1

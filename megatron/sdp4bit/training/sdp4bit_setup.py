@@ -50,5 +50,6 @@ def print_summary(args: argparse.Namespace, state: TrainState) -> None:
     if dist.get_rank() != dist.get_world_size() - 1 or state.first_loss is None:
         return
     val = f", validation loss {state.last_val_loss:.4f}" if state.last_val_loss is not None else ""
-    print(f"training done at iteration {state.iteration}: lm loss {state.first_loss:.4f} -> "
-          f"{state.last_loss:.4f}{val}", flush=True)
+    print(f"training done: lm loss {state.first_loss:.4f} at iteration "
+          f"{state.first_loss_iteration} -> {state.last_loss:.4f} at iteration "
+          f"{state.iteration} (single iterations){val}", flush=True)
