@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         build.restore(args, state)
         loop.train(args, state, on_iteration=sdp4bit_setup.iteration_hook(handle))
         sdp4bit_setup.uninstall(args, state, handle)
-        sdp4bit_setup.print_summary(args, state)
+        sdp4bit_setup.print_summary(args, state, handle)
     finally:
         build.teardown()
     return 0

@@ -16,16 +16,36 @@ def install(config: SDP4BitConfig, state: TrainState, transformer_config) -> obj
     (the run then uses megatron-core's collectives unchanged)."""
     if not config.enabled:
         return None
-    try:
-        from megatron.sdp4bit.integration import install_sdp4bit
-    except ImportError as err:
-        raise NotImplementedError(
-            "this checkout has no megatron.sdp4bit.integration.install_sdp4bit; "
-            "--quantized-weights/--quantized-gradients cannot run") from err
+    from megatron.sdp4bit.integration import install_sdp4bit
+
     handle = install_sdp4bit(state.model, state.optimizer, config)
     state.comm_stats = handle.stats
     state.sdp4bit = config
+    if dist.get_rank() == 0:
+        print(f"SDP4Bit installed on {len(handle.bucket_numels)} bucket(s): "
+              f"{describe(config)}", flush=True)
     return handle
+
+
+def describe(config: SDP4BitConfig) -> str:
+    """One line saying what is quantized and how, for the log."""
+    parts = []
+    if config.quantized_weights:
+        name = "qWD" if config.weight_quantization_mode == "diff" else "qW (direct)"
+        parts.append(f"weights {name} {config.weight_quantization_bits}-bit, "
+                     f"group {config.wq_group_size}")
+    if config.quantized_gradients:
+        name = "TLq-HS" if config.hadamard_transform else "TLq"
+        hadamard = (f", Hadamard {config.hadamard_block_size}" if config.hadamard_transform
+                    else "")
+        parts.append(
+            f"gradients {name} intra {config.gradient_quantization_bits_intra}-bit group "
+            f"{config.gq_group_size_intra}, inter {config.gradient_quantization_bits_inter}-bit "
+            f"group {config.gq_group_size_inter}{hadamard}, pipeline "
+            f"{config.gradient_alltoall_pipeline}, from iteration "
+            f"{config.gradients_quantization_start_iteration}")
+    parts.append(f"{config.quantization_rounding} rounding, {config.kernel_backend} kernels")
+    return " | ".join(parts)
 
 
 def uninstall(args: argparse.Namespace, state: TrainState, handle) -> None:
@@ -46,9 +66,15 @@ def iteration_hook(handle) -> Callable[[int], None] | None:
     return handle.set_iteration
 
 
-def print_summary(args: argparse.Namespace, state: TrainState) -> None:
+def print_summary(args: argparse.Namespace, state: TrainState, handle=None) -> None:
     if dist.get_rank() != dist.get_world_size() - 1 or state.first_loss is None:
         return
+    if handle is not None:
+        s = handle.state
+        print(f"SDP4Bit on this rank: {sum(s.grad_calls.values())} quantized gradient "
+              f"reduce-scatters, {sum(s.param_calls.values())} quantized parameter all-gathers, "
+              f"{sum(s.unquantized_grad_calls.values())} unquantized (before "
+              "--gradients-quantization-start-iteration)", flush=True)
     val = f", validation loss {state.last_val_loss:.4f}" if state.last_val_loss is not None else ""
     print(f"training done: lm loss {state.first_loss:.4f} at iteration "
           f"{state.first_loss_iteration} -> {state.last_loss:.4f} at iteration "
