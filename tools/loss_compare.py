@@ -193,7 +193,7 @@ def render_markdown(report: dict) -> str:
              "", "## Method flags", "", "| method | flags (added to the common ones) |", "|---|---|"]
     lines += [f"| {m} | `{' '.join(METHODS[m]) or '(none)'}` |" for m in methods]
     lines += ["", "## Final validation loss", "",
-              "| method | val loss | diff to baseline | diff % | final train loss |",
+              "| method | val loss | diff to baseline | diff % | train loss, last log interval |",
               "|---|---|---|---|---|"]
     for m in methods:
         f = res["final"][m]
@@ -219,7 +219,7 @@ def render_markdown(report: dict) -> str:
                    for it in evals]
             lines.append(f"| {m} | " + " | ".join(row) + " |")
     its = res["train_iterations"]
-    lines += ["", "## Training lm loss at selected iterations (one micro-batch set each: noisy)",
+    lines += ["", "## Training lm loss at selected iterations (mean over the log interval ending there)",
               "", "| method | " + " | ".join(f"it {it}" for it in its) + " |",
               "|---" * (len(its) + 1) + "|"]
     for m in methods:
@@ -266,15 +266,17 @@ def main(argv: list[str] | None = None) -> int:
             seconds[method] = run_method(method, args.run_dir, cmd)
             print(f"   done in {seconds[method]:.0f} s", flush=True)
     curves = {m: read_metrics(args.run_dir / m / "metrics.jsonl") for m in args.methods}
-    prev = args.out_dir / "loss_curves.json"
-    if args.report_only and prev.exists():  # keep the timings of the run that made the curves
-        seconds = json.loads(prev.read_text())["meta"].get("seconds", {})
     shown = " ".join(["python tools/loss_compare.py", *(argv or []), *(["--", *extra] if extra else [])])
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    prev = args.out_dir / "loss_curves.json"
+    if args.report_only and prev.exists():
+        # The report describes the runs, not this re-read: keep their command, date and timings.
+        old = json.loads(prev.read_text())["meta"]
+        shown, date, seconds = old["command"], old["date"], old.get("seconds", {})
     report = {
         "meta": {"command": shown, "example_run": " ".join(command(args.methods[0],
                  args.run_dir / args.methods[0] / "metrics.jsonl", common, extra)),
-                 "machine": machine(), "seconds": seconds, "seed": args.seed,
-                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                 "machine": machine(), "seconds": seconds, "seed": args.seed, "date": date,
                  "methods": {m: METHODS[m] for m in args.methods}},
         "results": compare(curves, args.points),
         "note": args.note,
