@@ -275,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         shown, date, seconds = old["command"], old["date"], old.get("seconds", {})
     report = {
         "meta": {"command": shown, "example_run": " ".join(command(args.methods[0],
-                 args.run_dir / args.methods[0] / "metrics.jsonl", common, extra)),
+                 args.run_dir / args.methods[0] / "metrics.jsonl", common, extra)).replace(
+                     f"{ROOT}/", ""),  # paths relative to the repository in the report
                  "machine": machine(), "seconds": seconds, "seed": args.seed, "date": date,
                  "methods": {m: METHODS[m] for m in args.methods}},
         "results": compare(curves, args.points),
