@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -35,18 +36,6 @@ METHODS = {
     "TLq-HS": GRAD_FLAGS,
     "SDP4Bit": ["--quantized-weights", *GRAD_FLAGS],
 }
-
-
-def _have_integration() -> bool:
-    try:
-        from megatron.sdp4bit.integration import install_sdp4bit  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-needs_integration = pytest.mark.skipif(
-    not _have_integration(), reason="megatron.sdp4bit.integration.install_sdp4bit not present")
 
 
 def _free_port() -> int:
@@ -117,10 +106,6 @@ def check_run(lines: list[dict], method: str) -> None:
             assert (intra, inter) == (intra_b, inter_b)
 
 
-def _requires(method: str):
-    return [] if method == "baseline" else [needs_integration]
-
-
 # Each method on one data kind (SDP4Bit runs on both: preprocessed in the resume test, mock in
 # the two-node test); the baseline on both, as the reference. Seven launches in all.
 CASES = [("baseline", "mock"), ("baseline", "preprocessed"), ("qWD", "mock"),
@@ -129,8 +114,7 @@ CASES = [("baseline", "mock"), ("baseline", "preprocessed"), ("qWD", "mock"),
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("method,data", [pytest.param(m, d, marks=_requires(m), id=f"{m}-{d}")
-                                         for m, d in CASES])
+@pytest.mark.parametrize("method,data", [pytest.param(m, d, id=f"{m}-{d}") for m, d in CASES])
 def test_method_trains(method, data, data_prefix, tmp_path):
     flags = ["--mock-data"] if data == "mock" else data_prefix
     metrics = tmp_path / "metrics.jsonl"
@@ -154,7 +138,6 @@ def test_method_trains(method, data, data_prefix, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@needs_integration
 def test_sdp4bit_resume_matches_uninterrupted(data_prefix, tmp_path):
     """SDP4Bit on preprocessed data, saved at 10; a second launch resumes from 10 and must log
     the same losses and bytes at 15 and 20 as the uninterrupted run."""
@@ -175,7 +158,29 @@ def test_sdp4bit_resume_matches_uninterrupted(data_prefix, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@needs_integration
+@pytest.mark.parametrize("parallel", ["--tensor-model-parallel-size 2",
+                                      "--pipeline-model-parallel-size 2"], ids=["TP2", "PP2"])
+def test_sdp4bit_under_model_parallelism(parallel):
+    """TP=2 x DP=2 and PP=2 x DP=2 on 4 ranks, 1 DP rank per node: the DP groups of 2 take the
+    single inter-node hop (4-bit) and the weight all-gather is qWD."""
+    res = torchrun(TINY + ["--mock-data", "--dp-ranks-per-node", "1", *parallel.split(),
+                           *METHODS["SDP4Bit"]])
+    assert "data-parallel topology: 2 ranks = 1 per node x 2 nodes" in res.stdout
+    assert "SDP4Bit installed on" in res.stdout
+    calls = re.search(r"SDP4Bit on this rank: (\d+) quantized gradient reduce-scatters, "
+                      r"(\d+) quantized parameter all-gathers", res.stdout)
+    assert calls and int(calls[1]) >= 20 and int(calls[2]) >= 20, res.stdout[-2000:]
+    lines = train_lines(res.stdout)
+    assert [m["iteration"] for m in lines] == [5, 10, 15, 20]
+    assert lines[-1]["lm_loss"] < lines[0]["lm_loss"] - 0.3, [m["lm_loss"] for m in lines]
+    last = lines[-1]
+    assert last["comm_bytes_grads_intra"] == last["baseline_comm_bytes_grads_intra"] == 0
+    inter, inter_b = last["comm_bytes_grads_inter"], last["baseline_comm_bytes_grads_inter"]
+    assert 6.0 < inter_b / inter <= 32 / (4 + 32 / 128) + 1e-9, (inter, inter_b)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_two_node_rendezvous_detects_topology(tmp_path):
     """Two ``torchrun --nnodes 2 --nproc-per-node 2`` launches on localhost (c10d rendezvous):
     no override, the trainer must find N = 2 DP ranks per node on M = 2 nodes."""

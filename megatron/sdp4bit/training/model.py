@@ -75,6 +75,9 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
+        # batch_p2p_sync's torch.cuda.synchronize() (a guard for old PyTorch) has no CPU
+        # counterpart; pipeline sends on gloo need no such guard.
+        batch_p2p_sync=cuda,
     )
     if args.swiglu:
         kwargs["activation_func"] = F.silu
