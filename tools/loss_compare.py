@@ -188,7 +188,7 @@ def render_markdown(report: dict) -> str:
              f"- versions: python {meta['machine']['python']}, torch {meta['machine']['torch']}, "
              f"triton {meta['machine']['triton']}, megatron-core {meta['machine']['megatron_core']}",
              f"- date: {meta['date']}",
-             f"- wall time per method (s): " + ", ".join(
+             "- wall time per method (s): " + ", ".join(
                  f"{m} {meta['seconds'][m]:.0f}" for m in methods if m in meta["seconds"]),
              "", "## Method flags", "", "| method | flags (added to the common ones) |", "|---|---|"]
     lines += [f"| {m} | `{' '.join(METHODS[m]) or '(none)'}` |" for m in methods]
