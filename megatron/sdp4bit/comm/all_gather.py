@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from megatron.sdp4bit.comm.checks import check_float_buffers
 from megatron.sdp4bit.comm.config import WeightQuantConfig
 from megatron.sdp4bit.comm.padding import check_padded, required_divisor
 from megatron.sdp4bit.comm.stats import CommStats
@@ -31,7 +32,6 @@ from megatron.sdp4bit.quantization import ops
 from megatron.sdp4bit.quantization.format import message_nbytes
 from megatron.sdp4bit.quantization.rng import derive_seed
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 HOP_PARAM = 2  # distinct from the gradient hops' seeds
 
 
@@ -44,14 +44,7 @@ def _all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup |
 
 
 def _validate(replica: torch.Tensor, main_shard: torch.Tensor, world: int) -> None:
-    for name, tensor in (("replica", replica), ("main_shard", main_shard)):
-        if tensor.dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"{name} dtype {tensor.dtype} is not supported: use float32, "
-                             "bfloat16 or float16")
-        if not tensor.is_contiguous():
-            raise ValueError(f"{name} must be contiguous: pass tensor.contiguous()")
-    if replica.device != main_shard.device:
-        raise ValueError(f"replica is on {replica.device} but main_shard on {main_shard.device}")
+    check_float_buffers(replica=replica, main_shard=main_shard)
     if replica.numel() != world * main_shard.numel():
         raise ValueError(
             f"main_shard has {main_shard.numel()} elements but the replica has "

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from megatron.sdp4bit.comm.checks import check_float_buffers
 from megatron.sdp4bit.comm.config import GradientQuantConfig
 from megatron.sdp4bit.comm.padding import check_padded, required_divisor
 from megatron.sdp4bit.comm.stats import CommStats
@@ -56,7 +57,6 @@ from megatron.sdp4bit.quantization import ops
 from megatron.sdp4bit.quantization.format import message_nbytes
 from megatron.sdp4bit.quantization.rng import derive_seed
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 HOP_INTRA = 0
 HOP_INTER = 1
 
@@ -66,14 +66,7 @@ def _validate(output: torch.Tensor, input: torch.Tensor, topology: DPTopology,
     """Local checks only, identical on every rank given identical shapes: before any collective."""
     if op not in (ReduceOp.SUM, ReduceOp.AVG):
         raise ValueError(f"op={op} is not supported: use ReduceOp.SUM or ReduceOp.AVG")
-    for name, tensor in (("input", input), ("output", output)):
-        if tensor.dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"{name} dtype {tensor.dtype} is not supported: use float32, "
-                             "bfloat16 or float16")
-        if not tensor.is_contiguous():
-            raise ValueError(f"{name} must be contiguous: pass tensor.contiguous()")
-    if input.device != output.device:
-        raise ValueError(f"input is on {input.device} but output on {output.device}")
+    check_float_buffers(input=input, output=output)
     if input.numel() != topology.world * output.numel():
         raise ValueError(
             f"output has {output.numel()} elements but input has {input.numel()} = DP size "
