@@ -216,3 +216,21 @@ def finish_param_sync(ddp) -> None:
     """Complete an all-gather left in flight by ``overlap_param_gather`` (end of training)."""
     if ddp.ddp_config.overlap_param_gather:
         ddp.start_param_sync(force_sync=True)
+
+
+def train_checking_replicas(ddp, optimizer, setup: Setup, steps: int,
+                            before_step=None) -> list[float | None]:
+    """Run ``steps`` iterations; replicas must be bitwise identical before every update,
+    after every step (without overlapped param gathers) and once the last gather lands.
+    ``before_step(step)`` runs first in each iteration (e.g. SDP4Bit's set_iteration)."""
+    losses = []
+    for step in range(steps):
+        if before_step is not None:
+            before_step(step)
+        check = lambda: assert_replicas_identical(ddp)  # noqa: E731
+        losses.append(train_step(ddp, optimizer, setup, step, before_update=check))
+        if not setup.overlap_param_gather:
+            assert_replicas_identical(ddp)
+    finish_param_sync(ddp)
+    assert_replicas_identical(ddp)
+    return losses

@@ -31,15 +31,7 @@ def _train_and_check(setup) -> list[float | None]:
     if setup.bucket_size is not None and parallel_state.is_pipeline_first_stage():
         n_buckets = sum(len(b.buckets) for b in ddp.buffers)
         assert n_buckets >= 3, n_buckets
-    losses = []
-    for step in range(STEPS):
-        check = lambda: T.assert_replicas_identical(ddp)  # noqa: E731
-        losses.append(T.train_step(ddp, optimizer, setup, step, before_update=check))
-        if not setup.overlap_param_gather:
-            T.assert_replicas_identical(ddp)
-    T.finish_param_sync(ddp)
-    T.assert_replicas_identical(ddp)
-    return losses
+    return T.train_checking_replicas(ddp, optimizer, setup, STEPS)
 
 
 def _assert_trains(losses: list[float | None], what: str) -> None:

@@ -91,16 +91,9 @@ def _run(setup, cfg, steps: int = STEPS, *, install: bool = True, then_uninstall
     handle = install_sdp4bit([ddp], optimizer, cfg) if install and cfg.enabled else None
     if then_uninstall:
         handle.uninstall()
-    losses = []
-    for step in range(steps):
-        if handle is not None and handle.installed:
-            handle.set_iteration(step)
-        check = lambda: T.assert_replicas_identical(ddp)  # noqa: E731
-        losses.append(T.train_step(ddp, optimizer, setup, step, before_update=check))
-        if not setup.overlap_param_gather:
-            T.assert_replicas_identical(ddp)
-    T.finish_param_sync(ddp)
-    T.assert_replicas_identical(ddp)
+    installed = handle is not None and handle.installed
+    losses = T.train_checking_replicas(ddp, optimizer, setup, steps,
+                                       before_step=handle.set_iteration if installed else None)
     return losses, handle, ddp
 
 

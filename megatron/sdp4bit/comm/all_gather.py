@@ -91,7 +91,7 @@ def weight_difference_all_gather(replica: torch.Tensor, main_shard: torch.Tensor
     rank = dist.get_rank(group)
     _validate(replica, main_shard, world)
     check_padded(replica.numel(),
-                 required_divisor(world, weight_group=config.group_size, weight_bits=config.bits),
+                 required_divisor(world, **config.divisor_kwargs()),
                  "the parameter buffer")
     shard = main_shard.numel()
     nbytes = message_nbytes(shard, config.bits, config.group_size)

@@ -86,6 +86,12 @@ class GradientQuantConfig:
             kernel_backend=config.kernel_backend,
         )
 
+    def divisor_kwargs(self) -> dict[str, int]:
+        """This config's arguments of :func:`~megatron.sdp4bit.comm.padding.required_divisor`."""
+        return dict(intra_group=self.intra_group_size, intra_bits=self.intra_bits,
+                    inter_group=self.inter_group_size, inter_bits=self.inter_bits,
+                    slices=self.pipeline_slices, hadamard_block=self.hadamard_block)
+
 
 @dataclass(frozen=True)
 class WeightQuantConfig:
@@ -122,3 +128,7 @@ class WeightQuantConfig:
             stochastic=config.stochastic,
             kernel_backend=config.kernel_backend,
         )
+
+    def divisor_kwargs(self) -> dict[str, int]:
+        """This config's arguments of :func:`~megatron.sdp4bit.comm.padding.required_divisor`."""
+        return dict(weight_group=self.group_size, weight_bits=self.bits)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 
+from megatron.sdp4bit.comm.config import GradientQuantConfig, WeightQuantConfig
 from megatron.sdp4bit.config import SDP4BitConfig, check_bits
 
 # Bytes of alignment every message keeps inside a wire buffer (fp32 scales come first).
@@ -75,19 +76,12 @@ def required_divisor(dp_size: int, *, weight_group: int | None = None, weight_bi
 
 def divisor_from_config(config: SDP4BitConfig, dp_size: int) -> int:
     """:func:`required_divisor` for whatever ``config`` quantizes."""
-    weight = dict(weight_group=config.wq_group_size,
-                  weight_bits=config.weight_quantization_bits) if config.quantized_weights else {}
-    grads = {}
+    kwargs: dict[str, int] = {}
+    if config.quantized_weights:
+        kwargs.update(WeightQuantConfig.from_sdp4bit(config).divisor_kwargs())
     if config.quantized_gradients:
-        grads = dict(
-            intra_group=config.gq_group_size_intra,
-            intra_bits=config.gradient_quantization_bits_intra,
-            inter_group=config.gq_group_size_inter,
-            inter_bits=config.gradient_quantization_bits_inter,
-            slices=config.gradient_alltoall_pipeline,
-            hadamard_block=config.hadamard_block_size if config.hadamard_transform else 0,
-        )
-    return required_divisor(dp_size, **weight, **grads)
+        kwargs.update(GradientQuantConfig.from_sdp4bit(config).divisor_kwargs())
+    return required_divisor(dp_size, **kwargs)
 
 
 def pad_numel(numel: int, divisor: int) -> int:

@@ -73,10 +73,7 @@ def _validate(output: torch.Tensor, input: torch.Tensor, topology: DPTopology,
             f"{topology.world} x {input.numel() / topology.world:g}: output must hold "
             "input.numel() // DP size elements"
         )
-    divisor = required_divisor(
-        topology.world, intra_group=config.intra_group_size, intra_bits=config.intra_bits,
-        inter_group=config.inter_group_size, inter_bits=config.inter_bits,
-        slices=config.pipeline_slices, hadamard_block=config.hadamard_block)
+    divisor = required_divisor(topology.world, **config.divisor_kwargs())
     check_padded(input.numel(), divisor, "the reduce-scatter input")
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from megatron.sdp4bit.quantization import format as fmt
-from megatron.sdp4bit.quantization.hadamard import hadamard_matrix
+from megatron.sdp4bit.quantization.hadamard import hadamard_transform, inverse_hadamard_transform
 from megatron.sdp4bit.quantization.rng import uniform
 
 
@@ -53,11 +53,6 @@ def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor, bits: int) -> t
     """``(codes - offset) * scale`` in fp32; ``codes`` [ngroups, G], ``scales`` [ngroups]."""
     q = codes.to(torch.float32) - float(fmt.qmax(bits) + 1)
     return q * scales[..., None]
-
-
-def _hadamard(x: torch.Tensor, block: int) -> torch.Tensor:
-    h = hadamard_matrix(block, x.device)
-    return (x.reshape(-1, block).to(torch.float32) @ h).reshape(x.shape)
 
 
 def _write_messages(values: torch.Tensor, out: torch.Tensor, count: int, bits: int,
@@ -117,7 +112,7 @@ def tlq_sender(inp: torch.Tensor, out: torch.Tensor, *, num_dests: int, blocks_p
     """
     values = inp.reshape(blocks_per_dest, num_dests, slices, -1)
     if hadamard_block:
-        values = _hadamard(values, hadamard_block)
+        values = hadamard_transform(values, hadamard_block)
     values = values.permute(2, 1, 0, 3).reshape(slices * num_dests, -1)
     _write_messages(values.to(torch.float32), out, slices * num_dests, bits, group_size,
                     stochastic, seed)
@@ -140,7 +135,7 @@ def tlq_receiver(wire_in: torch.Tensor, out: torch.Tensor, *, n_in: int, bits: i
     Hadamard, multiply by ``scale`` (1/W for AVG), write (or add) into ``out``."""
     total = _read_messages(wire_in, n_in, out.numel(), bits, group_size).sum(dim=0)
     if hadamard_block:
-        total = _hadamard(total, hadamard_block)
+        total = inverse_hadamard_transform(total, hadamard_block)
     if scale != 1.0:
         total = total * scale
     if accumulate:
