@@ -5,7 +5,8 @@
     python tools/summarize_metrics.py runs/speed/1.3B/sdp4bit/16nodes/metrics.jsonl --warmup 20
 
 Prints the first and the final logged training loss (and the last validation loss), the
-bytes one rank sent per iteration in each collective next to the unquantized equivalent,
+bytes one rank sent per iteration in each collective next to what an ideal unquantized
+collective sends (computed message sizes, see megatron.sdp4bit.comm.stats),
 and the mean time per iteration and TFLOP/s per GPU over the iterations after ``--warmup``
 (the paper's Table 2 is the mean of 10 iterations after 20 warm-up ones). The byte figures
 are those of the last logged iteration: with ``--gradients-quantization-start-iteration``
@@ -19,9 +20,10 @@ import json
 import sys
 from pathlib import Path
 
-# (metrics key, label); the unquantized equivalent is under "baseline_" + key.
+# (metrics key, label); the ideal unquantized equivalent is under "baseline_" + key.
 COLLECTIVES = (
-    ("comm_bytes_params", "weight all-gather"),
+    ("comm_bytes_params_intra", "weights, to the node"),
+    ("comm_bytes_params_inter", "weights, to other nodes"),
     ("comm_bytes_grads_intra", "gradients, intra-node hop"),
     ("comm_bytes_grads_inter", "gradients, inter-node hop"),
 )
@@ -60,7 +62,8 @@ def summarize(train: list[dict], val: list[dict], warmup: int = 0) -> str:
                      f"{val[-1]['iteration']}")
     lines.append(f"{'bytes per iteration, one rank':31s} {'quantized':>12s} {'unquantized':>12s}"
                  f" {'reduction':>10s}   (iteration {last['iteration']})")
-    rows = [(label, last[key], last["baseline_" + key]) for key, label in COLLECTIVES]
+    rows = [(label, last[key], last["baseline_" + key]) for key, label in COLLECTIVES
+            if key in last]
     rows.append(("total", sum(r[1] for r in rows), sum(r[2] for r in rows)))
     for label, q, b in rows:
         reduction = f"{b / q:9.2f}x" if q else f"{'-':>10s}"

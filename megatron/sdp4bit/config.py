@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 SUPPORTED_BITS = (4, 8)
+KERNEL_BACKENDS = ("auto", "torch", "triton", "cpu")  # quantization.backend.KernelBackend
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -78,8 +79,10 @@ class SDP4BitConfig:
     seed: int = 1234
     """Seed of the counter-based stochastic-rounding streams."""
 
-    kernel_backend: Literal["auto", "torch", "triton"] = "auto"
-    """``auto`` = Triton kernels for CUDA tensors, torch references otherwise."""
+    kernel_backend: Literal["auto", "torch", "triton", "cpu"] = "auto"
+    """``auto`` = Triton kernels for CUDA tensors, compiled CPU kernels for CPU tensors;
+    ``torch`` = the pure-torch references (same bits, slower); ``triton`` / ``cpu`` force
+    one of the compiled backends."""
 
     def __post_init__(self) -> None:
         check_bits("weight_quantization_bits", self.weight_quantization_bits)
@@ -97,9 +100,9 @@ class SDP4BitConfig:
             raise ValueError(
                 f"quantization_rounding={self.quantization_rounding!r}: use 'stochastic' or 'nearest'"
             )
-        if self.kernel_backend not in ("auto", "torch", "triton"):
+        if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(
-                f"kernel_backend={self.kernel_backend!r}: use 'auto', 'torch' or 'triton'"
+                f"kernel_backend={self.kernel_backend!r}: use one of {', '.join(KERNEL_BACKENDS)}"
             )
         if not _is_power_of_two(self.hadamard_block_size):
             raise ValueError(

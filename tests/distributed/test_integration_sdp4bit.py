@@ -47,12 +47,16 @@ def _expected_bytes(cfg, numel: int, n: int, m: int) -> dict[str, int]:
     """What one bucket's collectives send from one rank (docs/comm.md accounting)."""
     w = n * m
     s = numel // w
-    out = dict.fromkeys(("param_bytes", "param_bytes_baseline", "grad_intra_bytes",
+    out = dict.fromkeys(("param_intra_bytes", "param_inter_bytes", "param_intra_bytes_baseline",
+                         "param_inter_bytes_baseline", "grad_intra_bytes",
                          "grad_inter_bytes", "grad_intra_bytes_baseline",
                          "grad_inter_bytes_baseline"), 0)
     if cfg.quantized_weights:
-        out["param_bytes"] = (w - 1) * _wire(s, cfg.weight_quantization_bits, cfg.wq_group_size)
-        out["param_bytes_baseline"] = (w - 1) * s * 2  # bf16 replica
+        # to the n - 1 ranks of this node and the w - n ranks of the other nodes
+        msg = _wire(s, cfg.weight_quantization_bits, cfg.wq_group_size)
+        out["param_intra_bytes"], out["param_inter_bytes"] = (n - 1) * msg, (w - n) * msg
+        out["param_intra_bytes_baseline"] = (n - 1) * s * 2  # bf16 replica
+        out["param_inter_bytes_baseline"] = (w - n) * s * 2
     if cfg.quantized_gradients:
         bi, gi = cfg.gradient_quantization_bits_intra, cfg.gq_group_size_intra
         be, ge = cfg.gradient_quantization_bits_inter, cfg.gq_group_size_inter
@@ -252,7 +256,7 @@ def _uninstall_worker(rank: int, world_size: int) -> None:
         T.train_step(ddp, optimizer, setup, step)
     T.finish_param_sync(ddp)
     sent = handle.stats.snapshot()
-    assert sent["param_bytes"] > 0 and sent["grad_inter_bytes"] > 0
+    assert sent["param_inter_bytes"] > 0 and sent["grad_inter_bytes"] > 0
     handle.uninstall()
     assert not handle.installed
     for bg in ddp.bucket_groups:

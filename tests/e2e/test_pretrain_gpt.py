@@ -92,6 +92,9 @@ def check_run(lines: list[dict], method: str) -> None:
         # N = 2, M = 2: per rank the unquantized schedule sends (N-1)*M shards inside the node
         # and (M-1) across, so the intra baseline is twice the inter one.
         assert pb > 0 and inter_b > 0 and intra_b == 2 * inter_b
+        # The all-gather sends one message to the node peer and two to the other node's ranks.
+        assert m["comm_bytes_params_inter"] == 2 * m["comm_bytes_params_intra"]
+        assert m["baseline_comm_bytes_params_inter"] == 2 * m["baseline_comm_bytes_params_intra"]
         if "qWD" in method or method == "SDP4Bit":
             # 16-bit weights vs 4 bits + one fp32 scale per 2048 = 4.0156 bits: 3.98x.
             assert 3.7 < pb / p <= 16 / (4 + 32 / 2048) + 1e-9, (p, pb)
@@ -117,11 +120,23 @@ CASES = [("baseline", "mock"), ("baseline", "preprocessed"), ("qWD", "mock"),
 @pytest.mark.parametrize("method,data", [pytest.param(m, d, id=f"{m}-{d}") for m, d in CASES])
 def test_method_trains(method, data, data_prefix, tmp_path):
     flags = ["--mock-data"] if data == "mock" else data_prefix
+    if method == "TLq-HS":  # where the time goes: Megatron-LM's timers plus SDP4Bit's phases
+        flags = flags + ["--timing-log-level", "1", "--timing-log-option", "max"]
     metrics = tmp_path / "metrics.jsonl"
     res = torchrun(TINY + flags + METHODS[method] + ["--dp-ranks-per-node", "2",
                                                      "--metrics-jsonl", str(metrics)])
     lines = train_lines(res.stdout)
     check_run(lines, method)
+    timed = re.findall(r"max time across ranks \(ms\):\n((?:    .*\n)+)", res.stdout)
+    if method == "TLq-HS":
+        assert len(timed) == len(lines), res.stdout[-3000:]
+        names = {line.split(" ..")[0].strip() for line in timed[-1].splitlines()}
+        assert {"forward-backward", "all-grads-sync", "optimizer", "sdp4bit-grads-quantize",
+                "sdp4bit-grads-requantize", "sdp4bit-grads-wait",
+                "sdp4bit-grads-dequantize"} <= names, names
+        assert not any(name.startswith("sdp4bit-params") for name in names)  # not quantized
+    else:
+        assert not timed
     records = [json.loads(x) for x in metrics.read_text().splitlines()]
     train = [r for r in records if "lm_loss" in r]
     evals = [r for r in records if "val_lm_loss" in r]
@@ -134,6 +149,12 @@ def test_method_trains(method, data, data_prefix, tmp_path):
     for rec, line in zip(train, lines):
         assert rec["comm_bytes_params"] == line["comm_bytes_params"]
         assert abs(rec["lm_loss"] - line["lm_loss"]) <= 1e-6 * abs(line["lm_loss"])
+        if method == "TLq-HS":
+            timers = rec["timers_ms"]
+            assert 0 < timers["sdp4bit-grads-quantize"] < timers["forward-backward"]
+            assert timers["optimizer"] < rec["elapsed_ms"]
+        else:
+            assert "timers_ms" not in rec
 
 
 @pytest.mark.slow

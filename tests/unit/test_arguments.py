@@ -82,7 +82,7 @@ def test_every_config_field_has_a_flag_with_its_docstring_as_help():
             assert actions[f.name].help, f.name
             assert actions[f.name].default == f.default
     assert actions["weight_quantization_mode"].choices == ["diff", "direct"]
-    assert actions["kernel_backend"].choices == ["auto", "torch", "triton"]
+    assert actions["kernel_backend"].choices == ["auto", "torch", "triton", "cpu"]
 
 
 def test_sdp4bit_flags_reach_the_config():

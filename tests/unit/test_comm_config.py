@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
+import torch
 
 from megatron.sdp4bit.comm import CommStats, GradientQuantConfig, WeightQuantConfig
+from megatron.sdp4bit.comm.stats import PHASES, timed
 from megatron.sdp4bit.comm.topology import _resolve_n, node_id
 from megatron.sdp4bit.config import SDP4BitConfig
 
@@ -83,8 +87,31 @@ def test_node_id_tells_torchrun_agents_apart(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_stats_reset_and_totals() -> None:
     stats = CommStats(grad_intra_bytes=3, grad_inter_bytes=4, grad_intra_bytes_baseline=10,
-                      grad_inter_bytes_baseline=20, param_bytes=5)
+                      grad_inter_bytes_baseline=20, param_intra_bytes=5)
     assert (stats.grad_bytes, stats.grad_bytes_baseline) == (7, 30)
     snap = stats.snapshot()
     stats.reset()
-    assert snap["param_bytes"] == 5 and stats.snapshot() == dict.fromkeys(snap, 0)
+    assert snap["param_intra_bytes"] == 5 and stats.snapshot() == dict.fromkeys(snap, 0)
+
+
+def test_param_bytes_split_by_destination_node() -> None:
+    """An all-gather over W = 6 ranks, 2 per node: 1 message to the node peer, 4 to others."""
+    stats = CommStats()
+    stats.add_param_bytes(100, 400, world=6, ranks_per_node=2)
+    assert (stats.param_intra_bytes, stats.param_inter_bytes) == (100, 400)
+    assert (stats.param_intra_bytes_baseline, stats.param_inter_bytes_baseline) == (400, 1600)
+    assert (stats.param_bytes, stats.param_bytes_baseline) == (500, 2000)
+
+
+def test_phase_timing_is_off_by_default_and_cleared_when_taken() -> None:
+    stats = CommStats()
+    with timed(stats, "grads-wait", torch.device("cpu")):
+        time.sleep(0.01)
+    assert stats.take_seconds() == dict.fromkeys(PHASES, 0.0)
+    stats.timing = True
+    with timed(stats, "grads-wait", torch.device("cpu")):
+        time.sleep(0.02)
+    taken = stats.take_seconds()
+    assert 0.02 <= taken["grads-wait"] < 1.0
+    assert sum(taken.values()) == taken["grads-wait"]
+    assert stats.take_seconds()["grads-wait"] == 0.0

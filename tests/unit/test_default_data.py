@@ -91,8 +91,8 @@ def test_prepare_tokenizes_caches_and_rebuilds_on_a_changed_stamp(tmp_path, caps
 
 def _record(iteration: int, loss: float, ms: float, factor: int) -> dict:
     rec = {"iteration": iteration, "lm_loss": loss, "elapsed_ms": ms, "tflops_per_gpu": 2.0}
-    for key, base in (("comm_bytes_params", 4 * 2**20), ("comm_bytes_grads_intra", 8 * 2**20),
-                      ("comm_bytes_grads_inter", 2**20)):
+    for key, base in (("comm_bytes_params_intra", 2**20), ("comm_bytes_params_inter", 3 * 2**20),
+                      ("comm_bytes_grads_intra", 8 * 2**20), ("comm_bytes_grads_inter", 2**20)):
         rec[key], rec["baseline_" + key] = base // factor, base
     return rec
 
@@ -107,10 +107,13 @@ def test_summary_reports_losses_bytes_and_time_after_warmup(tmp_path):
     assert out[0] == "lm loss: 10.5000 at iteration 10 -> 6.1250 at iteration 30"
     assert out[1] == "validation lm loss: 7.5000 at iteration 20"
     # the last iteration's bytes: each collective 4x smaller, MiB with two decimals
-    assert out[3].split() == ["weight", "all-gather", "1.00", "MiB", "4.00", "MiB", "4.00x"]
-    assert out[6].split() == ["total", "3.25", "MiB", "13.00", "MiB", "4.00x"]
+    assert out[3].split() == ["weights,", "to", "the", "node", "0.25", "MiB", "1.00", "MiB",
+                              "4.00x"]
+    assert out[4].split() == ["weights,", "to", "other", "nodes", "0.75", "MiB", "3.00", "MiB",
+                              "4.00x"]
+    assert out[7].split() == ["total", "3.25", "MiB", "13.00", "MiB", "4.00x"]
     # iterations 20 and 30 only: (100 + 300) / 2
-    assert out[7] == "mean time per iteration after iteration 10: 200.0 ms, 2 TFLOP/s per GPU"
+    assert out[8] == "mean time per iteration after iteration 10: 200.0 ms, 2 TFLOP/s per GPU"
 
 
 def test_summary_of_a_file_without_training_records_fails(tmp_path, capsys):

@@ -1,9 +1,9 @@
 """The fused Triton kernels against the torch references, in the Triton interpreter on CPU.
 
-Without a Hadamard transform the kernels must reproduce the reference's bytes exactly, with
-round-to-nearest and with stochastic rounding (they evaluate the same counter hash); with a
-transform, within the bound stated in ``_kernel_checks``. Sizes are tiny: the interpreter
-runs each program in numpy.
+The kernels must reproduce the reference's bytes exactly, with round-to-nearest and with
+stochastic rounding (they evaluate the same counter hash), with and without the Hadamard
+transform (the same butterflies in the same order). Sizes are tiny: the interpreter runs
+each program in numpy.
 """
 
 import os

@@ -26,7 +26,7 @@ from torch.distributed import ProcessGroup
 from megatron.sdp4bit.comm.checks import check_float_buffers
 from megatron.sdp4bit.comm.config import WeightQuantConfig
 from megatron.sdp4bit.comm.padding import check_padded, required_divisor
-from megatron.sdp4bit.comm.stats import CommStats
+from megatron.sdp4bit.comm.stats import CommStats, timed
 from megatron.sdp4bit.comm.work import CollectiveWork
 from megatron.sdp4bit.quantization import ops
 from megatron.sdp4bit.quantization.format import message_nbytes
@@ -54,12 +54,15 @@ def _validate(replica: torch.Tensor, main_shard: torch.Tensor, world: int) -> No
 
 
 def _finish_with(handle: dist.Work, then: Callable[[], None] | None, keep: tuple,
-                 async_op: bool) -> CollectiveWork | None:
+                 async_op: bool, stats: CommStats | None, device: torch.device
+                 ) -> CollectiveWork | None:
     def finish() -> None:
-        handle.wait()
+        with timed(stats, "params-wait", device):
+            handle.wait()
         del keep_alive[:]  # the wire buffers may go once the collective is done
         if then is not None:
-            then()
+            with timed(stats, "params-dequantize", device):
+                then()
 
     keep_alive = list(keep)
     work = CollectiveWork(finish)
@@ -72,6 +75,7 @@ def _finish_with(handle: dist.Work, then: Callable[[], None] | None, keep: tuple
 def weight_difference_all_gather(replica: torch.Tensor, main_shard: torch.Tensor, *,
                                  group: ProcessGroup | None, config: WeightQuantConfig,
                                  seed: int, stats: CommStats | None = None,
+                                 ranks_per_node: int | None = None,
                                  async_op: bool = False) -> CollectiveWork | None:
     """Update the whole ``replica`` in place on every rank from every rank's ``main_shard``.
 
@@ -81,7 +85,8 @@ def weight_difference_all_gather(replica: torch.Tensor, main_shard: torch.Tensor
     weights, S elements. Mode 'diff' (qWD) sends ``Q(main_shard - replica shard)`` and adds
     every rank's dequantized message to its shard; 'direct' (qW) sends ``Q(main_shard)`` and
     overwrites. ``S`` must be a multiple of :func:`~megatron.sdp4bit.comm.padding.
-    required_divisor` ``(W, weight_group=..., weight_bits=...) / W``.
+    required_divisor` ``(W, weight_group=..., weight_bits=...) / W``. ``stats``: byte counters
+    (split by ``ranks_per_node``, the DP ranks per node; ``None`` = one node) and phase times.
 
     The message is quantized at call time; with ``async_op`` the returned
     :class:`CollectiveWork`'s ``wait()`` applies the update (leave ``replica`` untouched
@@ -96,15 +101,17 @@ def weight_difference_all_gather(replica: torch.Tensor, main_shard: torch.Tensor
     shard = main_shard.numel()
     nbytes = message_nbytes(shard, config.bits, config.group_size)
     if stats is not None:
-        stats.param_bytes += (world - 1) * nbytes
-        stats.param_bytes_baseline += (world - 1) * shard * replica.element_size()
+        stats.add_param_bytes(nbytes, shard * replica.element_size(), world,
+                              ranks_per_node or world)
     replica = replica.view(-1)
     diff = config.mode == "diff"
     message = torch.empty(nbytes, dtype=torch.uint8, device=replica.device)  # 1D uint8
-    ops.qwd_sender(main_shard.view(-1), replica[rank * shard:(rank + 1) * shard] if diff else None,
-                   message, bits=config.bits, group_size=config.group_size,
-                   stochastic=config.stochastic, seed=derive_seed(seed, HOP_PARAM, 0, rank),
-                   backend=config.kernel_backend)
+    with timed(stats, "params-quantize", replica.device):
+        ops.qwd_sender(main_shard.view(-1),
+                       replica[rank * shard:(rank + 1) * shard] if diff else None,
+                       message, bits=config.bits, group_size=config.group_size,
+                       stochastic=config.stochastic, seed=derive_seed(seed, HOP_PARAM, 0, rank),
+                       backend=config.kernel_backend)
     wire = torch.empty(world * nbytes, dtype=torch.uint8, device=replica.device)  # W messages
     handle = _all_gather(wire, message, group)
 
@@ -113,11 +120,12 @@ def weight_difference_all_gather(replica: torch.Tensor, main_shard: torch.Tensor
                          group_size=config.group_size, accumulate=diff,
                          backend=config.kernel_backend)
 
-    return _finish_with(handle, apply, (message,), async_op)
+    return _finish_with(handle, apply, (message,), async_op, stats, replica.device)
 
 
 def unquantized_all_gather(replica: torch.Tensor, main_shard: torch.Tensor, *,
                            group: ProcessGroup | None, stats: CommStats | None = None,
+                           ranks_per_node: int | None = None,
                            async_op: bool = False) -> CollectiveWork | None:
     """The baseline: all-gather ``main_shard`` cast to the replica dtype into ``replica``.
 
@@ -128,9 +136,8 @@ def unquantized_all_gather(replica: torch.Tensor, main_shard: torch.Tensor, *,
     _validate(replica, main_shard, world)
     shard = main_shard.numel()
     if stats is not None:
-        sent = (world - 1) * shard * replica.element_size()
-        stats.param_bytes += sent
-        stats.param_bytes_baseline += sent
+        sent = shard * replica.element_size()
+        stats.add_param_bytes(sent, sent, world, ranks_per_node or world)
     send = main_shard.view(-1).to(replica.dtype, copy=True)  # a copy: the output overlaps it
     handle = _all_gather(replica.view(-1), send, group)
-    return _finish_with(handle, None, (send,), async_op)
+    return _finish_with(handle, None, (send,), async_op, stats, replica.device)

@@ -23,7 +23,8 @@ def _check_backend(value: str) -> None:
     try:
         KernelBackend(value)
     except ValueError:
-        raise ValueError(f"kernel_backend={value!r}: use 'auto', 'torch' or 'triton'") from None
+        raise ValueError(f"kernel_backend={value!r}: use one of "
+                         f"{', '.join(b.value for b in KernelBackend)}") from None
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class GradientQuantConfig:
     """Stochastic rounding (unbiased) if True, round-to-nearest otherwise."""
 
     kernel_backend: str = "auto"
-    """Which implementation runs the fused ops: 'auto', 'torch' or 'triton'."""
+    """Which implementation runs the fused ops: 'auto', 'torch', 'triton' or 'cpu'."""
 
     def __post_init__(self) -> None:
         check_bits("intra_bits", self.intra_bits)
@@ -110,7 +111,7 @@ class WeightQuantConfig:
     """Stochastic rounding (unbiased) if True, round-to-nearest otherwise."""
 
     kernel_backend: str = "auto"
-    """Which implementation runs the fused ops: 'auto', 'torch' or 'triton'."""
+    """Which implementation runs the fused ops: 'auto', 'torch', 'triton' or 'cpu'."""
 
     def __post_init__(self) -> None:
         check_bits("bits", self.bits)

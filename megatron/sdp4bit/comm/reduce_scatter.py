@@ -50,7 +50,7 @@ from torch.distributed import ReduceOp
 from megatron.sdp4bit.comm.checks import check_float_buffers
 from megatron.sdp4bit.comm.config import GradientQuantConfig
 from megatron.sdp4bit.comm.padding import check_padded, required_divisor
-from megatron.sdp4bit.comm.stats import CommStats
+from megatron.sdp4bit.comm.stats import CommStats, timed
 from megatron.sdp4bit.comm.topology import DPTopology
 from megatron.sdp4bit.comm.work import CollectiveWork
 from megatron.sdp4bit.quantization import ops
@@ -108,7 +108,7 @@ def two_level_reduce_scatter(output: torch.Tensor, input: torch.Tensor, *,
     :func:`~megatron.sdp4bit.comm.padding.required_divisor` for ``config``; ``output``:
     ``input.numel() // W`` elements, any of those dtypes (accumulation is fp32). ``op``: SUM or
     AVG. ``seed``: 64-bit seed of this call's rounding noise (derive it from the user seed,
-    iteration and bucket). ``stats``: byte counters to add to. Returns a
+    iteration and bucket). ``stats``: byte counters (and phase times) to add to. Returns a
     :class:`CollectiveWork` when ``async_op`` (``output`` must stay untouched until
     ``wait()``; ``advance()`` issues the inter-node hop early), else None. ``input`` is fully read (quantized) before this returns, so
     ``output`` may be this rank's shard of ``input`` itself (megatron-core's in-place call).
@@ -120,9 +120,9 @@ def two_level_reduce_scatter(output: torch.Tensor, input: torch.Tensor, *,
     inp = input.view(-1)
     out = output.view(-1)
     if topology.ranks_per_node > 1 and topology.nodes > 1:
-        work = CollectiveWork(*_two_hops(out, inp, topology, config, scale, seed))
+        work = CollectiveWork(*_two_hops(out, inp, topology, config, scale, seed, stats))
     else:
-        work = CollectiveWork(_one_hop(out, inp, topology, config, scale, seed))
+        work = CollectiveWork(_one_hop(out, inp, topology, config, scale, seed, stats))
     if async_op:
         return work
     work.wait()
@@ -130,7 +130,8 @@ def two_level_reduce_scatter(output: torch.Tensor, input: torch.Tensor, *,
 
 
 def _one_hop(out: torch.Tensor, inp: torch.Tensor, topo: DPTopology,
-             config: GradientQuantConfig, scale: float, seed: int) -> Callable[[], None]:
+             config: GradientQuantConfig, scale: float, seed: int,
+             stats: CommStats | None) -> Callable[[], None]:
     """N = 1 (inter hop only) or M = 1 (intra hop only): one all-to-all of W messages."""
     if topo.nodes == 1:
         group, bits, gsize = topo.intra_group, config.intra_bits, config.intra_group_size
@@ -139,10 +140,12 @@ def _one_hop(out: torch.Tensor, inp: torch.Tensor, topo: DPTopology,
     w = topo.world
     send = torch.empty(w * message_nbytes(out.numel(), bits, gsize), dtype=torch.uint8,
                        device=inp.device)  # 1D uint8: W messages of S values, by destination
-    ops.tlq_sender(inp, send, num_dests=w, blocks_per_dest=1, slices=1, bits=bits,
-                   group_size=gsize, hadamard_block=config.hadamard_block,
-                   stochastic=config.stochastic, seed=derive_seed(seed, HOP_INTRA, 0, topo.rank),
-                   backend=config.kernel_backend)
+    with timed(stats, "grads-quantize", inp.device):
+        ops.tlq_sender(inp, send, num_dests=w, blocks_per_dest=1, slices=1, bits=bits,
+                       group_size=gsize, hadamard_block=config.hadamard_block,
+                       stochastic=config.stochastic,
+                       seed=derive_seed(seed, HOP_INTRA, 0, topo.rank),
+                       backend=config.kernel_backend)
     if w == 1:
         recv, handle = send, None
     else:
@@ -151,16 +154,18 @@ def _one_hop(out: torch.Tensor, inp: torch.Tensor, topo: DPTopology,
 
     def finish() -> None:
         if handle is not None:
-            handle.wait()
-        ops.tlq_receiver(recv, out, n_in=w, bits=bits, group_size=gsize,
-                         hadamard_block=config.hadamard_block, scale=scale,
-                         backend=config.kernel_backend)
+            with timed(stats, "grads-wait", out.device):
+                handle.wait()
+        with timed(stats, "grads-dequantize", out.device):
+            ops.tlq_receiver(recv, out, n_in=w, bits=bits, group_size=gsize,
+                             hadamard_block=config.hadamard_block, scale=scale,
+                             backend=config.kernel_backend)
 
     return finish
 
 
 def _two_hops(out: torch.Tensor, inp: torch.Tensor, topo: DPTopology,
-              config: GradientQuantConfig, scale: float, seed: int
+              config: GradientQuantConfig, scale: float, seed: int, stats: CommStats | None
               ) -> tuple[Callable[[], None], Callable[[], None]]:
     """N > 1 and M > 1: see [Note: the two-hop schedule]. Issues the intra hops now; returns
     (finish, advance) for :class:`CollectiveWork`."""
@@ -169,11 +174,12 @@ def _two_hops(out: torch.Tensor, inp: torch.Tensor, topo: DPTopology,
     intra_bytes = n * message_nbytes(m * c, config.intra_bits, config.intra_group_size)
     inter_bytes = m * message_nbytes(c, config.inter_bits, config.inter_group_size)
     send1 = torch.empty(p * intra_bytes, dtype=torch.uint8, device=inp.device)  # [P][N msgs]
-    ops.tlq_sender(inp, send1, num_dests=n, blocks_per_dest=m, slices=p,
-                   bits=config.intra_bits, group_size=config.intra_group_size,
-                   hadamard_block=config.hadamard_block, stochastic=config.stochastic,
-                   seed=derive_seed(seed, HOP_INTRA, 0, topo.rank),
-                   backend=config.kernel_backend)
+    with timed(stats, "grads-quantize", inp.device):
+        ops.tlq_sender(inp, send1, num_dests=n, blocks_per_dest=m, slices=p,
+                       bits=config.intra_bits, group_size=config.intra_group_size,
+                       hadamard_block=config.hadamard_block, stochastic=config.stochastic,
+                       seed=derive_seed(seed, HOP_INTRA, 0, topo.rank),
+                       backend=config.kernel_backend)
     recv1 = torch.empty_like(send1)
     intra_work = [
         dist.all_to_all_single(recv1[i * intra_bytes:(i + 1) * intra_bytes],
@@ -187,15 +193,18 @@ def _two_hops(out: torch.Tensor, inp: torch.Tensor, topo: DPTopology,
 
     def advance() -> None:
         for i in range(p):
-            intra_work[i].wait()
-            ops.tlq_middle(recv1[i * intra_bytes:(i + 1) * intra_bytes],
-                           send2[i * inter_bytes:(i + 1) * inter_bytes],
-                           n_in=n, numel=m * c, bits_in=config.intra_bits,
-                           group_size_in=config.intra_group_size, n_out=m,
-                           bits_out=config.inter_bits, group_size_out=config.inter_group_size,
-                           stochastic=config.stochastic,
-                           seed=derive_seed(seed, HOP_INTER, i, topo.rank),
-                           backend=config.kernel_backend)
+            with timed(stats, "grads-wait", inp.device):
+                intra_work[i].wait()
+            with timed(stats, "grads-requantize", inp.device):
+                ops.tlq_middle(recv1[i * intra_bytes:(i + 1) * intra_bytes],
+                               send2[i * inter_bytes:(i + 1) * inter_bytes],
+                               n_in=n, numel=m * c, bits_in=config.intra_bits,
+                               group_size_in=config.intra_group_size, n_out=m,
+                               bits_out=config.inter_bits,
+                               group_size_out=config.inter_group_size,
+                               stochastic=config.stochastic,
+                               seed=derive_seed(seed, HOP_INTER, i, topo.rank),
+                               backend=config.kernel_backend)
             inter_work.append(dist.all_to_all_single(
                 recv2[i * inter_bytes:(i + 1) * inter_bytes],
                 send2[i * inter_bytes:(i + 1) * inter_bytes],
@@ -203,11 +212,13 @@ def _two_hops(out: torch.Tensor, inp: torch.Tensor, topo: DPTopology,
 
     def finish() -> None:
         for i in range(p):
-            inter_work[i].wait()
-            ops.tlq_receiver(recv2[i * inter_bytes:(i + 1) * inter_bytes],
-                             out[i * c:(i + 1) * c], n_in=m, bits=config.inter_bits,
-                             group_size=config.inter_group_size,
-                             hadamard_block=config.hadamard_block, scale=scale,
-                             backend=config.kernel_backend)
+            with timed(stats, "grads-wait", out.device):
+                inter_work[i].wait()
+            with timed(stats, "grads-dequantize", out.device):
+                ops.tlq_receiver(recv2[i * inter_bytes:(i + 1) * inter_bytes],
+                                 out[i * c:(i + 1) * c], n_in=m, bits=config.inter_bits,
+                                 group_size=config.inter_group_size,
+                                 hadamard_block=config.hadamard_block, scale=scale,
+                                 backend=config.kernel_backend)
 
     return finish, advance

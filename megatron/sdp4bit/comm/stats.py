@@ -8,11 +8,18 @@ is not counted. With ``K`` ranks in a collective and messages of ``B`` bytes:
 * all-to-all: ``(K - 1) * B`` (one message to each peer);
 * all-gather: ``(K - 1) * B`` as well: a ring all-gather forwards ``K - 1`` messages, a direct
   one sends its own message to ``K - 1`` peers; both leave the rank with the same bytes.
+  Split by destination: ``(N - 1) * B`` to the other ranks of its node (intra) and
+  ``(W - N) * B`` to the ranks of other nodes (inter), with N DP ranks per node.
 
 Quantized byte counts are exact wire sizes (fp32 scales + packed payload,
 :func:`megatron.sdp4bit.quantization.format.message_nbytes`).
 
-Baselines ("what the unquantized collective would have sent from this rank"):
+These are *computed* figures: the sizes of the messages handed to the collectives. What a
+backend puts on a link can differ (gloo's ``reduce_scatter_tensor`` runs a whole all-reduce,
+about 3x an ideal reduce-scatter; a ring moves the messages of other ranks too); the
+cluster benchmark (``tools/simcluster``) measures the interface counters next to them.
+
+Baselines ("what an ideal unquantized collective sends from this rank"):
 
 * parameters: all-gather of the shard in the replica's dtype (bf16 in mixed precision):
   ``(W - 1) * S * replica.element_size()``;
@@ -27,17 +34,41 @@ Baselines ("what the unquantized collective would have sent from this rank"):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+COUNTERS = (
+    "param_intra_bytes", "param_inter_bytes",
+    "param_intra_bytes_baseline", "param_inter_bytes_baseline",
+    "grad_intra_bytes", "grad_inter_bytes",
+    "grad_intra_bytes_baseline", "grad_inter_bytes_baseline",
+)
+
+PHASES = ("grads-quantize", "grads-requantize", "grads-wait", "grads-dequantize",
+          "params-quantize", "params-wait", "params-dequantize")
+"""What the collectives time when ``CommStats.timing`` is on: quantizing (the sender of the
+first hop; the gradient reduce-scatter's requantization between its hops apart), waiting on
+the wire (blocked in a collective's ``wait``), and dequantizing into the output."""
 
 
 @dataclass
 class CommStats:
-    """Byte counters, accumulated by every collective that is given this object."""
+    """Byte counters (and, with ``timing``, phase times) accumulated by every collective
+    that is given this object."""
 
-    param_bytes: int = 0
-    """Parameter all-gather, bytes sent (quantized or not, whatever ran)."""
-    param_bytes_baseline: int = 0
-    """Parameter all-gather, what the unquantized all-gather in the replica dtype sends."""
+    param_intra_bytes: int = 0
+    """Parameter all-gather, bytes sent to ranks of the same node."""
+    param_inter_bytes: int = 0
+    """Parameter all-gather, bytes sent to ranks of other nodes."""
+    param_intra_bytes_baseline: int = 0
+    """The unquantized all-gather in the replica dtype, to ranks of the same node."""
+    param_inter_bytes_baseline: int = 0
+    """The unquantized all-gather in the replica dtype, to ranks of other nodes."""
     grad_intra_bytes: int = 0
     """Gradient reduce-scatter, intra-node hop, bytes sent."""
     grad_inter_bytes: int = 0
@@ -46,14 +77,45 @@ class CommStats:
     """Unquantized two-level schedule in the input dtype, intra-node hop."""
     grad_inter_bytes_baseline: int = 0
     """Unquantized two-level schedule in the input dtype, inter-node hop."""
+    timing: bool = False
+    """Time the phases of every collective (:data:`PHASES`) into :attr:`seconds`. Off by
+    default: on CUDA it synchronizes the device around each phase."""
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    """Wall seconds per phase since the last :meth:`take_seconds`."""
 
     def reset(self) -> None:
-        for name in asdict(self):
+        """Zero the byte counters."""
+        for name in COUNTERS:
             setattr(self, name, 0)
 
     def snapshot(self) -> dict[str, int]:
-        """A copy of the counters (e.g. to log and then :meth:`reset`)."""
-        return asdict(self)
+        """A copy of the byte counters (e.g. to log and then :meth:`reset`)."""
+        return {name: getattr(self, name) for name in COUNTERS}
+
+    def take_seconds(self) -> dict[str, float]:
+        """The phase times accumulated so far (every phase, 0.0 if it did not run); clears
+        them."""
+        taken = {phase: self.seconds.get(phase, 0.0) for phase in PHASES}
+        self.seconds.clear()
+        return taken
+
+    def add_param_bytes(self, message_bytes: int, baseline_bytes: int, world: int,
+                        ranks_per_node: int) -> None:
+        """Count one all-gather of ``world`` ranks, ``ranks_per_node`` per node, in which this
+        rank's message has ``message_bytes`` (``baseline_bytes`` unquantized)."""
+        intra, inter = ranks_per_node - 1, world - ranks_per_node
+        self.param_intra_bytes += intra * message_bytes
+        self.param_inter_bytes += inter * message_bytes
+        self.param_intra_bytes_baseline += intra * baseline_bytes
+        self.param_inter_bytes_baseline += inter * baseline_bytes
+
+    @property
+    def param_bytes(self) -> int:
+        return self.param_intra_bytes + self.param_inter_bytes
+
+    @property
+    def param_bytes_baseline(self) -> int:
+        return self.param_intra_bytes_baseline + self.param_inter_bytes_baseline
 
     @property
     def grad_bytes(self) -> int:
@@ -62,3 +124,22 @@ class CommStats:
     @property
     def grad_bytes_baseline(self) -> int:
         return self.grad_intra_bytes_baseline + self.grad_inter_bytes_baseline
+
+
+@contextmanager
+def timed(stats: CommStats | None, phase: str, device: torch.device) -> Iterator[None]:
+    """Add the wall time of the ``with`` block to ``stats.seconds[phase]`` when timing is
+    on (a CUDA device is synchronized at both ends, so that the kernels are inside)."""
+    if stats is None or not stats.timing:
+        yield
+        return
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        if cuda:
+            torch.cuda.synchronize(device)
+        stats.seconds[phase] += time.perf_counter() - start

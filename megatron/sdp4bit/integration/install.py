@@ -200,7 +200,8 @@ def install_sdp4bit(model_chunks, optimizer, config: SDP4BitConfig, *,
             patched.append((bg, "start_grad_sync"))
         if config.quantized_weights:
             bg.start_param_sync = make_start_param_sync(
-                bg, bucket_ids=ids, shards=shards, group_id=group_id, state=state)
+                bg, bucket_ids=ids, shards=shards, group_id=group_id,
+                ranks_per_node=topologies[id(group)].ranks_per_node, state=state)
             patched.append((bg, "start_param_sync"))
     if config.quantized_weights:
         for opt in optimizers:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron.sdp4bit.comm import weight_difference_all_gather
+from megatron.sdp4bit.comm.stats import timed
 from megatron.sdp4bit.integration.state import KIND_PARAM, RunState
 from megatron.sdp4bit.integration.work import BucketGroupWork
 
@@ -77,7 +78,7 @@ def main_shards(optimizers, bucket_id_of: dict[int, int], dp_rank_of: dict[int, 
 
 
 def make_start_param_sync(bucket_group, *, bucket_ids: list[int], shards: dict[int, MainShard],
-                          group_id: int, state: RunState):
+                          group_id: int, ranks_per_node: int, state: RunState):
     """A ``start_param_sync`` for ``bucket_group`` (megatron-core's contract, qWD inside)."""
 
     def start_param_sync(self, force_sync: bool = False) -> None:
@@ -94,10 +95,12 @@ def make_start_param_sync(bucket_group, *, bucket_ids: list[int], shards: dict[i
         works = []
         for bucket, bucket_id in zip(self.buckets, bucket_ids):
             shard = shards[bucket_id]
+            with timed(state.stats, "params-quantize", bucket.param_data.device):
+                main = shard.gather()
             works.append(weight_difference_all_gather(
-                bucket.param_data, shard.gather(), group=group, config=state.weight_config,
+                bucket.param_data, main, group=group, config=state.weight_config,
                 seed=state.seed(KIND_PARAM, bucket_id, group_id), stats=state.stats,
-                async_op=async_op))
+                ranks_per_node=ranks_per_node, async_op=async_op))
             state.param_calls[bucket_id] += 1
         self.param_gather_handle = BucketGroupWork(works) if async_op else None
         self.param_gather_dispatched = True

@@ -1,4 +1,4 @@
-"""Which implementation runs an operation: the Triton kernels or the torch references."""
+"""Which implementation runs an operation: Triton kernels, CPU kernels or torch references."""
 
 from __future__ import annotations
 
@@ -12,16 +12,23 @@ BACKEND_ENV = "SDP4BIT_KERNEL_BACKEND"
 
 
 class KernelBackend(enum.Enum):
-    """``AUTO`` = Triton for CUDA tensors, torch otherwise; ``TORCH`` / ``TRITON`` force one.
+    """``AUTO`` = Triton for CUDA tensors, the compiled CPU kernels for CPU tensors (the torch
+    references, with one warning, where those cannot be built); ``TORCH`` / ``TRITON`` /
+    ``CPU`` force one. All produce the same bytes (see each module's docstring for the one
+    exception, Triton's Hadamard transform).
 
     ``TRITON`` on CPU tensors only works under ``TRITON_INTERPRET=1`` (tests, debugging).
-    The environment variable ``SDP4BIT_KERNEL_BACKEND`` (auto, torch, triton) overrides
-    ``AUTO`` for a whole process, e.g. to debug numerics on a GPU with the references.
+    The environment variable ``SDP4BIT_KERNEL_BACKEND`` (auto, torch, triton, cpu) overrides
+    ``AUTO`` for a whole process, e.g. to debug numerics with the references.
     """
 
     AUTO = "auto"
     TORCH = "torch"
     TRITON = "triton"
+    CPU = "cpu"
+
+
+BACKEND_NAMES = tuple(b.value for b in KernelBackend)
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,7 +46,7 @@ def _env_backend() -> KernelBackend:
         return KernelBackend(value)
     except ValueError:
         raise ValueError(
-            f"{BACKEND_ENV}={value!r} is not a backend: use auto, torch or triton"
+            f"{BACKEND_ENV}={value!r} is not a backend: use one of {', '.join(BACKEND_NAMES)}"
         ) from None
 
 
@@ -49,8 +56,17 @@ def resolve_backend(backend: KernelBackend | str, tensor: torch.Tensor) -> Kerne
     if backend is KernelBackend.AUTO:
         backend = _env_backend()
     if backend is KernelBackend.AUTO:
-        use_triton = tensor.is_cuda and triton_available()
-        return KernelBackend.TRITON if use_triton else KernelBackend.TORCH
+        if tensor.is_cuda:
+            return KernelBackend.TRITON if triton_available() else KernelBackend.TORCH
+        if tensor.device.type == "cpu":
+            from megatron.sdp4bit.quantization import cpu_kernels
+
+            if cpu_kernels.available():
+                return KernelBackend.CPU
+        return KernelBackend.TORCH
+    if backend is KernelBackend.CPU and tensor.device.type != "cpu":
+        raise ValueError(f"the CPU kernel backend takes CPU tensors, got {tensor.device}: use "
+                         "KernelBackend.AUTO")
     if backend is KernelBackend.TRITON:
         if not triton_available():
             raise ImportError("the Triton backend was requested but triton is not installed: "

@@ -10,6 +10,16 @@ crushes its neighbours to zero at 4 bits. Mixing each block of 32 values with an
 transform spreads the outlier's energy over the block, so the absmax shrinks towards the
 block's RMS and the quantization step with it. The transform is linear: partial sums can be
 added in the transformed domain and transformed back once, after the last hop.
+
+[Note: butterfly order]
+Every implementation (this torch reference, the CPU kernels, the Triton kernels) computes the
+transform the same way, so that they agree bit for bit: ``log2(block)`` butterfly stages of
+half-width ``h = 1, 2, 4, ..., block/2``, each replacing the pair ``(x[j], x[j+h])`` of every
+``2h``-aligned run by ``(x[j] + x[j+h], x[j] - x[j+h])`` in fp32, then one multiplication by
+``1/sqrt(block)`` rounded to fp32. This is ``H x`` for the Sylvester matrix ``H``
+(``H_2k = [[H_k, H_k], [H_k, -H_k]]``) with ``block * log2(block)`` additions instead of the
+``block**2`` multiply-adds of a matrix product, whose summation order would depend on the
+BLAS library.
 """
 
 from __future__ import annotations
@@ -39,16 +49,27 @@ def hadamard_matrix(block: int, device: torch.device | str = "cpu") -> torch.Ten
     return _hadamard_matrix_cpu(block).to(device)
 
 
+def block_scale(block: int) -> float:
+    """``1/sqrt(block)`` rounded to fp32: the factor every implementation multiplies by."""
+    return float(torch.tensor(1.0 / math.sqrt(block), dtype=torch.float32))
+
+
 def _apply(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Fast Walsh-Hadamard butterflies, then the scale: see [Note: butterfly order]."""
     check_hadamard_block(block)
     if x.numel() % block:
         raise ValueError(
             f"hadamard transform needs numel divisible by the block: numel={x.numel()}, "
             f"block={block}"
         )
-    h = hadamard_matrix(block, x.device)
-    flat = x.reshape(-1, block).to(torch.float32)
-    return (flat @ h).reshape(x.shape)
+    y = x.reshape(-1, block).to(torch.float32)
+    h = 1
+    while h < block:
+        pairs = y.view(-1, block // (2 * h), 2, h)
+        a, b = pairs[:, :, 0, :], pairs[:, :, 1, :]
+        y = torch.stack([a + b, a - b], dim=2).view(-1, block)
+        h *= 2
+    return (y * block_scale(block)).reshape(x.shape)
 
 
 def hadamard_transform(x: torch.Tensor, block: int) -> torch.Tensor:

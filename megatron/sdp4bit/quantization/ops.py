@@ -2,7 +2,8 @@
 
 Each function has the signature of its reference in :mod:`.reference` (read there for the
 exact semantics) plus ``backend``; see :class:`.backend.KernelBackend` for how it resolves.
-The Triton versions live in :mod:`.triton_kernels` and are imported only when used.
+The Triton versions live in :mod:`.triton_kernels`, the CPU ones in :mod:`.cpu_kernels`;
+both are imported only when used.
 """
 
 from __future__ import annotations
@@ -14,10 +15,15 @@ from megatron.sdp4bit.quantization.backend import KernelBackend, resolve_backend
 
 
 def _impl(name: str, backend: KernelBackend | str, tensor: torch.Tensor):
-    if resolve_backend(backend, tensor) is KernelBackend.TRITON:
+    resolved = resolve_backend(backend, tensor)
+    if resolved is KernelBackend.TRITON:
         from megatron.sdp4bit.quantization import triton_kernels
 
         return getattr(triton_kernels, name)
+    if resolved is KernelBackend.CPU:
+        from megatron.sdp4bit.quantization import cpu_kernels
+
+        return getattr(cpu_kernels, name)
     return getattr(reference, name)
 
 

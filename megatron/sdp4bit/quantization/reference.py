@@ -76,6 +76,15 @@ def _read_messages(wire: torch.Tensor, count: int, numel: int, bits: int,
     return dequantize_groups(codes, scales.reshape(-1), bits).view(count, numel)
 
 
+def _sum_rows(values: torch.Tensor) -> torch.Tensor:
+    """fp32 sum of the rows of ``values`` [n, L] in row order, starting from +0: the order
+    every backend uses (``((0 + v0) + v1) + ...``), so that sums agree bit for bit."""
+    total = values.new_zeros(values.shape[1:])
+    for row in values:
+        total += row
+    return total
+
+
 def qwd_sender(main_shard: torch.Tensor, replica_shard: torch.Tensor | None, out: torch.Tensor,
                *, bits: int, group_size: int, stochastic: bool, seed: int) -> None:
     """One qWD message: ``Q(main_shard - replica_shard)`` (``Q(main_shard)`` when the replica is
@@ -122,8 +131,8 @@ def tlq_middle(wire_in: torch.Tensor, out: torch.Tensor, *, n_in: int, numel: in
                bits_in: int, group_size_in: int, n_out: int, bits_out: int,
                group_size_out: int, stochastic: bool, seed: int) -> None:
     """Between the hops: dequantize ``n_in`` messages of ``numel`` values, sum them in fp32
-    (message order), requantize as ``n_out`` messages of ``numel // n_out`` values."""
-    total = _read_messages(wire_in, n_in, numel, bits_in, group_size_in).sum(dim=0)
+    (message order, :func:`_sum_rows`), requantize as ``n_out`` messages of ``numel // n_out`` values."""
+    total = _sum_rows(_read_messages(wire_in, n_in, numel, bits_in, group_size_in))
     _write_messages(total.view(n_out, -1), out, n_out, bits_out, group_size_out,
                     stochastic, seed)
 
@@ -133,7 +142,7 @@ def tlq_receiver(wire_in: torch.Tensor, out: torch.Tensor, *, n_in: int, bits: i
                  accumulate: bool = False) -> None:
     """Last hop: dequantize ``n_in`` messages of ``out.numel()`` values, fp32 sum, inverse
     Hadamard, multiply by ``scale`` (1/W for AVG), write (or add) into ``out``."""
-    total = _read_messages(wire_in, n_in, out.numel(), bits, group_size).sum(dim=0)
+    total = _sum_rows(_read_messages(wire_in, n_in, out.numel(), bits, group_size))
     if hadamard_block:
         total = inverse_hadamard_transform(total, hadamard_block)
     if scale != 1.0:

@@ -12,29 +12,22 @@ round-to-nearest and no Hadamard transform, the kernels produce the reference's 
   lanes (multiplication wraps mod 2**32 exactly as the reference's int64 emulation), so the
   kernels draw the very same numbers as the reference.
 
-With a Hadamard transform the kernels multiply each block by the ``H x H`` matrix in fp32
-(``tl.dot`` with ``input_precision="ieee"``), which sums in another order than torch's matmul:
-values agree to a few ulps and a code may differ by one step where a value sits on a rounding
-boundary.
+* the Hadamard transform runs the butterflies of :mod:`..hadamard` in the same order
+  ([Note: butterfly order] there), so it too is bit-exact.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from megatron.sdp4bit.quantization import format as fmt
-from megatron.sdp4bit.quantization.hadamard import check_hadamard_block, hadamard_matrix
 
 # Elements per program: enough work per program to hide memory latency on a GPU, small enough
 # to stay in registers (2 groups of 2048, or 32 groups of 128).
 TILE_ELEMENTS = 4096
 # Launch options every kernel uses (see the module docstring for why no fp fusion).
 LAUNCH_OPTIONS = {"enable_fp_fusion": False}
-_STREAM_LIMIT = 1 << 32
 
 
 # ----------------------------------------------------------------------------- jit helpers
@@ -131,20 +124,20 @@ def load_codes(wire_ptr, payload, start, row_valid, G: tl.constexpr, GP: tl.cons
 
 
 @triton.jit
-def hadamard_tile(x, h_ptr, HB: tl.constexpr):
-    """Multiply every contiguous block of ``HB`` values of each row of ``x`` [R, GP] by the
-    orthonormal Hadamard matrix at ``h_ptr`` (fp32 [HB, HB]); ``GP`` is a multiple of HB."""
+def hadamard_tile(x, h_scale, HB: tl.constexpr, LOG2_HB: tl.constexpr):
+    """Transform every contiguous block of ``HB`` values of each row of ``x`` [R, GP] (``GP``
+    a multiple of HB) as :mod:`..hadamard` does, bit for bit: butterflies of half-width
+    1, 2, .., HB/2 in fp32, then a multiplication by ``h_scale`` (fp32 ``1/sqrt(HB)``)."""
     R: tl.constexpr = x.shape[0]
     GP: tl.constexpr = x.shape[1]
-    blocks = tl.reshape(x, [R * GP // HB, HB])
-    r = tl.arange(0, HB)
-    h = tl.load(h_ptr + r[:, None] * HB + r[None, :])
-    if HB >= 16:
-        y = tl.dot(blocks, h, input_precision="ieee")
-    else:
-        # tl.dot needs every dimension >= 16 on a GPU: small blocks multiply by broadcasting.
-        y = tl.sum(blocks[:, :, None] * h[None, :, :], axis=1)
-    return tl.reshape(y, [R, GP])
+    NB: tl.constexpr = R * GP // HB
+    y = tl.reshape(x, [NB, HB])
+    for s in tl.static_range(LOG2_HB):
+        # pairs (j, j + h) of every 2h-run: put the pair's two members in a last axis of 2
+        pairs = tl.permute(tl.reshape(y, [NB, HB // (2 << s), 2, 1 << s]), [0, 1, 3, 2])
+        a, c = tl.split(pairs)
+        y = tl.reshape(tl.permute(tl.join(a + c, a - c), [0, 1, 3, 2]), [NB, HB])
+    return tl.reshape(y * h_scale, [R, GP])
 
 
 @triton.jit
@@ -166,14 +159,10 @@ def cast_for_store(x, ptr):
 # ---------------------------------------------------------------------------- host helpers
 
 
-def tile_rows(group_size: int, hadamard_block: int = 0) -> tuple[int, int]:
+def tile_rows(group_size: int) -> tuple[int, int]:
     """``(R, GP)``: groups per program and padded group width for a group size."""
     gp = triton.next_power_of_2(group_size)
-    rows = max(1, TILE_ELEMENTS // gp)
-    if hadamard_block >= 16:
-        # tl.dot needs at least 16 blocks in the tile.
-        rows = max(rows, triton.next_power_of_2(-(-16 * hadamard_block // gp)))
-    return rows, gp
+    return max(1, TILE_ELEMENTS // gp), gp
 
 
 def num_warps(rows: int, gp: int) -> int:
@@ -183,55 +172,3 @@ def num_warps(rows: int, gp: int) -> int:
 def seed_words(seed: int) -> tuple[int, int]:
     seed &= (1 << 64) - 1
     return seed & 0xFFFFFFFF, seed >> 32
-
-
-def check_stream(stochastic: bool, numel: int) -> None:
-    if stochastic and numel > _STREAM_LIMIT:
-        raise ValueError(f"random-stream indices [0, {numel}) exceed 2**32")
-
-
-def check_wire(wire: torch.Tensor, name: str, count: int, numel: int, bits: int,
-               group_size: int) -> None:
-    """``wire`` must hold ``count`` messages (as :func:`..format.split_messages` checks) and be
-    4-byte aligned and contiguous: the kernels store fp32 scales through its uint8 pointer."""
-    if wire.dtype != torch.uint8 or wire.dim() != 1 or not wire.is_contiguous():
-        raise ValueError(f"{name} must be a contiguous 1D uint8 buffer, got "
-                         f"{tuple(wire.shape)} {wire.dtype}")
-    if wire.data_ptr() % 4:
-        raise ValueError(f"{name} must start at a 4-byte aligned address (it holds fp32 "
-                         "scales): allocate it whole or slice it at a multiple of 4 bytes")
-    if numel:
-        fmt.split_messages(wire, count, numel, bits, group_size)
-
-
-def check_output(t: torch.Tensor, name: str) -> None:
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous: the Triton kernels write it in place")
-
-
-def check_same_device(*tensors: torch.Tensor) -> None:
-    devices = {t.device for t in tensors}
-    if len(devices) > 1:
-        raise ValueError(f"tensors on different devices: {sorted(map(str, devices))}")
-
-
-def check_hadamard(hadamard_block: int, group_size: int, chunk: int | None = None) -> None:
-    """The kernels transform blocks inside a tile row (one group): ``group_size`` must be a
-    multiple of the block, and so must a tlq_sender chunk (blocks are contiguous input)."""
-    check_hadamard_block(hadamard_block)
-    if group_size % hadamard_block:
-        raise ValueError(f"group_size={group_size} is not a multiple of "
-                         f"hadamard_block={hadamard_block}")
-    if chunk is not None and chunk % hadamard_block:
-        raise ValueError(f"each destination chunk holds {chunk} elements, not a multiple of "
-                         f"hadamard_block={hadamard_block}: pad the buffer")
-
-
-@functools.lru_cache(maxsize=32)
-def _hadamard_on(block: int, device: str) -> torch.Tensor:
-    return hadamard_matrix(block, device).contiguous()
-
-
-def hadamard_operand(block: int, device: torch.device) -> torch.Tensor:
-    """The fp32 ``block x block`` matrix on ``device`` (cached: no copy per call)."""
-    return _hadamard_on(block, str(device))

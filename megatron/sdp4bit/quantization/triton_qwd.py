@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron.sdp4bit.quantization import checks
 from megatron.sdp4bit.quantization import format as fmt
 from megatron.sdp4bit.quantization import triton_common as tc
 
@@ -56,17 +57,8 @@ def _qwd_receiver_kernel(wire_ptr, replica_ptr, ngroups, groups_per_shard, msg_n
 def qwd_sender(main_shard: torch.Tensor, replica_shard: torch.Tensor | None, out: torch.Tensor,
                *, bits: int, group_size: int, stochastic: bool, seed: int) -> None:
     """Triton version of :func:`..reference.qwd_sender` (same arguments and bytes)."""
-    numel = main_shard.numel()
-    fmt.check_message_shape(numel, bits, group_size)
-    tc.check_wire(out, "out", 1, numel, bits, group_size)
-    if replica_shard is not None:
-        if replica_shard.numel() != numel:
-            raise ValueError(f"replica_shard has {replica_shard.numel()} elements, "
-                             f"main_shard {numel}: they must be the same shard")
-        tc.check_same_device(main_shard, replica_shard, out)
-    else:
-        tc.check_same_device(main_shard, out)
-    tc.check_stream(stochastic, numel)
+    numel = checks.qwd_sender_sizes(main_shard, replica_shard, out, bits=bits,
+                                    group_size=group_size, stochastic=stochastic)
     ngroups = numel // group_size
     if ngroups == 0:
         return
@@ -83,14 +75,8 @@ def qwd_sender(main_shard: torch.Tensor, replica_shard: torch.Tensor | None, out
 def qwd_receiver(wire: torch.Tensor, replica: torch.Tensor, *, world: int, bits: int,
                  group_size: int, accumulate: bool = True) -> None:
     """Triton version of :func:`..reference.qwd_receiver` (same arguments and bytes)."""
-    if world < 1 or replica.numel() % world:
-        raise ValueError(f"replica of {replica.numel()} elements does not split into "
-                         f"world={world} equal shards")
-    shard = replica.numel() // world
-    fmt.check_message_shape(shard, bits, group_size)
-    tc.check_wire(wire, "wire", world, shard, bits, group_size)
-    tc.check_output(replica, "replica")
-    tc.check_same_device(wire, replica)
+    shard = checks.qwd_receiver_sizes(wire, replica, world=world, bits=bits,
+                                      group_size=group_size)
     ngroups = replica.numel() // group_size
     if ngroups == 0:
         return

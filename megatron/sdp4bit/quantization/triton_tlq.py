@@ -13,8 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron.sdp4bit.quantization import checks
 from megatron.sdp4bit.quantization import format as fmt
 from megatron.sdp4bit.quantization import triton_common as tc
+from megatron.sdp4bit.quantization.hadamard import block_scale
 
 
 @triton.jit
@@ -31,10 +33,10 @@ def _source_index(o, msg_numel, chunk, num_dests, slices):
 
 
 @triton.jit(do_not_specialize=["k0", "k1"])
-def _tlq_sender_kernel(inp_ptr, out_ptr, h_ptr, ngroups, msg_numel, chunk, num_dests, slices,
+def _tlq_sender_kernel(inp_ptr, out_ptr, h_scale, ngroups, msg_numel, chunk, num_dests, slices,
                        msg_nbytes, k0, k1,
                        G: tl.constexpr, GP: tl.constexpr, R: tl.constexpr,
-                       BITS: tl.constexpr, QMAX: tl.constexpr, HB: tl.constexpr,
+                       BITS: tl.constexpr, QMAX: tl.constexpr, HB: tl.constexpr, LOG2_HB: tl.constexpr,
                        CHUNK_ALIGNED: tl.constexpr, STOCHASTIC: tl.constexpr):
     g = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)  # output group [R]
     t = tl.arange(0, GP)
@@ -49,7 +51,7 @@ def _tlq_sender_kernel(inp_ptr, out_ptr, h_ptr, ngroups, msg_numel, chunk, num_d
         src = _source_index(o, msg_numel, chunk, num_dests, slices)
     x = tl.load(inp_ptr + src, mask=mask, other=0.0).to(tl.float32)
     if HB > 0:
-        x = tc.hadamard_tile(x, h_ptr, HB)
+        x = tc.hadamard_tile(x, h_scale, HB, LOG2_HB)
     codes, scale = tc.quantize_tile(x, o, k0, k1, QMAX, STOCHASTIC)
     msg = start // msg_numel
     groups_per_msg = msg_numel // G
@@ -114,9 +116,9 @@ def _tlq_middle_kernel(wire_ptr, out_ptr, n_in, in_nbytes, in_groups, ngroups, o
 
 
 @triton.jit
-def _tlq_receiver_kernel(wire_ptr, out_ptr, h_ptr, n_in, msg_nbytes, ngroups, scale_by,
+def _tlq_receiver_kernel(wire_ptr, out_ptr, h_scale, n_in, msg_nbytes, ngroups, scale_by,
                          G: tl.constexpr, GP: tl.constexpr, R: tl.constexpr,
-                         BITS: tl.constexpr, QMAX: tl.constexpr, HB: tl.constexpr,
+                         BITS: tl.constexpr, QMAX: tl.constexpr, HB: tl.constexpr, LOG2_HB: tl.constexpr,
                          APPLY_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr):
     g = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     t = tl.arange(0, GP)
@@ -125,7 +127,7 @@ def _tlq_receiver_kernel(wire_ptr, out_ptr, h_ptr, n_in, msg_nbytes, ngroups, sc
     total = _dequantize_sum(wire_ptr, n_in, msg_nbytes, ngroups, start, row_valid,
                             G, BITS, QMAX, G, GP)
     if HB > 0:
-        total = tc.hadamard_tile(total, h_ptr, HB)
+        total = tc.hadamard_tile(total, h_scale, HB, LOG2_HB)
     if APPLY_SCALE:
         total = total * scale_by
     idx = start[:, None] + t[None, :]
@@ -135,39 +137,30 @@ def _tlq_receiver_kernel(wire_ptr, out_ptr, h_ptr, n_in, msg_nbytes, ngroups, sc
     tl.store(out_ptr + idx, tc.cast_for_store(total, out_ptr), mask=mask)
 
 
-def _hadamard_arg(hadamard_block: int, fallback: torch.Tensor) -> torch.Tensor:
-    if hadamard_block:
-        return tc.hadamard_operand(hadamard_block, fallback.device)
-    return fallback  # never read: HB == 0 compiles the transform out
+def _hadamard_args(hadamard_block: int) -> dict:
+    """The kernel arguments of the transform (HB == 0 compiles it out)."""
+    return dict(h_scale=block_scale(hadamard_block) if hadamard_block else 1.0,
+                HB=hadamard_block, LOG2_HB=max(hadamard_block, 1).bit_length() - 1)
 
 
 def tlq_sender(inp: torch.Tensor, out: torch.Tensor, *, num_dests: int, blocks_per_dest: int,
                slices: int, bits: int, group_size: int, hadamard_block: int,
                stochastic: bool, seed: int) -> None:
     """Triton version of :func:`..reference.tlq_sender` (same arguments and bytes)."""
-    count = num_dests * blocks_per_dest * slices
-    if min(num_dests, blocks_per_dest, slices) < 1 or inp.numel() % count:
-        raise ValueError(f"input of {inp.numel()} elements does not split into "
-                         f"blocks_per_dest={blocks_per_dest} x num_dests={num_dests} x "
-                         f"slices={slices} equal chunks")
-    chunk = inp.numel() // count
-    msg_numel = blocks_per_dest * chunk
-    fmt.check_message_shape(msg_numel, bits, group_size)
-    tc.check_wire(out, "out", slices * num_dests, msg_numel, bits, group_size)
-    tc.check_same_device(inp, out)
-    if hadamard_block:
-        tc.check_hadamard(hadamard_block, group_size, chunk)
-    tc.check_stream(stochastic, inp.numel())
+    chunk, msg_numel = checks.tlq_sender_sizes(
+        inp, out, num_dests=num_dests, blocks_per_dest=blocks_per_dest, slices=slices,
+        bits=bits, group_size=group_size, hadamard_block=hadamard_block, stochastic=stochastic)
     ngroups = inp.numel() // group_size
     if ngroups == 0:
         return
     flat = inp.reshape(-1).contiguous()
-    rows, gp = tc.tile_rows(group_size, hadamard_block)
+    rows, gp = tc.tile_rows(group_size)
     k0, k1 = tc.seed_words(seed)
     _tlq_sender_kernel[(triton.cdiv(ngroups, rows),)](
-        flat, out, _hadamard_arg(hadamard_block, flat), ngroups, msg_numel, chunk, num_dests,
-        slices, fmt.message_nbytes(msg_numel, bits, group_size), k0, k1,
-        G=group_size, GP=gp, R=rows, BITS=bits, QMAX=fmt.qmax(bits), HB=hadamard_block,
+        flat, out, ngroups=ngroups, msg_numel=msg_numel, chunk=chunk, num_dests=num_dests,
+        slices=slices, msg_nbytes=fmt.message_nbytes(msg_numel, bits, group_size), k0=k0, k1=k1,
+        G=group_size, GP=gp, R=rows, BITS=bits, QMAX=fmt.qmax(bits),
+        **_hadamard_args(hadamard_block),
         CHUNK_ALIGNED=chunk % group_size == 0, STOCHASTIC=stochastic,
         num_warps=tc.num_warps(rows, gp), **tc.LAUNCH_OPTIONS)
 
@@ -176,17 +169,9 @@ def tlq_middle(wire_in: torch.Tensor, out: torch.Tensor, *, n_in: int, numel: in
                bits_in: int, group_size_in: int, n_out: int, bits_out: int,
                group_size_out: int, stochastic: bool, seed: int) -> None:
     """Triton version of :func:`..reference.tlq_middle` (same arguments and bytes)."""
-    if n_in < 1 or n_out < 1 or numel % n_out:
-        raise ValueError(f"numel={numel} must split into n_out={n_out} equal messages and "
-                         f"n_in={n_in} must be positive")
-    out_numel = numel // n_out
-    fmt.check_message_shape(numel, bits_in, group_size_in)
-    fmt.check_message_shape(out_numel, bits_out, group_size_out)
-    tc.check_wire(wire_in, "wire_in", n_in, numel, bits_in, group_size_in)
-    tc.check_wire(out, "out", n_out, out_numel, bits_out, group_size_out)
-    tc.check_same_device(wire_in, out)
-    _check_group_nesting(group_size_in, group_size_out)
-    tc.check_stream(stochastic, numel)
+    out_numel = checks.tlq_middle_sizes(
+        wire_in, out, n_in=n_in, numel=numel, bits_in=bits_in, group_size_in=group_size_in,
+        n_out=n_out, bits_out=bits_out, group_size_out=group_size_out, stochastic=stochastic)
     ngroups = numel // group_size_out
     if ngroups == 0:
         return
@@ -201,34 +186,19 @@ def tlq_middle(wire_in: torch.Tensor, out: torch.Tensor, *, n_in: int, numel: in
         STOCHASTIC=stochastic, num_warps=tc.num_warps(rows, gp), **tc.LAUNCH_OPTIONS)
 
 
-def _check_group_nesting(group_size_in: int, group_size_out: int) -> None:
-    """A tile row (one output group) reads input scales either one per row (the output group
-    lies inside an input group) or one per element (it spans whole input groups)."""
-    if group_size_in % group_size_out and group_size_out % group_size_in:
-        raise ValueError(f"group_size_in={group_size_in} and group_size_out={group_size_out} "
-                         "must divide one another in the Triton middle kernel")
-
-
 def tlq_receiver(wire_in: torch.Tensor, out: torch.Tensor, *, n_in: int, bits: int,
                  group_size: int, hadamard_block: int, scale: float = 1.0,
                  accumulate: bool = False) -> None:
     """Triton version of :func:`..reference.tlq_receiver` (same arguments and bytes)."""
-    numel = out.numel()
-    if n_in < 1:
-        raise ValueError(f"n_in={n_in} must be positive")
-    fmt.check_message_shape(numel, bits, group_size)
-    tc.check_wire(wire_in, "wire_in", n_in, numel, bits, group_size)
-    tc.check_output(out, "out")
-    tc.check_same_device(wire_in, out)
-    if hadamard_block:
-        tc.check_hadamard(hadamard_block, group_size)
+    numel = checks.tlq_receiver_sizes(wire_in, out, n_in=n_in, bits=bits,
+                                      group_size=group_size, hadamard_block=hadamard_block)
     ngroups = numel // group_size
     if ngroups == 0:
         return
-    rows, gp = tc.tile_rows(group_size, hadamard_block)
+    rows, gp = tc.tile_rows(group_size)
     _tlq_receiver_kernel[(triton.cdiv(ngroups, rows),)](
-        wire_in, out, _hadamard_arg(hadamard_block, out), n_in,
-        fmt.message_nbytes(numel, bits, group_size), ngroups, float(scale),
-        G=group_size, GP=gp, R=rows, BITS=bits, QMAX=fmt.qmax(bits), HB=hadamard_block,
+        wire_in, out, n_in=n_in, msg_nbytes=fmt.message_nbytes(numel, bits, group_size),
+        ngroups=ngroups, scale_by=float(scale), G=group_size, GP=gp, R=rows, BITS=bits,
+        QMAX=fmt.qmax(bits), **_hadamard_args(hadamard_block),
         APPLY_SCALE=scale != 1.0, ACCUMULATE=accumulate, num_warps=tc.num_warps(rows, gp),
         **tc.LAUNCH_OPTIONS)

@@ -24,9 +24,6 @@ __all__ = ["ArgumentsError", "NO_OP_FLAGS", "build_parser", "parse_args", "sdp4b
 NO_OP_FLAGS: dict[str, str] = {
     "--no-async-tensor-model-parallel-allreduce": "megatron-core decides the overlap of the "
     "tensor-parallel all-reduce itself; the flag only toggled an overlap, never the math",
-    "--timing-log-level": "this trainer keeps no per-operation timers; the iteration time is "
-    "always logged",
-    "--log-timers-to-tensorboard": "no per-operation timers exist to log",
     "--log-throughput": "throughput (TFLOP/s/GPU) is always part of the log line",
     "--distributed-backend": "the backend follows the device: NCCL with CUDA, gloo on CPU",
     "--accumulate-allreduce-grads-in-fp32": "gradients are always reduced in fp32 with --bf16, "
@@ -167,14 +164,23 @@ def _add_checkpoint_and_logging(p: argparse.ArgumentParser) -> None:
     g.add_argument("--wandb-save-dir", default="")
     g.add_argument("--metrics-jsonl", default=None,
                    help="write one JSON object per logged iteration and per evaluation")
+    g.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2],
+                   help="0: iteration time only; 1: also forward-backward, gradient sync, "
+                   "optimizer, parameter sync and SDP4Bit's quantize/wait/dequantize phases; "
+                   "2: also per-micro-batch phases (adds synchronization)")
+    g.add_argument("--timing-log-option", default="minmax", choices=["max", "minmax", "all"],
+                   help="timers across ranks: the max, (min, max), or every rank")
+    g.add_argument("--no-barrier-with-level-1-timing", dest="barrier_with_L1_time",
+                   action="store_false",
+                   help="do not wait for all ranks around level-1 timers")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="write the timers (max across ranks) to TensorBoard")
 
 
 def _add_no_ops(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("accepted for compatibility, no effect here")
     for flag, why in NO_OP_FLAGS.items():
-        if flag in ("--timing-log-level",):
-            g.add_argument(flag, type=int, default=0, help=why)
-        elif flag == "--distributed-backend":
+        if flag == "--distributed-backend":
             g.add_argument(flag, default=None, choices=["nccl", "gloo"], help=why)
         else:
             g.add_argument(flag, action="store_true", help=why)

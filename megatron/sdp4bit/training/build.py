@@ -28,6 +28,7 @@ from megatron.sdp4bit.training.model import (
     transformer_config_from_args,
     wrap_ddp,
 )
+from megatron.sdp4bit.training.timers import Timers
 from megatron.sdp4bit.training.tokenizers import build_tokenizer, padded_vocab_size
 
 
@@ -113,7 +114,9 @@ def build_state(args: argparse.Namespace, sdp4bit_config: SDP4BitConfig,
     tokenizer = build_tokenizer(args)
     vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                               args.tensor_model_parallel_size)
-    config = transformer_config_from_args(args)
+    timers = Timers(args.timing_log_level, args.timing_log_option) \
+        if args.timing_log_level else None
+    config = transformer_config_from_args(args, timers)
     with sdp4bit_padding(sdp4bit_config):
         model = [wrap_ddp(args, config, build_model(args, config, vocab))]
     # Megatron-LM's hooks: finalize (DP grad sync, embedding tying) and gradient-sync control.
@@ -123,11 +126,11 @@ def build_state(args: argparse.Namespace, sdp4bit_config: SDP4BitConfig,
         config.grad_sync_func = model[0].start_grad_sync
     if args.overlap_param_gather:
         config.param_sync_func = model[0].start_param_sync
-    optimizer = build_optimizer(args, model)
+    optimizer = build_optimizer(args, model, timers)
     scheduler = _scheduler(args, optimizer)
     datasets = build_datasets(args, tokenizer)
     state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler,
-                       datasets=datasets, vocab_size=vocab)
+                       datasets=datasets, vocab_size=vocab, timers=timers)
     return state, config
 
 

@@ -1,10 +1,12 @@
 """Per-iteration communication bytes for the log line.
 
-With SDP4Bit installed, the integration's ``CommStats`` counts what the quantized
-collectives really sent and what the unquantized ones would have. Without it (the baseline
-run), megatron-core's own collectives run; their bytes follow from the bucket sizes, by the
-same accounting rule as ``megatron.sdp4bit.comm.stats`` (bytes leaving this rank; the
-reduce-scatter split into the hops of the two-level schedule), so both runs' fields compare.
+With SDP4Bit installed, the integration's ``CommStats`` counts the bytes of the messages the
+quantized collectives sent and what ideal unquantized collectives would send. Without it
+(the baseline run), megatron-core's own collectives run; their bytes follow from the bucket
+sizes, by the same accounting rule as ``megatron.sdp4bit.comm.stats`` (bytes leaving this
+rank, split by destination node; the reduce-scatter split into the hops of the two-level
+schedule), so both runs' fields compare. All are computed, ideal figures: gloo's
+``reduce_scatter_tensor``, for one, sends about 3x what it counts here (an all-reduce).
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ from megatron.sdp4bit.comm.stats import CommStats
 FIELDS = {
     "comm_bytes_params": "param_bytes",
     "baseline_comm_bytes_params": "param_bytes_baseline",
+    "comm_bytes_params_intra": "param_intra_bytes",
+    "baseline_comm_bytes_params_intra": "param_intra_bytes_baseline",
+    "comm_bytes_params_inter": "param_inter_bytes",
+    "baseline_comm_bytes_params_inter": "param_inter_bytes_baseline",
     "comm_bytes_grads_intra": "grad_intra_bytes",
     "baseline_comm_bytes_grads_intra": "grad_intra_bytes_baseline",
     "comm_bytes_grads_inter": "grad_inter_bytes",
@@ -51,14 +57,12 @@ def add_unquantized_iteration(stats: CommStats, model_chunks, *, dp_size: int,
             stats.grad_inter_bytes_baseline += inter
         if distributed_optimizer and params:
             param_elem = torch.empty((), dtype=buffer.param_dtype).element_size()
-            sent = (dp_size - 1) * shard * param_elem
-            stats.param_bytes += sent
-            stats.param_bytes_baseline += sent
+            stats.add_param_bytes(shard * param_elem, shard * param_elem, dp_size, n)
 
 
 def snapshot_fields(stats: CommStats, iterations: int) -> dict[str, int]:
     """The log-line fields, averaged per iteration over ``iterations``; resets ``stats``."""
-    snap = stats.snapshot()
+    snap = {attr: getattr(stats, attr) for attr in FIELDS.values()}
     stats.reset()
     it = max(iterations, 1)
     return {key: snap[attr] // it for key, attr in FIELDS.items()}

@@ -6,11 +6,16 @@ Training line (Megatron-LM's fields and order, then this rank's communication)::
     elapsed time per iteration (ms): 52.1 | throughput per GPU (TFLOP/s/GPU): 0.0 |
     learning rate: 9.000000E-04 | global batch size:     8 | lm loss: 5.170436E+00 |
     loss scale: 1.0 | grad norm: 1.234 | number of skipped iterations:   0 |
-    number of nan iterations:   0 | params all-gather bytes: 1024 (baseline 4096) |
-    grads intra bytes: 2112 (baseline 8192) | grads inter bytes: 1088 (baseline 8192) |
+    number of nan iterations:   0 | params intra bytes: 1024 (ideal unquantized 4096) |
+    params inter bytes: 1024 (ideal unquantized 4096) | grads intra bytes: 2112 (ideal
+    unquantized 8192) | grads inter bytes: 1088 (ideal unquantized 8192) |
 
 (one line; wrapped here). Byte counts are per iteration, averaged over the logging interval,
-sent by this rank. :func:`parse_log_line` reads a line back (tests, tools).
+sent by this rank to ranks of its own node (intra) and of other nodes (inter): the computed
+sizes of the messages handed to the collectives, next to what an ideal unquantized
+collective would send (megatron.sdp4bit.comm.stats, [Note: what counts as sent]).
+:func:`parse_log_line` reads a line back (tests, tools). With ``--timing-log-level`` >= 1 a
+block of timers follows each line (:func:`megatron.sdp4bit.training.timers.format_timers`).
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ import re
 import time
 from typing import Any
 
-COMM_KEYS = ("comm_bytes_params", "comm_bytes_grads_intra", "comm_bytes_grads_inter")
+COMM_KEYS = ("comm_bytes_params", "comm_bytes_params_intra", "comm_bytes_params_inter",
+             "comm_bytes_grads_intra", "comm_bytes_grads_inter")
 
 
 def format_train_line(m: dict[str, Any]) -> str:
@@ -38,10 +44,13 @@ def format_train_line(m: dict[str, Any]) -> str:
         f" grad norm: {m['grad_norm']:.3f} |"
         f" number of skipped iterations: {m['skipped_iterations']:3d} |"
         f" number of nan iterations: {m['nan_iterations']:3d} |"
-        f" params all-gather bytes: {m['comm_bytes_params']} (baseline {m['baseline_comm_bytes_params']}) |"
-        f" grads intra bytes: {m['comm_bytes_grads_intra']} (baseline {m['baseline_comm_bytes_grads_intra']}) |"
-        f" grads inter bytes: {m['comm_bytes_grads_inter']} (baseline {m['baseline_comm_bytes_grads_inter']}) |"
+        + "".join(f" {label} bytes: {m['comm_bytes_' + key]} (ideal unquantized "
+                  f"{m['baseline_comm_bytes_' + key]}) |" for key, label in _BYTE_FIELDS)
     )
+
+
+_BYTE_FIELDS = (("params_intra", "params intra"), ("params_inter", "params inter"),
+                ("grads_intra", "grads intra"), ("grads_inter", "grads inter"))
 
 
 _LINE = re.compile(
@@ -56,18 +65,21 @@ _LINE = re.compile(
     r" grad norm: (?P<grad_norm>\S+) \|"
     r" number of skipped iterations:\s+(?P<skipped_iterations>\d+) \|"
     r" number of nan iterations:\s+(?P<nan_iterations>\d+) \|"
-    r" params all-gather bytes: (?P<comm_bytes_params>\d+) \(baseline (?P<baseline_comm_bytes_params>\d+)\) \|"
-    r" grads intra bytes: (?P<comm_bytes_grads_intra>\d+) \(baseline (?P<baseline_comm_bytes_grads_intra>\d+)\) \|"
-    r" grads inter bytes: (?P<comm_bytes_grads_inter>\d+) \(baseline (?P<baseline_comm_bytes_grads_inter>\d+)\) \|"
+    + "".join(rf" {label} bytes: (?P<comm_bytes_{key}>\d+) \(ideal unquantized "
+              rf"(?P<baseline_comm_bytes_{key}>\d+)\) \|" for key, label in _BYTE_FIELDS)
 )
 
 
 def parse_log_line(line: str) -> dict[str, float] | None:
-    """The fields of a training line as numbers, or ``None`` if ``line`` is not one."""
+    """The fields of a training line as numbers, or ``None`` if ``line`` is not one
+    (``comm_bytes_params`` and its baseline are the sums of the intra and inter fields)."""
     match = _LINE.search(line)
     if match is None:
         return None
-    return {k: (int(v) if v.isdigit() else float(v)) for k, v in match.groupdict().items()}
+    m = {k: (int(v) if v.isdigit() else float(v)) for k, v in match.groupdict().items()}
+    for prefix in ("comm_bytes_params", "baseline_comm_bytes_params"):
+        m[prefix] = m[prefix + "_intra"] + m[prefix + "_inter"]
+    return m
 
 
 def format_eval_lines(iteration: int, loss: float, label: str = "validation") -> str:
@@ -86,6 +98,7 @@ class MetricsWriter:
         self._tb = None
         self._tb_interval = args.tensorboard_log_interval
         self._tb_ppl = args.log_validation_ppl_to_tensorboard
+        self._tb_timers = args.log_timers_to_tensorboard
         if args.tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -110,8 +123,13 @@ class MetricsWriter:
             for key in ("lm_loss", "learning_rate", "grad_norm", "loss_scale", "elapsed_ms",
                         "tflops_per_gpu", *COMM_KEYS, *("baseline_" + k for k in COMM_KEYS)):
                 self._tb.add_scalar(key.replace("_", " ") if key == "lm_loss" else key, m[key], step)
+            if self._tb_timers:
+                for name, ms in m.get("timers_ms", {}).items():
+                    self._tb.add_scalar(f"{name}-time", ms, step)
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in m.items() if isinstance(v, (int, float))}, step=step)
+            flat = {k: v for k, v in m.items() if isinstance(v, (int, float))}
+            flat.update({f"{k}-time": v for k, v in m.get("timers_ms", {}).items()})
+            self._wandb.log(flat, step=step)
 
     def evaluation(self, iteration: int, loss: float) -> None:
         self._write({"iteration": iteration, "val_lm_loss": loss, "val_lm_ppl": math.exp(min(20.0, loss))})

@@ -20,6 +20,7 @@ from megatron.sdp4bit.training import checkpointing
 from megatron.sdp4bit.training.comm_counters import add_unquantized_iteration, snapshot_fields
 from megatron.sdp4bit.training.data import batch_iterator
 from megatron.sdp4bit.training.logging import MetricsWriter, format_eval_lines, format_train_line
+from megatron.sdp4bit.training.timers import Timers, format_timers, max_times
 
 
 @dataclass
@@ -41,6 +42,8 @@ class TrainState:
     first_loss_iteration: int | None = None
     last_loss: float | None = None
     last_val_loss: float | None = None
+    timers: Timers | None = None
+    """``--timing-log-level`` >= 1: megatron-core's and the trainer's phase timers."""
 
 
 def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
@@ -50,8 +53,12 @@ def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
     return loss, {"lm loss": loss.detach().clone()}
 
 
-def _forward_step(data_iterator, model):
+def _forward_step(data_iterator, model, timers: Timers | None = None):
+    if timers is not None:
+        timers("batch-generator", log_level=2).start()
     batch = next(data_iterator)
+    if timers is not None:
+        timers("batch-generator").stop()
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     tokens = batch["tokens"].to(device, non_blocking=True)
     labels = batch["labels"].to(device, non_blocking=True)
@@ -83,11 +90,17 @@ def train_step(args, state: TrainState, data_iterator) -> tuple[float, float, bo
     for chunk in state.model:
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
+    timers = state.timers
     losses = get_forward_backward_func()(
-        forward_step_func=_forward_step, data_iterator=data_iterator, model=state.model,
-        num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size, forward_only=False)
+        forward_step_func=partial(_forward_step, timers=timers), data_iterator=data_iterator,
+        model=state.model, num_microbatches=args.num_microbatches,
+        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+        forward_only=False)
+    if timers is not None:
+        timers("optimizer", log_level=1).start(barrier=args.barrier_with_L1_time)
     ok, grad_norm, _ = state.optimizer.step()
+    if timers is not None:
+        timers("optimizer").stop(barrier=args.barrier_with_L1_time)
     if ok:
         state.scheduler.step(increment=args.global_batch_size)
     dp_group = parallel_state.get_data_parallel_group()
@@ -166,6 +179,7 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None) -> Tra
                 comm = snapshot_fields(state.comm_stats, window_iters)
                 record = {
                     "iteration": state.iteration, "train_iters": args.train_iters,
+                    "time": round(time.time(), 3),
                     "consumed_samples": state.consumed_samples, "elapsed_ms": elapsed * 1e3,
                     "tflops_per_gpu": flops / (elapsed * args.world_size * 1e12),
                     "learning_rate": state.optimizer.param_groups[0]["lr"],
@@ -174,8 +188,17 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None) -> Tra
                     "grad_norm": float(grad_norm), "skipped_iterations": skipped,
                     "nan_iterations": nan_iters, **comm,
                 }
+                timer_block = None
+                if state.timers is not None:  # collective: every rank takes part
+                    for phase, seconds in state.comm_stats.take_seconds().items():
+                        state.timers.add(f"sdp4bit-{phase}", seconds)
+                    times = state.timers.collect(normalizer=window_iters)
+                    record["timers_ms"] = max_times(times)
+                    timer_block = format_timers(times, args.timing_log_option)
                 if metrics is not None:
                     print(format_train_line(record), flush=True)
+                    if timer_block:
+                        print(timer_block, flush=True)
                     metrics.train(record)
                 skipped = nan_iters = 0
                 window_loss, window_iters, window_start = 0.0, 0, time.time()

@@ -41,7 +41,8 @@ def _use_transformer_engine(impl: str) -> bool:
     return True
 
 
-def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
+def transformer_config_from_args(args: argparse.Namespace, timers=None) -> TransformerConfig:
+    """``timers``: megatron-core times its phases with it (``--timing-log-level``)."""
     cuda = torch.cuda.is_available()
     kwargs = dict(
         num_layers=args.num_layers,
@@ -78,6 +79,8 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         # batch_p2p_sync's torch.cuda.synchronize() (a guard for old PyTorch) has no CPU
         # counterpart; pipeline sends on gloo need no such guard.
         batch_p2p_sync=cuda,
+        timers=timers,
+        barrier_with_L1_time=args.barrier_with_L1_time,
     )
     if args.swiglu:
         kwargs["activation_func"] = F.silu
@@ -132,7 +135,7 @@ def wrap_ddp(args: argparse.Namespace, config: TransformerConfig, model: torch.n
 
 
 def build_optimizer(args: argparse.Namespace, model_chunks: list[DistributedDataParallel],
-                    ) -> MegatronOptimizer:
+                    timers=None) -> MegatronOptimizer:
     config = OptimizerConfig(
         optimizer=args.optimizer,
         lr=args.lr,
@@ -153,5 +156,7 @@ def build_optimizer(args: argparse.Namespace, model_chunks: list[DistributedData
         use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_param_gather=args.overlap_param_gather,
         clip_grad=args.clip_grad,
+        timers=timers,
+        barrier_with_L1_time=args.barrier_with_L1_time,
     )
     return get_megatron_optimizer(config, model_chunks)

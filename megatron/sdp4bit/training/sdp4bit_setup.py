@@ -19,6 +19,7 @@ def install(config: SDP4BitConfig, state: TrainState, transformer_config) -> obj
     from megatron.sdp4bit.integration import install_sdp4bit
 
     handle = install_sdp4bit(state.model, state.optimizer, config)
+    handle.stats.timing = state.timers is not None  # quantize / wait / dequantize phases
     state.comm_stats = handle.stats
     state.sdp4bit = config
     if dist.get_rank() == 0:

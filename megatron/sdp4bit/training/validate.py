@@ -150,6 +150,12 @@ def _check_sdp4bit(args: argparse.Namespace) -> None:
               f"size {args.data_parallel_size}")
 
 
+def _check_logging(args: argparse.Namespace) -> None:
+    if args.log_timers_to_tensorboard and not (args.tensorboard_dir and args.timing_log_level):
+        _fail("--log-timers-to-tensorboard needs --tensorboard-dir and --timing-log-level 1 "
+              "or 2 (there are no timers at level 0)")
+
+
 def validate_args(args: argparse.Namespace) -> None:
     """Check ``args`` in place and fill derived values; raise :class:`ArgumentsError`."""
     _check_required(args)
@@ -158,3 +164,4 @@ def validate_args(args: argparse.Namespace) -> None:
     _check_optimizer(args)
     _check_data(args)
     _check_sdp4bit(args)
+    _check_logging(args)
