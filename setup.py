@@ -13,6 +13,8 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_namespace_packages(include=["megatron.sdp4bit", "megatron.sdp4bit.*"]),
+    # The CPU kernels' C source is compiled on first use (quantization/cpu_kernels.py).
+    package_data={"megatron.sdp4bit.quantization": ["cpu_kernels.c"]},
     install_requires=[
         # The tested pins. A CUDA build of torch 2.13.0 (2.13.0+cuXXX) satisfies the pin.
         "torch==2.13.0",

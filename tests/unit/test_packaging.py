@@ -8,6 +8,10 @@ import sys
 REPO = pathlib.Path(__file__).resolve().parents[2]
 PROBE = ("import megatron.core, megatron.sdp4bit, megatron.sdp4bit.quantization; "
          "print(megatron.core.__file__); print(megatron.sdp4bit.__file__)")
+# The installed package builds and runs its CPU kernels from the C source it ships.
+KERNEL_PROBE = ("from megatron.sdp4bit.quantization import cpu_kernels as ck; "
+                "assert ck.unavailable_reason() is None, ck.unavailable_reason(); "
+                "print(ck.SOURCE)")
 
 
 def test_megatron_has_no_init():
@@ -35,3 +39,7 @@ def test_regular_install_imports_both(tmp_path):
     core, sdp = out[-2:]
     assert pathlib.Path(sdp).is_relative_to(target)
     assert "site-packages" in core and not pathlib.Path(core).is_relative_to(target)
+    env["SDP4BIT_CACHE_DIR"] = str(tmp_path / "cache")
+    source = subprocess.run([sys.executable, "-c", KERNEL_PROBE], check=True,
+                            capture_output=True, text=True, env=env, cwd="/").stdout.strip()
+    assert pathlib.Path(source).is_relative_to(target)
