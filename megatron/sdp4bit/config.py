@@ -116,6 +116,16 @@ class SDP4BitConfig:
                         f"{name}={value} is not a multiple of hadamard_block_size="
                         f"{self.hadamard_block_size}"
                     )
+        intra, inter = self.gq_group_size_intra, self.gq_group_size_inter
+        if intra % inter and inter % intra:
+            # Between the hops every rank requantizes the intra hop's sums in inter groups;
+            # the compiled kernels need each inter group to read one intra scale or whole
+            # intra groups (quantization.checks.check_group_nesting). Checked here so that
+            # every backend refuses it at parse time, not at the first collective.
+            raise ValueError(
+                f"gq_group_size_intra={intra} and gq_group_size_inter={inter} must divide "
+                "one another (e.g. 128 and 128, or 512 and 128)"
+            )
         if self.gradient_alltoall_pipeline < 1:
             raise ValueError(
                 f"gradient_alltoall_pipeline={self.gradient_alltoall_pipeline} must be >= 1"

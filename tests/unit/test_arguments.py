@@ -119,6 +119,10 @@ ERRORS = {
     "hadamard-group": ("--use-distributed-optimizer --quantized-gradients --hadamard-transform "
                        "--gq-group-size-inter 48",
                        "--gq-group-size-inter=48 is not a multiple of --hadamard-block-size=32"),
+    "group-nesting": ("--use-distributed-optimizer --quantized-gradients --gq-group-size-intra 96 "
+                      "--gq-group-size-inter 64",
+                      "--gq-group-size-intra=96 and --gq-group-size-inter=64 must divide one "
+                      "another (e.g. 128 and 128, or 512 and 128)"),
     "qwd-fp32": ("--use-distributed-optimizer --quantized-weights",
                  "--quantized-weights requires 16-bit parameters: add --bf16 (or --fp16)"),
     "bad-choice": ("--weight-quantization-mode half", "argument --weight-quantization-mode: "
