@@ -74,6 +74,26 @@ def test_topology_from_host_names() -> None:
         _resolve_n(ranks, ["a"] * 6, 4)
 
 
+def test_an_override_may_split_nodes_but_never_join_them() -> None:
+    """With ranks_per_node given, every block of N consecutive DP ranks must run on one node:
+    splitting a real node simulates several, joining two sends the 8-bit hop across nodes."""
+    ranks = (0, 1, 2, 3)
+    assert _resolve_n(ranks, ["a"] * 4, 2) == 2  # one host as two nodes (the quickstart)
+    assert _resolve_n(ranks, ["a", "a", "b", "b"], 2) == 2
+    assert _resolve_n(ranks, ["a", "a", "b", "b"], 1) == 1
+    assert _resolve_n(ranks, ["a", "b", "a", "b"], 1) == 1  # cyclic, every hop inter-node
+    cyclic = (r"ranks_per_node=2 \(--dp-ranks-per-node\) makes global ranks \[0, 1\] of DP "
+              r"group \[0, 1, 2, 3\] one node, but they run on different nodes \['a', 'b'\]: "
+              r"place each node's ranks in one contiguous block \(e.g. srun "
+              r"--distribution=block\), or use ranks_per_node=1 \(every hop inter-node\)$")
+    with pytest.raises(ValueError, match=cyclic):  # srun --distribution=cyclic
+        _resolve_n(ranks, ["a", "b", "a", "b"], 2)
+    with pytest.raises(ValueError, match=r"global ranks \[0, 1, 2, 3\] .* \['a', 'b'\]"):
+        _resolve_n(ranks, ["a", "a", "b", "b"], 4)
+    with pytest.raises(ValueError, match=r"global ranks \[4, 6\]"):  # a strided DP group
+        _resolve_n((0, 2, 4, 6), ["a", "a", "a", "b"], 2)
+
+
 def test_node_id_tells_torchrun_agents_apart(monkeypatch: pytest.MonkeyPatch) -> None:
     import socket
 

@@ -67,8 +67,9 @@ def _layout_error(ranks: tuple[int, ...], hosts: list[str]) -> str | None:
     seen = [host for host, _ in blocks]
     if len(set(seen)) != len(seen):
         return (f"the DP ranks of one node are not one contiguous block (DP group {list(ranks)} "
-                f"runs on hosts {hosts}): order the ranks so that DP rank r = node*N + local, "
-                "or pass ranks_per_node explicitly")
+                f"runs on hosts {hosts}): place each node's ranks in one block so that DP rank "
+                "r = node*N + local (e.g. srun --distribution=block), or pass ranks_per_node=1 "
+                "(every hop inter-node)")
     counts = {count for _, count in blocks}
     if len(counts) != 1:
         return (f"nodes hold different numbers of DP ranks (DP group {list(ranks)}: "
@@ -87,11 +88,32 @@ def node_id() -> str:
     return host if agent is None else f"{host}/node{agent}"
 
 
+def _override_error(ranks: tuple[int, ...], hosts: list[str], n: int) -> str | None:
+    """Why ``n`` DP ranks per node cannot serve the DP group ``ranks`` on ``hosts``, or None.
+
+    An override may cut a real node into several (simulating nodes on one machine) but never
+    join ranks of different nodes into one: the intra-node hop, at 8 bits, would then cross
+    nodes (e.g. ``srun --distribution=cyclic`` places consecutive ranks on different nodes).
+    """
+    for start in range(0, len(ranks), n):
+        where = sorted(set(hosts[start:start + n]))
+        if len(where) > 1:
+            return (f"ranks_per_node={n} (--dp-ranks-per-node) makes global ranks "
+                    f"{list(ranks[start:start + n])} of DP group {list(ranks)} one node, but "
+                    f"they run on different nodes {where}: place each node's ranks in one "
+                    "contiguous block (e.g. srun --distribution=block), or use "
+                    "ranks_per_node=1 (every hop inter-node)")
+    return None
+
+
 def _resolve_n(ranks: tuple[int, ...], hosts: list[str], override: int | None) -> int:
     if override is not None:
         if override < 1 or len(ranks) % override:
             raise ValueError(f"ranks_per_node={override} does not divide the DP size "
                              f"{len(ranks)} of DP group {list(ranks)}: pick a divisor")
+        error = _override_error(ranks, hosts, override)
+        if error is not None:
+            raise ValueError(error)
         return override
     error = _layout_error(ranks, hosts)
     if error is not None:
@@ -106,8 +128,9 @@ def build_topology(group: ProcessGroup | None = None,
     Collective over the *default* group (see [Note: creating subgroups collectively]): every
     rank of the world calls it at the same point, each with its own DP group and the same
     ``ranks_per_node``. Without it, N comes from where the ranks run (:func:`node_id`);
-    ``ranks_per_node`` overrides that (tests, simulations), the ranks then being taken as
-    placed as DP rank ``r = m * N + n``. A repeated
+    ``ranks_per_node`` overrides that (tests, simulations): the ranks are then taken as
+    placed as DP rank ``r = m * N + n``, and each block of N consecutive DP ranks must run on
+    one node (an override may split a real node, never join two). A repeated
     call with the same arguments returns the cached subgroups without any collective, so
     either every rank repeats an earlier call or none does.
     """
