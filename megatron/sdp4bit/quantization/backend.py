@@ -12,10 +12,10 @@ BACKEND_ENV = "SDP4BIT_KERNEL_BACKEND"
 
 
 class KernelBackend(enum.Enum):
-    """``AUTO`` = Triton for CUDA tensors, the compiled CPU kernels for CPU tensors (the torch
-    references, with one warning, where those cannot be built); ``TORCH`` / ``TRITON`` /
-    ``CPU`` force one. All produce the same bytes (see each module's docstring for the one
-    exception, Triton's Hadamard transform).
+    """``AUTO`` = Triton for CUDA tensors (``ImportError`` when triton cannot be imported:
+    the references are never chosen silently on a GPU), the compiled CPU kernels for CPU
+    tensors (the torch references, with one warning, where those cannot be built);
+    ``TORCH`` / ``TRITON`` / ``CPU`` force one. All produce the same bytes.
 
     ``TRITON`` on CPU tensors only works under ``TRITON_INTERPRET=1`` (tests, debugging).
     The environment variable ``SDP4BIT_KERNEL_BACKEND`` (auto, torch, triton, cpu) overrides
@@ -32,12 +32,17 @@ BACKEND_NAMES = tuple(b.value for b in KernelBackend)
 
 
 @functools.lru_cache(maxsize=None)
-def triton_available() -> bool:
+def triton_import_error() -> str | None:
+    """``None`` when ``import triton`` works, else the reason it does not (one line)."""
     try:
         import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    except ImportError as err:
+        return str(err).splitlines()[0] if str(err) else type(err).__name__
+    return None
+
+
+def triton_available() -> bool:
+    return triton_import_error() is None
 
 
 def _env_backend() -> KernelBackend:
@@ -57,7 +62,15 @@ def resolve_backend(backend: KernelBackend | str, tensor: torch.Tensor) -> Kerne
         backend = _env_backend()
     if backend is KernelBackend.AUTO:
         if tensor.is_cuda:
-            return KernelBackend.TRITON if triton_available() else KernelBackend.TORCH
+            if not triton_available():
+                # Refused rather than a silent fallback: the references (same bits) run each
+                # operation as a dozen full-size torch passes, a slowdown to choose on purpose.
+                raise ImportError(
+                    f"SDP4Bit needs the Triton kernels for CUDA tensors but `import triton` "
+                    f"failed ({triton_import_error()}): install triton (CUDA builds of torch "
+                    "ship it), or choose the slower torch references explicitly with "
+                    f"--kernel-backend torch (KernelBackend.TORCH, or {BACKEND_ENV}=torch)")
+            return KernelBackend.TRITON
         if tensor.device.type == "cpu":
             from megatron.sdp4bit.quantization import cpu_kernels
 
