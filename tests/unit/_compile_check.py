@@ -2,9 +2,14 @@
 
 Run as a script, without TRITON_INTERPRET: Triton picks interpreted or compiled kernels when
 the kernel module is imported. Each launch that the host wrappers make is intercepted and
-compiled ahead of time for ``--arch`` (e.g. 90 = Hopper) instead of being run. Prints one
-JSON line per compiled kernel: name, arch, cubin size, and the PTX facts the numerics rely
-on (IEEE division, no approximate instructions, where fused multiply-adds appear).
+compiled ahead of time for ``--arch`` (e.g. 90 = Hopper) instead of being run. The launch is
+specialised as Triton's launcher specialises it (its own binder: 16-byte divisibility of
+aligned pointers and of integers, integers equal to 1 as constants), so what compiles here
+is what a GPU would run for the same arguments; the sizes below are chosen so that no size
+argument is 1 (production sizes never are). Prints one JSON line per compiled kernel: name,
+arch, cubin size, the PTX facts the numerics rely on (IEEE division, no approximate
+instructions, where fused multiply-adds appear) and the 32-bit offset arithmetic of the IR
+(``_triton_ir.offset_violations``).
 """
 
 from __future__ import annotations
@@ -21,37 +26,39 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime import jit  # noqa: E402
+
+import _triton_ir  # noqa: E402
 
 from megatron.sdp4bit.quantization import format as fmt  # noqa: E402
 from megatron.sdp4bit.quantization import triton_kernels as tk  # noqa: E402
 
-_OPTION_NAMES = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion")
-
-
 def _compile_instead_of_run(arch: int, seen: list[dict]):
     target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
 
     def run(self, *args, grid, warmup, **kwargs):
-        options = {k: kwargs.pop(k) for k in list(kwargs) if k in _OPTION_NAMES}
-        bound = dict(zip([p.name for p in self.params], args), **kwargs)
-        signature, constexprs = {}, {}
-        for p in self.params:
-            value = bound[p.name]
-            if p.is_constexpr:
-                signature[p.name], constexprs[p.name] = "constexpr", value
-            else:
-                signature[p.name] = jit.mangle_type(value, False)
-        kernel = triton.compile(ASTSource(self, signature, constexprs), target=target,
-                                options=options)
+        # JITFunction.run's own steps, minus the device: bind and specialise the arguments
+        # with the launcher's binder, pack them, compile for the target.
+        binder = jit.create_function_from_signature(self.signature, self.params, backend)
+        bound, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound,
+                                                                specialization, options)
+        kernel = triton.compile(ASTSource(self, signature, constexprs, attrs), target=target,
+                                options=options.__dict__)
         ptx = kernel.asm["ptx"]
         seen.append({
             "kernel": self.fn.__name__, "arch": arch, "cubin_bytes": len(kernel.asm["cubin"]),
             "float_divs": sorted(set(re.findall(r"\bdiv\.[a-z]+\.f32", ptx))),
             "approx": len(re.findall(r"\.approx\.", ptx)),
             "fma_f32": len(re.findall(r"\bfma\.rn\.f32", ptx)),
-            "constexprs": {k: v for k, v in constexprs.items() if isinstance(v, (int, bool))},
+            "divisible_by_16": sorted(name for (i,), attr in attrs.items()
+                                      for name in [self.params[i].name]
+                                      if ["tt.divisibility", 16] in attr),
+            "int32_offsets": _triton_ir.offset_violations(kernel.asm["ttir"]),
+            "constexprs": {self.params[path[0]].name: v for path, v in constexprs.items()
+                           if isinstance(v, (int, bool))},
         })
 
     return run
@@ -59,15 +66,20 @@ def _compile_instead_of_run(arch: int, seen: list[dict]):
 
 def launch_all(bits: int, hadamard: int, in_dtype: torch.dtype, out_dtype: torch.dtype,
                stochastic: bool) -> None:
-    """Call every host wrapper once on small CPU tensors (nothing runs: launches compile)."""
-    n, g = 4096, 128
-    x = torch.randn(n).to(in_dtype)
-    replica = torch.randn(n).to(torch.bfloat16)
-    out = torch.empty(fmt.message_nbytes(n, bits, 2048), dtype=torch.uint8)
+    """Call every host wrapper once on small CPU tensors (nothing runs: launches compile).
+
+    No size argument is 1 (the launcher would compile it as a constant, unlike production):
+    qWD shards of 4 groups of 2048, TLq messages of several groups, two messages per hop."""
+    nw = 4 * 2 * 2048  # qWD: 2 shards of 4 groups
+    x = torch.randn(nw).to(in_dtype)
+    replica = torch.randn(nw).to(torch.bfloat16)
+    out = torch.empty(fmt.message_nbytes(nw, bits, 2048), dtype=torch.uint8)
     tk.qwd_sender(x, replica, out, bits=bits, group_size=2048, stochastic=stochastic, seed=1)
     tk.qwd_sender(x, None, out, bits=bits, group_size=2048, stochastic=stochastic, seed=1)
-    wire = torch.empty(2 * fmt.message_nbytes(n // 2, bits, 2048), dtype=torch.uint8)
+    wire = torch.empty(2 * fmt.message_nbytes(nw // 2, bits, 2048), dtype=torch.uint8)
     tk.qwd_receiver(wire, replica, world=2, bits=bits, group_size=2048)
+    n, g = 4096, 128
+    x = x[:n]
     msg = n // 4  # M=2 blocks per destination, N=2 destinations, P=2 slices
     send = torch.empty(4 * fmt.message_nbytes(msg, 8, g), dtype=torch.uint8)
     tk.tlq_sender(x, send, num_dests=2, blocks_per_dest=2, slices=2, bits=8, group_size=g,

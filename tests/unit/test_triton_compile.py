@@ -5,7 +5,10 @@ The interpreter tests prove the kernels' arithmetic; these prove that the same s
 lowers to GPU code, and check the PTX facts the bit-exactness relies on: fp32 divisions are
 IEEE ``div.rn`` (never ``div.full``/``div.approx``), no approximate instruction at all, and
 no fused multiply-add in any kernel (every kernel, Hadamard included, must match the
-references bit for bit).
+references bit for bit). The launches are specialised as Triton's launcher specialises them
+(16-byte divisibility of aligned buffers and sizes), and no pointer offset may be computed
+with 32-bit arithmetic on sizes, program ids or loop counters: production wire buffers
+exceed 2**31 bytes (``_triton_ir.py``, [Note: which offsets must be 64-bit]).
 """
 
 import json
@@ -17,6 +20,8 @@ import sys
 import pytest
 
 pytest.importorskip("triton")
+
+import _triton_ir  # noqa: E402
 
 SCRIPT = pathlib.Path(__file__).with_name("_compile_check.py")
 KERNELS = {"_qwd_sender_kernel", "_qwd_receiver_kernel", "_tlq_sender_kernel",
@@ -51,6 +56,47 @@ def test_kernels_compile_for_gpu(tmp_path, case):
         assert c["approx"] == 0, c
         assert set(c["float_divs"]) <= {"div.rn.f32"}, c
         assert c["fma_f32"] == 0, c
+        assert c["int32_offsets"] == [], c
+        # compiled as launched: the fresh (aligned) buffers carry the divisibility hint
+        pointers = {"_qwd_sender_kernel": {"main_ptr", "out_ptr"},
+                    "_qwd_receiver_kernel": {"wire_ptr", "replica_ptr"},
+                    "_tlq_sender_kernel": {"inp_ptr", "out_ptr"},
+                    "_tlq_middle_kernel": {"wire_ptr", "out_ptr"},
+                    "_tlq_receiver_kernel": {"wire_ptr", "out_ptr"}}[c["kernel"]]
+        assert pointers <= set(c["divisible_by_16"]), c
     senders = [c for c in compiled if c["kernel"] in ("_qwd_sender_kernel", "_tlq_sender_kernel",
                                                      "_tlq_middle_kernel")]
     assert all(c["float_divs"] == ["div.rn.f32"] for c in senders)
+
+
+# The loop over incoming messages as it compiled before offsets were made 64-bit (TTIR of
+# _tlq_middle_kernel, trimmed): ``k * in_nbytes`` in i32 wraps once the wire exceeds 2**31.
+_LOOP_I32 = """
+    %c4_i32 = arith.constant 4 : i32
+    %p = tt.bitcast %wire_ptr : !tt.ptr<i8> -> !tt.ptr<f32>
+    %r = tt.make_range {end = 32 : i32, start = 0 : i32} : tensor<32xi32>
+    %acc = scf.for %k = %c1 to %n_in step %c1 iter_args(%a = %z) -> (tensor<32xf32>)  : i32 {
+      %base = arith.muli %k, %in_nbytes : i32 loc(#loc1)
+      %q = arith.divsi %base, %c4_i32 : i32
+      %ptr = tt.addptr %p, %q : !tt.ptr<f32>, i32
+      %s = tt.splat %ptr : !tt.ptr<f32> -> tensor<32x!tt.ptr<f32>>
+      %ps = tt.addptr %s, %r : tensor<32x!tt.ptr<f32>>, tensor<32xi32>
+"""
+
+
+def test_int32_offset_check_finds_the_wrapping_product():
+    """The IR check has teeth: the pre-fix loop is flagged, its 64-bit form is not, and a
+    text without any pointer arithmetic is an error rather than a pass."""
+    assert _triton_ir.offset_violations(_LOOP_I32) == [
+        "%base = arith.muli %k, %in_nbytes : i32"]
+    fixed = _LOOP_I32.replace(
+        "%base = arith.muli %k, %in_nbytes : i32",
+        "%k64 = arith.extsi %k : i32 to i64\n      %n64 = arith.extsi %in_nbytes : i32 to i64\n"
+        "      %base = arith.muli %k64, %n64 : i64").replace(
+        "%q = arith.divsi %base, %c4_i32 : i32", "%q = arith.divsi %base, %c4_i64 : i64")
+    assert _triton_ir.offset_violations(fixed) == []
+    # arithmetic on compile-time bounds only (tl.arange times a constexpr) is fine
+    bounded = _LOOP_I32.replace("arith.muli %k, %in_nbytes", "arith.muli %r, %c4_i32")
+    assert _triton_ir.offset_violations(bounded) == []
+    with pytest.raises(ValueError, match="no tt.addptr found"):
+        _triton_ir.offset_violations("%x = arith.muli %a, %b : i32")

@@ -14,6 +14,15 @@ round-to-nearest and no Hadamard transform, the kernels produce the reference's 
 
 * the Hadamard transform runs the butterflies of :mod:`..hadamard` in the same order
   ([Note: butterfly order] there), so it too is bit-exact.
+
+[Note: 64-bit offsets]
+A production wire buffer exceeds 2**31 bytes (a 2.7B-parameter bucket at TP 1, in messages
+for 8 ranks), and Triton computes in int32 whatever it types int32: scalar kernel arguments
+below 2**31, loop counters, ``tl.arange``, ``tl.program_id``. So every offset that involves a
+size argument, a program id or a loop counter is formed in int64 *before* it is multiplied
+or added: row indices start from ``tl.program_id(0).to(tl.int64)``, message indices are cast
+with ``tl.cast(k, tl.int64)``, group counts times 4 likewise. ``tests/unit/_triton_ir.py``
+checks the compiled IR of every kernel for this.
 """
 
 from __future__ import annotations
@@ -88,12 +97,13 @@ def store_groups(out_ptr, msg, gl, row_valid, codes, scale, msg_nbytes, groups_p
                  G: tl.constexpr, GP: tl.constexpr, BITS: tl.constexpr):
     """Write group ``gl[r]`` of message ``msg[r]`` (scale and packed codes) for every row.
 
-    ``out_ptr`` is the wire buffer (uint8, 4-byte aligned); ``msg``/``gl``/``row_valid`` [R].
+    ``out_ptr`` is the wire buffer (uint8, 4-byte aligned); ``msg``/``gl``/``row_valid`` [R],
+    int64 (see [Note: 64-bit offsets]).
     """
     base = msg * msg_nbytes
     scale_ptr = out_ptr.to(tl.pointer_type(tl.float32))
     tl.store(scale_ptr + base // 4 + gl, scale, mask=row_valid)
-    payload = base + 4 * groups_per_msg + gl * (G * BITS // 8)
+    payload = base + 4 * tl.cast(groups_per_msg, tl.int64) + gl * (G * BITS // 8)
     if BITS == 4:
         lo, hi = tl.split(tl.reshape(codes, [codes.shape[0], GP // 2, 2]))
         t = tl.arange(0, GP // 2)

@@ -45,7 +45,8 @@ def _qwd_receiver_kernel(wire_ptr, replica_ptr, ngroups, groups_per_shard, msg_n
     base = shard * msg_nbytes
     scale = tl.load(wire_ptr.to(tl.pointer_type(tl.float32)) + base // 4 + gl, mask=row_valid,
                     other=0.0)
-    codes = tc.load_codes(wire_ptr, base + 4 * groups_per_shard, gl * G, row_valid, G, GP, BITS)
+    codes = tc.load_codes(wire_ptr, base + 4 * tl.cast(groups_per_shard, tl.int64), gl * G,
+                          row_valid, G, GP, BITS)
     value = tc.dequantize_tile(codes, scale[:, None], QMAX)
     idx = g[:, None] * G + t[None, :]
     mask = row_valid[:, None] & (t < G)[None, :]

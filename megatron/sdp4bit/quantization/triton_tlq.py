@@ -64,8 +64,11 @@ def _tlq_sender_kernel(inp_ptr, out_ptr, h_scale, ngroups, msg_numel, chunk, num
 def _dequantize_message(wire_ptr, k, msg_nbytes, groups_per_msg, start, row_valid,
                         G_MSG: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr,
                         TILE_G: tl.constexpr, TILE_GP: tl.constexpr):
-    """fp32 values ``start[r] + 0..TILE_G-1`` of message ``k`` (groups of ``G_MSG``)."""
-    base = k * msg_nbytes
+    """fp32 values ``start[r] + 0..TILE_G-1`` of message ``k`` (groups of ``G_MSG``).
+
+    ``k`` is a loop counter (int32): the message's byte offset is formed in int64
+    (triton_common's [Note: 64-bit offsets])."""
+    base = tl.cast(k, tl.int64) * msg_nbytes
     scale_ptr = wire_ptr.to(tl.pointer_type(tl.float32)) + base // 4
     if TILE_G <= G_MSG:
         # G_MSG is a multiple of TILE_G: a row lies inside one message group.
@@ -75,8 +78,8 @@ def _dequantize_message(wire_ptr, k, msg_nbytes, groups_per_msg, start, row_vali
         mask = row_valid[:, None] & (t < TILE_G)[None, :]
         scale = tl.load(scale_ptr + (start[:, None] + t[None, :]) // G_MSG, mask=mask,
                         other=0.0)
-    codes = tc.load_codes(wire_ptr, base + 4 * groups_per_msg, start, row_valid, TILE_G,
-                          TILE_GP, BITS)
+    codes = tc.load_codes(wire_ptr, base + 4 * tl.cast(groups_per_msg, tl.int64), start,
+                          row_valid, TILE_G, TILE_GP, BITS)
     return tc.dequantize_tile(codes, scale, QMAX)
 
 
