@@ -146,21 +146,36 @@ def _async_and_plain_cases(rank: int, world: int) -> None:
 
 
 def _backend_cases(rank: int, world: int) -> None:
-    """The Triton kernels (interpreted on CPU) give the torch references' bits, here too."""
+    """The CPU kernels and the Triton kernels (interpreted on CPU) give the torch references'
+    bits, here too, on differences that use every code: Gaussian steps, so each group's
+    values spread over all 15 levels of a 4-bit code (not one constant difference, which
+    quantizes every element of a group to the same code)."""
     from megatron.sdp4bit.comm import WeightQuantConfig, weight_difference_all_gather
     from megatron.sdp4bit.quantization.backend import triton_available
 
-    if not triton_available():
-        return
+    from megatron.sdp4bit.quantization import format as fmt
+    from megatron.sdp4bit.quantization import ops
+
+    gen = torch.Generator().manual_seed(50 + rank)
+    own = slice(rank * SHARD, (rank + 1) * SHARD)
+    main = _initial(world, torch.bfloat16, 1.0)[own].float() + 0.01 * torch.randn(SHARD,
+                                                                                  generator=gen)
+    message = torch.empty(fmt.message_nbytes(SHARD, 4, GROUP), dtype=torch.uint8)
+    ops.qwd_sender(main, _initial(world, torch.bfloat16, 1.0)[own], message, bits=4,
+                   group_size=GROUP, stochastic=True, seed=5, backend="torch")
+    codes = fmt.unpack_codes(fmt.split_message(message, SHARD, 4, GROUP)[1], 4)
+    # 15 codes exist (-7..7); Gaussian differences reach nearly all of them in 256 values
+    # (a constant difference would give one code per group)
+    assert torch.unique(codes).numel() >= 14, f"the data reach only codes {codes.unique()}"
     replicas = []
-    for backend in ("torch", "triton"):
+    for backend in ("torch", "cpu") + (("triton",) if triton_available() else ()):
         replica = _initial(world, torch.bfloat16, 1.0)
-        main = replica[rank * SHARD:(rank + 1) * SHARD].float() + 0.01
         weight_difference_all_gather(replica, main, group=None, seed=5,
                                      config=WeightQuantConfig(group_size=GROUP,
                                                               kernel_backend=backend))
-        replicas.append(replica)
-    assert torch.equal(replicas[0], replicas[1]), "triton and torch backends disagree"
+        replicas.append((backend, replica))
+    for backend, replica in replicas[1:]:
+        assert torch.equal(replica, replicas[0][1]), f"{backend} and torch backends disagree"
 
 
 def _byte_cases(rank: int, world: int) -> None:

@@ -338,18 +338,20 @@ def _advance_cases(topo, world: int, rank: int) -> None:
 
 
 def _backend_cases(topo, world: int, rank: int) -> None:
-    """The Triton kernels (interpreted on CPU) give the torch references' bits, here too."""
+    """The CPU kernels and the Triton kernels (interpreted on CPU) give the torch references'
+    bits, here too."""
     from megatron.sdp4bit.comm import GradientQuantConfig, two_level_reduce_scatter
 
     x = _data(rank, world * SHARD, 12).to(torch.bfloat16)
     outs = []
-    for backend in ("torch", "triton"):
+    for backend in ("torch", "cpu") + (("triton",) if triton_available() else ()):
         cfg = GradientQuantConfig(intra_group_size=G_INTRA, inter_group_size=G_INTER,
                                   hadamard_block=H, pipeline_slices=2, kernel_backend=backend)
         out = torch.empty(SHARD)
         two_level_reduce_scatter(out, x, topology=topo, config=cfg, op=ReduceOp.AVG, seed=6)
         outs.append(out)
-    assert torch.equal(outs[0], outs[1]), "triton and torch backends disagree"
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0]), "the backends disagree"
 
 
 def _bad_input_cases(topo, world: int, rank: int) -> None:
@@ -433,7 +435,7 @@ def _phase(n: int, dp_groups: list[list[int]]) -> None:
     _pipeline_and_variant_cases(topo, world, rank)
     _byte_cases(topo, world, rank)
     _advance_cases(topo, world, rank)
-    if topo.ranks_per_node > 1 and topo.nodes > 1 and triton_available():
+    if topo.ranks_per_node > 1 and topo.nodes > 1:
         _backend_cases(topo, world, rank)
     _bad_input_cases(topo, world, rank)
 

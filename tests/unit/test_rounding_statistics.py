@@ -1,0 +1,129 @@
+"""Stochastic rounding, measured: unbiased to 1/100 of a step, independent across seeds.
+
+Run on the backends that execute on CPU: the compiled CPU kernels (what ``auto`` runs on CPU
+tensors) and the torch references. The Triton kernels give the references' bytes bit for bit
+(test_triton_kernels.py, stochastic cases included), so whatever holds here holds for them.
+The statistics read each rounding off the wire next to the quantizer's input
+(``tests/_noise.py``, [Note: rounding errors in steps]).
+
+Sample sizes: a bin of f (10 bins) holds ~100k roundings of variance f(1-f) <= 1/4, so its
+mean has a standard error <= 0.0016 step and the 6-sigma bound stays below 0.01 step
+(``assert_unbiased`` fails the test if it does not). A ``0.95 u`` bias moves the low-f bins
+by 0.03-0.05 step: 20-30 standard errors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import _noise
+from megatron.sdp4bit.quantization import derive_seed, ops, quantize
+from megatron.sdp4bit.quantization import format as fmt
+
+BACKENDS = ["cpu", "torch"]
+N = 1 << 20
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _qwd(backend: str, seed: int, n: int = N) -> _noise.Rounding:
+    """A 4-bit qWD message: main - replica, weight-difference-like (update-sized values)."""
+    main = torch.randn(n, generator=_gen(seed))
+    replica = (main - 1e-3 * torch.randn(n, generator=_gen(seed + 1))).to(torch.bfloat16)
+    out = torch.empty(fmt.message_nbytes(n, 4, 2048), dtype=torch.uint8)
+    ops.qwd_sender(main, replica, out, bits=4, group_size=2048, stochastic=True,
+                   seed=derive_seed(7, seed), backend=backend)
+    x = main - replica.float()
+    return _noise.rounding(f"qwd{seed}", x, *_noise.decode(out, 1, n, 4, 2048))
+
+
+def _tlq_sender(backend: str, seed: int) -> _noise.Rounding:
+    """The 8-bit intra hop with the Hadamard transform: 2 nodes x 2 ranks, 2 slices."""
+    inp = torch.randn(N, generator=_gen(seed))
+    inp[::97] *= 20.0  # gradient-like outliers
+    out = torch.empty(4 * fmt.message_nbytes(N // 4, 8, 128), dtype=torch.uint8)
+    ops.tlq_sender(inp, out, num_dests=2, blocks_per_dest=2, slices=2, bits=8, group_size=128,
+                   hadamard_block=32, stochastic=True, seed=derive_seed(8, seed),
+                   backend=backend)
+    x = _noise._sender_values(inp, 2, 2, 2, 32)
+    return _noise.rounding(f"tlq_sender{seed}", x, *_noise.decode(out, 4, N // 4, 8, 128))
+
+
+def _tlq_middle(backend: str, seed: int) -> _noise.Rounding:
+    """Between the hops: 2 messages of 8-bit codes summed and requantized at 4 bits."""
+    n_in, numel = 2, N
+    wire = torch.empty(n_in * fmt.message_nbytes(numel, 8, 128), dtype=torch.uint8)
+    scales, payload = fmt.split_messages(wire, n_in, numel, 8, 128)
+    payload.copy_(torch.randint(0, 256, payload.shape, generator=_gen(seed), dtype=torch.uint8))
+    scales.copy_(torch.rand(scales.shape, generator=_gen(seed + 1)) + 0.01)
+    out = torch.empty(2 * fmt.message_nbytes(numel // 2, 4, 128), dtype=torch.uint8)
+    ops.tlq_middle(wire, out, n_in=n_in, numel=numel, bits_in=8, group_size_in=128, n_out=2,
+                   bits_out=4, group_size_out=128, stochastic=True, seed=derive_seed(9, seed),
+                   backend=backend)
+    x = _noise._dequantized_sum(wire, n_in, numel, 8, 128)
+    return _noise.rounding(f"tlq_middle{seed}", x, *_noise.decode(out, 2, numel // 2, 4, 128))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op", [_qwd, _tlq_sender, _tlq_middle],
+                         ids=["qwd_sender", "tlq_sender", "tlq_middle"])
+def test_fused_senders_round_without_bias(backend: str, op) -> None:
+    _noise.assert_unbiased([op(backend, 1)], f"{op.__name__} on {backend}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rounding_noise_is_independent_across_seeds_and_neighbours(backend: str) -> None:
+    """Derived seeds (consecutive iterations, buckets) give uncorrelated noise on the same
+    data and on different data; neighbouring stream indices are uncorrelated too."""
+    x = torch.randn(1 << 17, generator=_gen(3))
+    runs = []
+    for seed in (derive_seed(1, 0, 0), derive_seed(1, 1, 0), derive_seed(1, 0, 1),
+                 derive_seed(2, 0, 0)):
+        q = quantize(x, 4, 128, seed=seed, backend=backend)
+        runs.append(_noise.rounding(f"seed {seed:#x}", x, *_noise.decode(q.data, 1, x.numel(),
+                                                                          4, 128)))
+    other = torch.randn(1 << 17, generator=_gen(4))
+    q = quantize(other, 4, 128, seed=derive_seed(1, 2, 0), backend=backend)
+    runs.append(_noise.rounding("other data", other, *_noise.decode(q.data, 1, other.numel(),
+                                                                    4, 128)))
+    assert _noise.assert_independent(runs, backend) == 10
+    # neighbours within one stream: r_i against r_{i+1}
+    r = runs[0]
+    shifted = _noise.Rounding("next index", r.r[1:], r.v[1:], r.f[1:])
+    assert abs(_noise.z_score(_noise.Rounding("index", r.r[:-1], r.v[:-1], r.f[:-1]),
+                              shifted)) < _noise.Z_LIMIT
+
+
+def test_the_statistics_have_power() -> None:
+    """The checks fail where they must: a shared seed (same or different data) and a rounding
+    offset of 0.95 u are far outside the limits at these sample sizes."""
+    x = torch.randn(1 << 17, generator=_gen(5))
+    y = torch.randn(1 << 17, generator=_gen(6))
+    seed = derive_seed(1, 0, 0)
+
+    def noise(values, label):
+        q = quantize(values, 4, 128, seed=seed, backend="torch")
+        return _noise.rounding(label, values, *_noise.decode(q.data, 1, values.numel(), 4, 128))
+
+    assert _noise.z_score(noise(x, "a"), noise(x, "b")) > 100  # same seed, same data
+    assert _noise.z_score(noise(x, "a"), noise(y, "b")) > 50  # same seed, other data
+    with pytest.raises(AssertionError, match="correlated"):
+        _noise.assert_independent([noise(x, "a"), noise(y, "b")], "shared seed")
+
+    # 0.95 u: reconstruct each rounding's u-threshold from a fresh stream and bias it
+    from megatron.sdp4bit.quantization.rng import uniform
+
+    values = torch.randn(N, generator=_gen(7))
+    s = values.view(-1, 128).abs().amax(1).repeat_interleave(128) / 7
+    u = uniform(seed, 0, N)
+    biased = torch.floor(values / s + 0.95 * u).clamp(-7, 7).to(torch.int64)
+    with pytest.raises(AssertionError, match=r"biased rounding in f-bin \[0.0, 0.1\)"):
+        _noise.assert_unbiased([_noise.rounding("0.95u", values, biased, s)], "0.95 u")
+    fair = torch.floor(values / s + u).clamp(-7, 7).to(torch.int64)
+    _noise.assert_unbiased([_noise.rounding("u", values, fair, s)], "u")
+    with pytest.raises(AssertionError, match="resolve only"):  # too few samples: refused
+        _noise.assert_unbiased([_noise.rounding("few", values[:4096], fair[:4096],
+                                                s[:4096])], "few")
