@@ -30,6 +30,8 @@ class Setup:
     bucket_size: int | None = None  # None = one bucket per buffer
     num_microbatches: int = 1
     lr: float = 3e-3
+    tied_embeddings: bool = False  # share the input embedding with the output layer
+    average_in_collective: bool = False  # AVG in the reduce-scatter instead of scaling by 1/DP
 
 
 def init_parallel(tp: int = 1, pp: int = 1) -> None:
@@ -94,6 +96,7 @@ def build(setup: Setup, seed: int = 1, padding_for=None):
         max_sequence_length=SEQ,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=setup.tied_embeddings,
     )
     if setup.bf16:
         model = Float16Module(config, model)
@@ -103,6 +106,7 @@ def build(setup: Setup, seed: int = 1, padding_for=None):
         overlap_grad_reduce=setup.overlap_grad_reduce,
         overlap_param_gather=setup.overlap_param_gather,
         bucket_size=setup.bucket_size,
+        average_in_collective=setup.average_in_collective,
     )
     with sdp4bit_padding(padding_for or SDP4BitConfig()):
         ddp = DistributedDataParallel(config, ddp_config, model)

@@ -18,6 +18,19 @@ megatron-core 0.16.1, bf16/fp16 parameters with the distributed optimizer:
 The main shard of a bucket is not contiguous in the optimizer (one fp32 tensor per
 parameter piece), so each all-gather first gathers this rank's pieces into a shard-sized
 fp32 scratch buffer (1/W of the bucket), zero where the shard holds padding.
+
+[Note: tied embeddings]
+With pipeline parallelism and tied input/output embeddings, the first and the last stage
+each hold a copy of the word embedding (megatron-core marks both ``shared_embedding``). The
+copies start equal (an all-reduce at construction), get the same gradient (an all-reduce
+over the embedding group after the DP reduce-scatter) and so the same fp32 main weights,
+and megatron-core 0.16.1 gives that parameter a bucket of its own on both stages with the
+distributed optimizer (``_does_param_require_new_bucket``), starting at offset 0 and padded
+alike. The two stages' DP groups therefore send the same qWD differences; drawn with the same
+noise they give the same replica updates, and the copies stay bitwise tied. So the tied
+bucket's seed depends neither on the stage's bucket numbering nor on its DP group but on the
+rank's embedding group (the same for the pair of stages, distinct across TP ranks); the comm
+layer still folds in the DP rank.
 """
 
 from __future__ import annotations
@@ -29,7 +42,7 @@ import torch
 
 from megatron.sdp4bit.comm import weight_difference_all_gather
 from megatron.sdp4bit.comm.stats import timed
-from megatron.sdp4bit.integration.state import KIND_PARAM, RunState
+from megatron.sdp4bit.integration.state import KIND_PARAM, KIND_TIED_PARAM, RunState
 from megatron.sdp4bit.integration.work import BucketGroupWork
 
 
@@ -77,9 +90,24 @@ def main_shards(optimizers, bucket_id_of: dict[int, int], dp_rank_of: dict[int, 
     return shards
 
 
+def _tied_embedding_key(bucket) -> int | None:
+    """For the bucket holding a pipeline-shared word embedding, a key the same on the first
+    and last stage (the lowest global rank of this rank's embedding group); else None.
+    See [Note: tied embeddings]."""
+    if not any(getattr(param, "shared_embedding", False) for param in bucket.params):
+        return None
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_embedding_group(check_initialized=False)
+    if group is None:
+        return None
+    return min(torch.distributed.get_process_group_ranks(group))
+
+
 def make_start_param_sync(bucket_group, *, bucket_ids: list[int], shards: dict[int, MainShard],
                           group_id: int, ranks_per_node: int, state: RunState):
     """A ``start_param_sync`` for ``bucket_group`` (megatron-core's contract, qWD inside)."""
+    tied_keys = [_tied_embedding_key(bucket) for bucket in bucket_group.buckets]
 
     def start_param_sync(self, force_sync: bool = False) -> None:
         assert self.ddp_config.use_distributed_optimizer
@@ -93,14 +121,17 @@ def make_start_param_sync(bucket_group, *, bucket_ids: list[int], shards: dict[i
         async_op = self.ddp_config.overlap_param_gather and not force_sync
         group = self.intra_distributed_optimizer_instance_group
         works = []
-        for bucket, bucket_id in zip(self.buckets, bucket_ids):
+        for bucket, bucket_id, tied_key in zip(self.buckets, bucket_ids, tied_keys):
             shard = shards[bucket_id]
             with timed(state.stats, "params-quantize", bucket.param_data.device):
                 main = shard.gather()
+            call = state.next_param_call(bucket_id)  # fresh noise for extra gathers
+            seed = (state.seed(KIND_PARAM, bucket_id, group_id, call) if tied_key is None
+                    else state.seed(KIND_TIED_PARAM, 0, tied_key, call))
             works.append(weight_difference_all_gather(
                 bucket.param_data, main, group=group, config=state.weight_config,
-                seed=state.seed(KIND_PARAM, bucket_id, group_id), stats=state.stats,
-                ranks_per_node=ranks_per_node, async_op=async_op))
+                seed=seed, stats=state.stats, ranks_per_node=ranks_per_node,
+                async_op=async_op))
             state.param_calls[bucket_id] += 1
         self.param_gather_handle = BucketGroupWork(works) if async_op else None
         self.param_gather_dispatched = True

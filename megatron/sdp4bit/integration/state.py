@@ -12,6 +12,7 @@ from megatron.sdp4bit.quantization.rng import derive_seed
 # Kinds of collective, folded into the seed so gradients and weights draw unrelated noise.
 KIND_GRAD = 0
 KIND_PARAM = 1
+KIND_TIED_PARAM = 2  # the shared word embedding: see param_sync.py, [Note: tied embeddings]
 
 
 @dataclass
@@ -36,14 +37,38 @@ class RunState:
     buckets])."""
     early_grad_advances: Counter = field(default_factory=Counter)
     """Per bucket id: reduce-scatters advanced by a later bucket's start (before the wait)."""
+    param_calls_in_iteration: Counter = field(default_factory=Counter)
+    """Per bucket id: all-gathers issued so far in ``calls_iteration``."""
+    calls_iteration: int = -1
+    """The iteration ``param_calls_in_iteration`` counts for."""
 
-    def seed(self, kind: int, bucket_id: int, group_id: int) -> int:
-        """Rounding-noise seed of one collective: (user seed, iteration, bucket, kind, group).
+    def seed(self, kind: int, bucket_id: int, group_id: int, call: int = 0) -> int:
+        """Rounding-noise seed of one collective: (user seed, iteration, bucket, kind, group,
+        call).
 
         ``group_id`` (the lowest global rank of the DP group) keeps the streams of different
         DP groups (other TP/PP ranks) apart; the comm layer adds the DP rank and the hop.
+        ``call`` numbers the collectives of one bucket within an iteration (see
+        :meth:`next_param_call`); the first (0) keeps the seed it has always had, so runs
+        without extra all-gathers draw the same bits as before the counter existed.
         """
-        return derive_seed(self.config.seed, self.iteration, bucket_id, kind, group_id)
+        parts = (self.config.seed, self.iteration, bucket_id, kind, group_id)
+        return derive_seed(*parts, call) if call else derive_seed(*parts)
+
+    def next_param_call(self, bucket_id: int) -> int:
+        """The number of all-gathers bucket ``bucket_id`` issued earlier in this iteration.
+
+        With ``overlap_param_gather`` the forward pre-hooks gather once per iteration, but an
+        evaluation or the end of training forces more gathers in the same iteration: each
+        must draw fresh noise, so this count goes into the seed. Counted per iteration (not
+        per run), so a resumed run derives the seeds an uninterrupted one does.
+        """
+        if self.calls_iteration != self.iteration:
+            self.param_calls_in_iteration.clear()
+            self.calls_iteration = self.iteration
+        call = self.param_calls_in_iteration[bucket_id]
+        self.param_calls_in_iteration[bucket_id] += 1
+        return call
 
     @property
     def quantize_gradients_now(self) -> bool:
