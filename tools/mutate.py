@@ -228,12 +228,15 @@ def _run_target(target: str, env: dict[str, str], timeout: int) -> tuple[str, fl
     seconds = time.time() - start
     out = done.stdout + done.stderr
     failed = re.findall(r"^FAILED (\S+)", out, flags=re.M)
-    reason = next((line[1:].strip() for line in out.splitlines()
-                   if line.startswith("E ") and ("Error" in line or "assert" in line)), "")
+    # the first exception message (for spawned ranks, the failing rank's own one)
+    lines = [line[1:].strip() for line in out.splitlines() if line.startswith("E ")]
+    raised = [e for e in lines if re.match(r"^[\w.]+(Error|Exception): ", e)
+              and not e.startswith("RuntimeError: rank")]
+    reason = (raised or [e for e in lines if "assert" in e] or [""])[0]
     evidence = (failed[0].split("::")[-1] if failed else "") + (f": {reason}" if reason else "")
     if done.returncode == 0:
         return "SURVIVED", seconds, ""
-    if "timed out" in out and "spawn" in out:
+    if re.search(r"^E\s+RuntimeError: timed out after \d+ s waiting for ranks", out, re.M):
         return "timeout", seconds, evidence[:200]
     return ("caught" if done.returncode == 1 else "error"), seconds, evidence[:200]
 
