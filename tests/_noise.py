@@ -143,7 +143,7 @@ def assert_independent(roundings: list[Rounding], what: str, min_elements: int =
 # ------------------------------------------------------------------- recording quantizers
 
 
-def _dequantized_sum(wire: torch.Tensor, n_in: int, numel: int, bits: int, group_size: int
+def dequantized_sum(wire: torch.Tensor, n_in: int, numel: int, bits: int, group_size: int
                      ) -> torch.Tensor:
     """fp32 sum in message order from +0 of ``n_in`` messages: what tlq_middle requantizes."""
     q, s = decode(wire, n_in, numel, bits, group_size)
@@ -154,7 +154,7 @@ def _dequantized_sum(wire: torch.Tensor, n_in: int, numel: int, bits: int, group
     return total
 
 
-def _sender_values(inp, num_dests, blocks_per_dest, slices, hadamard_block) -> torch.Tensor:
+def sender_values(inp, num_dests, blocks_per_dest, slices, hadamard_block) -> torch.Tensor:
     """tlq_sender's quantizer input in stream order (message-major), fp32."""
     values = inp.reshape(blocks_per_dest, num_dests, slices, -1)
     values = hadamard_transform(values, hadamard_block) if hadamard_block else values.float()
@@ -192,7 +192,7 @@ class Recorder:
 
         def tlq_sender(inp, out, *, num_dests, blocks_per_dest, slices, bits, group_size,
                        hadamard_block, stochastic, seed, **kw):
-            x = _sender_values(inp, num_dests, blocks_per_dest, slices, hadamard_block)
+            x = sender_values(inp, num_dests, blocks_per_dest, slices, hadamard_block)
             originals["tlq_sender"](inp, out, num_dests=num_dests,
                                     blocks_per_dest=blocks_per_dest, slices=slices, bits=bits,
                                     group_size=group_size, hadamard_block=hadamard_block,
@@ -204,7 +204,7 @@ class Recorder:
 
         def tlq_middle(wire_in, out, *, n_in, numel, bits_in, group_size_in, n_out, bits_out,
                        group_size_out, stochastic, seed, **kw):
-            x = _dequantized_sum(wire_in, n_in, numel, bits_in, group_size_in)
+            x = dequantized_sum(wire_in, n_in, numel, bits_in, group_size_in)
             originals["tlq_middle"](wire_in, out, n_in=n_in, numel=numel, bits_in=bits_in,
                                     group_size_in=group_size_in, n_out=n_out,
                                     bits_out=bits_out, group_size_out=group_size_out,

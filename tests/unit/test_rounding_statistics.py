@@ -48,7 +48,7 @@ def _tlq_sender(backend: str, seed: int) -> _noise.Rounding:
     ops.tlq_sender(inp, out, num_dests=2, blocks_per_dest=2, slices=2, bits=8, group_size=128,
                    hadamard_block=32, stochastic=True, seed=derive_seed(8, seed),
                    backend=backend)
-    x = _noise._sender_values(inp, 2, 2, 2, 32)
+    x = _noise.sender_values(inp, 2, 2, 2, 32)
     return _noise.rounding(f"tlq_sender{seed}", x, *_noise.decode(out, 4, N // 4, 8, 128))
 
 
@@ -63,7 +63,7 @@ def _tlq_middle(backend: str, seed: int) -> _noise.Rounding:
     ops.tlq_middle(wire, out, n_in=n_in, numel=numel, bits_in=8, group_size_in=128, n_out=2,
                    bits_out=4, group_size_out=128, stochastic=True, seed=derive_seed(9, seed),
                    backend=backend)
-    x = _noise._dequantized_sum(wire, n_in, numel, 8, 128)
+    x = _noise.dequantized_sum(wire, n_in, numel, 8, 128)
     return _noise.rounding(f"tlq_middle{seed}", x, *_noise.decode(out, 2, numel // 2, 4, 128))
 
 
