@@ -101,6 +101,10 @@ def _add_training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--end-weight-decay", type=float, default=None)
     g.add_argument("--weight-decay-incr-style", default="constant", choices=["constant", "linear", "cosine"])
     g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--max-consecutive-skipped-iterations", type=int, default=10,
+                   help="stop the run when this many iterations in a row are skipped for "
+                   "non-finite gradients (with a dynamic fp16 loss scale: at --min-loss-scale); "
+                   "0 = never stop")
 
 
 def _add_precision(p: argparse.ArgumentParser) -> None:
@@ -125,6 +129,11 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap-param-gather", action="store_true")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="elements per gradient bucket; default megatron-core's")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                   help="timeout of the process groups' collectives")
+    g.add_argument("--heartbeat-timeout-seconds", type=float, default=120.0,
+                   help="end the job when a rank sends no heartbeat for this long (a stopped "
+                   "or frozen process) or the torchrun agent is gone; 0 = off")
 
 
 def _add_data(p: argparse.ArgumentParser) -> None:
@@ -150,8 +159,23 @@ def _add_checkpoint_and_logging(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="load the model weights only (the fp32 main params are taken from them)")
     g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--overwrite-checkpoints", action="store_true",
+                   help="delete the checkpoints of another run found in --save (otherwise "
+                   "such a --save is refused unless it is also --load)")
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
+                   dest="override_opt_param_scheduler", action="store_true",
+                   help="on resume, use this command line's learning-rate and weight-decay "
+                   "schedule instead of the checkpoint's")
+    g.add_argument("--use-checkpoint-opt_param-scheduler",
+                   "--use-checkpoint-opt-param-scheduler",
+                   dest="use_checkpoint_opt_param_scheduler", action="store_true",
+                   help="on resume, keep the checkpoint's schedule whatever the command line says")
+    g.add_argument("--allow-changed-sdp4bit-settings", action="store_true",
+                   help="resume a checkpoint trained with other SDP4Bit flags (changes the "
+                   "method mid-run)")
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--eval-interval", type=int, default=1000)
@@ -175,6 +199,11 @@ def _add_checkpoint_and_logging(p: argparse.ArgumentParser) -> None:
                    help="do not wait for all ranks around level-1 timers")
     g.add_argument("--log-timers-to-tensorboard", action="store_true",
                    help="write the timers (max across ranks) to TensorBoard")
+    g.add_argument("--check-replicas-interval", type=int, default=0,
+                   help="every N iterations compare a checksum of the model replica across "
+                   "data-parallel ranks and stop on a difference; 0 = off")
+    g.add_argument("--debug", action="store_true",
+                   help="print the traceback of an error, not only its one-line message")
 
 
 def _add_no_ops(p: argparse.ArgumentParser) -> None:

@@ -125,7 +125,9 @@ def wrap_ddp(args: argparse.Namespace, config: TransformerConfig, model: torch.n
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
-        check_for_nan_in_grad=True,
+        # Non-finite gradients skip the step on every rank (training/step.py) instead of
+        # megatron-core's per-rank exception.
+        check_for_nan_in_grad=False,
     )
     if args.ddp_bucket_size is not None:
         ddp_kwargs["bucket_size"] = args.ddp_bucket_size
