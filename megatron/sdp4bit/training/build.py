@@ -22,6 +22,7 @@ from megatron.sdp4bit.integration import sdp4bit_padding
 from megatron.sdp4bit.training import checkpointing
 from megatron.sdp4bit.training.data import build_datasets
 from megatron.sdp4bit.training.loop import TrainState
+from megatron.sdp4bit.training.megatron_flags import scheduler_steps
 from megatron.sdp4bit.training.model import (
     build_model,
     build_optimizer,
@@ -53,7 +54,7 @@ def init_distributed(args: argparse.Namespace) -> None:
         # In CPU mode megatron-core's "CUDA" RNG is the CPU generator, so its tracker warns on
         # every dropout that the CPU state moved; that is expected here, not a problem.
         logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
-    dist.init_process_group(backend, timeout=timedelta(minutes=10))
+    dist.init_process_group(backend, timeout=timedelta(minutes=args.distributed_timeout_minutes))
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size)
@@ -95,16 +96,15 @@ def teardown() -> None:
 
 
 def _scheduler(args: argparse.Namespace, optimizer) -> OptimizerParamScheduler:
-    # Megatron-LM counts schedule steps in samples.
-    gbs = args.global_batch_size
-    decay = args.lr_decay_iters * gbs
-    warmup = (int(args.lr_warmup_fraction * decay) if args.lr_warmup_fraction is not None
-              else args.lr_warmup_iters * gbs)
+    # Megatron-LM counts schedule steps in samples (iteration- or sample-based training).
+    warmup, decay, wd_incr = scheduler_steps(args)
     return OptimizerParamScheduler(
         optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
         lr_warmup_steps=warmup, lr_decay_steps=decay, lr_decay_style=args.lr_decay_style,
         start_wd=args.start_weight_decay, end_wd=args.end_weight_decay,
-        wd_incr_steps=args.train_iters * gbs, wd_incr_style=args.weight_decay_incr_style)
+        wd_incr_steps=wd_incr, wd_incr_style=args.weight_decay_incr_style,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=not args.override_opt_param_scheduler)
 
 
 def build_state(args: argparse.Namespace, sdp4bit_config: SDP4BitConfig,
