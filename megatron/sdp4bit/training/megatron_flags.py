@@ -60,9 +60,9 @@ NO_OP_FLAGS: dict[str, str] = {
     "--manual-gc": "Python's garbage collector runs automatically; the flag only moves its "
     "pauses",
     "--manual-gc-interval": "see --manual-gc",
+    "--no-manual-gc-eval": "see --manual-gc",
     "--fp16-lm-cross-entropy": "megatron-core computes the cross entropy from fp32 logits "
     "whatever this flag says",
-    "--no-manual-gc-eval": "see --manual-gc",
 }
 # No-op flags that take a value: flag -> argparse keywords.
 _NO_OP_VALUES: dict[str, dict] = {
@@ -95,10 +95,10 @@ REFUSED_FLAGS: dict[str, tuple[int | str, str]] = {
                       "uninterrupted one only with them"),
     "--finetune": (0, "start a fine-tuning run from a checkpoint's weights outside this trainer"),
     "--use-checkpoint-args": (0, "pass the model flags on the command line"),
-    "--ckpt-format": (1, "checkpoints are this trainer's per-rank files (README, "
-                      "Checkpoints)"),
-    "--use-dist-ckpt": (0, "checkpoints are this trainer's per-rank files (README, "
-                        "Checkpoints)"),
+    "--ckpt-format": (1, "checkpoints are this trainer's own per-rank files "
+                      "(training/checkpointing.py)"),
+    "--use-dist-ckpt": (0, "checkpoints are this trainer's own per-rank files "
+                        "(training/checkpointing.py)"),
     "--async-save": (0, "checkpoints are saved synchronously"),
     "--skip-train": (0, "evaluation runs every --eval-interval during training"),
     "--log-params-norm": (0, "the parameter norm is not computed; the gradient norm is logged"),
