@@ -34,8 +34,10 @@ set -euo pipefail  # setup_env.sh switches these off when it returns
 
 TRAIN_ITERS="${TRAIN_ITERS:-60}"
 if [[ -z "${RUN_DIR:-}" ]]; then
+    mkdir -p runs/quickstart
     RUN_DIR="runs/quickstart/run-$(date +%Y%m%d-%H%M%S)"
-    while [[ -e "$RUN_DIR" ]]; do RUN_DIR="$RUN_DIR-x"; done  # two starts in one second
+    # mkdir without -p fails if the folder exists: two starts in one second get two folders
+    until mkdir "$RUN_DIR" 2>/dev/null; do RUN_DIR="$RUN_DIR-x"; done
 fi
 RESUME=""
 if [[ -e "$RUN_DIR/checkpoints/latest_checkpointed_iteration.txt" ]]; then

@@ -110,11 +110,11 @@ def test_a_users_warning_options_win_on_other_ranks(clean_logging, monkeypatch):
     assert [str(w.message) for w in caught] == ["asked for with -W always"]
 
 
-def _run(code: str, rank: str) -> subprocess.CompletedProcess:
+def _start(code: str, rank: str) -> subprocess.Popen:
     env = dict(os.environ, RANK=rank, PYTHONPATH=str(ROOT))
     env.pop("PYTHONWARNINGS", None)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=ROOT)
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
 
 
 IMPORT_AND_BUILD = """
@@ -136,13 +136,12 @@ for _ in range(2):
 def test_megatron_core_imports_and_builds_quietly_in_a_fresh_process():
     """What pretrain_gpt.py does first, in a new interpreter: megatron-core's real import-time
     and config-time noise is gone; a warning of the user's own still shows, once."""
-    rank0 = _run(IMPORT_AND_BUILD, "0")
-    assert rank0.returncode == 0, rank0.stderr
-    shown = [line for line in rank0.stderr.splitlines() if "Warning" in line or "Rerun" in line]
-    assert len(shown) == 1 and "UserWarning: a warning of the user's own" in shown[0], \
-        rank0.stderr
-    rank1 = _run(IMPORT_AND_BUILD, "1")
-    assert rank1.returncode == 0 and rank1.stderr == "", rank1.stderr
+    procs = [_start(IMPORT_AND_BUILD, rank) for rank in ("0", "1")]  # side by side
+    (_, err0), (_, err1) = (p.communicate(timeout=300) for p in procs)
+    assert [p.returncode for p in procs] == [0, 0], err0 + err1
+    shown = [line for line in err0.splitlines() if "Warning" in line or "Rerun" in line]
+    assert len(shown) == 1 and "UserWarning: a warning of the user's own" in shown[0], err0
+    assert err1 == ""
 
 
 def test_announce_speaks_on_rank_zero_only(capsys, monkeypatch):
@@ -152,3 +151,24 @@ def test_announce_speaks_on_rank_zero_only(capsys, monkeypatch):
     noise.announce("building the model")
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 1 and re.fullmatch(r"\[\s*\d+\.\d s\] building the model", out[0])
+
+
+def test_with_cuda_one_line_says_what_is_missing(clean_logging, capsys, monkeypatch):
+    """On a GPU machine the missing packages are worth knowing (speed): one line, rank 0."""
+    missing = {"transformer_engine", "apex"}  # the rest counts as installed
+    monkeypatch.setattr(noise.importlib.util, "find_spec",
+                        lambda name: None if name in missing else object())
+    with warnings.catch_warnings():
+        noise.quiet_megatron_core(rank=0, cuda=True)
+        noise.quiet_megatron_core(rank=5, cuda=True)
+    assert capsys.readouterr().err == (
+        "note: transformer_engine and apex not installed: megatron-core uses torch's "
+        "optimizers, norms and kernels instead (correct, slower on GPU)\n")
+    missing.discard("apex")
+    with warnings.catch_warnings():
+        noise.quiet_megatron_core(rank=0, cuda=True)
+    assert capsys.readouterr().err.startswith("note: transformer_engine not installed:")
+    missing.clear()
+    with warnings.catch_warnings():
+        noise.quiet_megatron_core(rank=0, cuda=True)
+    assert capsys.readouterr().err == ""
