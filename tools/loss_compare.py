@@ -35,7 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plot_metrics import pyplot  # noqa: E402  (sibling tools, not a package)
+from plot_metrics import pyplot, save_small  # noqa: E402  (sibling tools, not a package)
 from summarize_metrics import read_metrics  # noqa: E402
 
 _TLQ = ["--quantized-gradients", "--gq-group-size-intra", "128", "--gq-group-size-inter", "128"]
@@ -363,7 +363,7 @@ def plot(report: dict, path: Path, smooth: int = 5) -> None:
     for ax in (ax_loss, ax_diff, ax_val):
         ax.grid(True, alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path)
+    save_small(fig, path)
     plt.close(fig)
 
 
