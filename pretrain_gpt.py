@@ -15,11 +15,10 @@ import os
 import sys
 import time
 import traceback
-import warnings
 
-# megatron-core warns on import that Transformer Engine/Apex are absent; the local layer spec
-# and torch optimizers it falls back to are what this trainer uses without them.
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+from megatron.sdp4bit.training.noise import announce, quiet_megatron_core
+
+quiet_megatron_core()  # before megatron-core's first import: its noise fires on import
 
 from megatron.sdp4bit.training.arguments import ArgumentsError, parse_args, sdp4bit_config_from_args  # noqa: E402
 
@@ -47,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
     lock = None
     try:
+        announce(f"initializing torch.distributed: {args.world_size} process(es)")
         build.init_distributed(args)
         build.start_watchdog(args)
         preflight.verify_inputs(args)
@@ -54,10 +54,13 @@ def main(argv: list[str] | None = None) -> int:
         sdp4bit_config = sdp4bit_config.replace(dp_ranks_per_node=ranks_per_node)
         build.print_topology(args, ranks_per_node)
         lock = build.claim_save_dir(args)
+        announce("building the model, the optimizer and the datasets")
         state, transformer_config = build.build_state(args, sdp4bit_config)
         state.ranks_per_node = ranks_per_node
         handle = sdp4bit_setup.install(sdp4bit_config, state, transformer_config)
         build.restore(args, state)
+        announce(f"training iterations {state.iteration + 1} to {args.train_iters}, a log "
+                 f"line every {args.log_interval}")
         loop.train(args, state, on_iteration=sdp4bit_setup.iteration_hook(handle))
         sdp4bit_setup.uninstall(args, state, handle)
         sdp4bit_setup.print_summary(args, state, handle)

@@ -1,4 +1,4 @@
-"""Unit tests of the torch reference quantizer (DESIGN.md section 2).
+"""Unit tests of the torch reference quantizer (docs/design.md: numerics).
 
 Error bounds used below, for a group with scale ``s = absmax / qmax``:
 

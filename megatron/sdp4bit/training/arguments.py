@@ -5,8 +5,9 @@ scripts run unchanged. The SDP4Bit flags are generated from ``SDP4BitConfig``
 (:mod:`megatron.sdp4bit.training.sdp4bit_flags`). Every error is a :class:`ArgumentsError`
 carrying one line that names the flag and the fix; ``pretrain_gpt.py`` prints it and exits 2.
 
-Accepted no-op flags (they exist in the paper's released scripts and changing nothing is
-truly harmless here) are listed in :data:`NO_OP_FLAGS` with the reason.
+The rest of Megatron-LM's flags (sample-based training, exit conditions, logging and
+transformer switches, and those refused or accepted as no-ops) live in
+:mod:`megatron.sdp4bit.training.megatron_flags`.
 """
 
 from __future__ import annotations
@@ -15,20 +16,11 @@ import argparse
 import os
 from collections.abc import Sequence
 
+from megatron.sdp4bit.training.megatron_flags import NO_OP_FLAGS, add_megatron_flags
 from megatron.sdp4bit.training.tokenizers import TOKENIZER_TYPES
 from megatron.sdp4bit.training.sdp4bit_flags import add_sdp4bit_flags, sdp4bit_config_from_args
 
 __all__ = ["ArgumentsError", "NO_OP_FLAGS", "build_parser", "parse_args", "sdp4bit_config_from_args"]
-
-
-NO_OP_FLAGS: dict[str, str] = {
-    "--no-async-tensor-model-parallel-allreduce": "megatron-core decides the overlap of the "
-    "tensor-parallel all-reduce itself; the flag only toggled an overlap, never the math",
-    "--log-throughput": "throughput (TFLOP/s/GPU) is always part of the log line",
-    "--distributed-backend": "the backend follows the device: NCCL with CUDA, gloo on CPU",
-    "--accumulate-allreduce-grads-in-fp32": "gradients are always reduced in fp32 with --bf16, "
-    "as Megatron-LM forces; with --fp16 they are too, for the quantized reduce-scatter",
-}
 
 
 class ArgumentsError(ValueError):
@@ -206,20 +198,11 @@ def _add_checkpoint_and_logging(p: argparse.ArgumentParser) -> None:
                    help="print the traceback of an error, not only its one-line message")
 
 
-def _add_no_ops(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("accepted for compatibility, no effect here")
-    for flag, why in NO_OP_FLAGS.items():
-        if flag == "--distributed-backend":
-            g.add_argument(flag, default=None, choices=["nccl", "gloo"], help=why)
-        else:
-            g.add_argument(flag, action="store_true", help=why)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="pretrain_gpt.py", description="GPT pretraining on megatron-core with SDP4Bit",
                 allow_abbrev=False)
     for add in (_add_model, _add_training, _add_precision, _add_parallel, _add_data,
-                _add_checkpoint_and_logging, _add_no_ops):
+                _add_checkpoint_and_logging, add_megatron_flags):
         add(p)
     add_sdp4bit_flags(p)
     return p

@@ -28,6 +28,7 @@ from megatron.sdp4bit.training.loop import TrainingStopped, TrainState
 from megatron.sdp4bit.training.preflight import InputError
 from megatron.sdp4bit.training.replicas import ReplicaMismatch
 from megatron.sdp4bit.training.watchdog import Watchdog, launcher_store
+from megatron.sdp4bit.training.megatron_flags import scheduler_steps
 from megatron.sdp4bit.training.model import (
     build_model,
     build_optimizer,
@@ -180,18 +181,15 @@ def teardown() -> None:
 
 
 def _scheduler(args: argparse.Namespace, optimizer) -> OptimizerParamScheduler:
-    # Megatron-LM counts schedule steps in samples.
-    gbs = args.global_batch_size
-    decay = args.lr_decay_iters * gbs
-    warmup = (int(args.lr_warmup_fraction * decay) if args.lr_warmup_fraction is not None
-              else args.lr_warmup_iters * gbs)
+    # Megatron-LM counts schedule steps in samples (iteration- or sample-based training).
+    warmup, decay, wd_incr = scheduler_steps(args)
     return OptimizerParamScheduler(
         optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
         lr_warmup_steps=warmup, lr_decay_steps=decay, lr_decay_style=args.lr_decay_style,
         start_wd=args.start_weight_decay, end_wd=args.end_weight_decay,
-        wd_incr_steps=args.train_iters * gbs, wd_incr_style=args.weight_decay_incr_style,
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-        override_opt_param_scheduler=args.override_opt_param_scheduler)
+        wd_incr_steps=wd_incr, wd_incr_style=args.weight_decay_incr_style,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler)
 
 
 def build_state(args: argparse.Namespace, sdp4bit_config: SDP4BitConfig,

@@ -17,6 +17,7 @@ from megatron.sdp4bit.training import checkpointing, faults
 from megatron.sdp4bit.training.comm_counters import add_unquantized_iteration, snapshot_fields
 from megatron.sdp4bit.training.data import batch_iterator
 from megatron.sdp4bit.training.logging import MetricsWriter, format_eval_lines, format_train_line
+from megatron.sdp4bit.training.megatron_flags import exit_duration_reached
 from megatron.sdp4bit.training.replicas import check_replicas
 from megatron.sdp4bit.training.step import evaluate, has_loss_scaler, train_step
 from megatron.sdp4bit.training.timers import Timers, format_timers, max_times
@@ -189,6 +190,13 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None) -> Tra
                     _save(args, state)
                 if metrics is not None:
                     print(f"exiting program at iteration {state.iteration}", flush=True)
+                return state
+            if exit_duration_reached(args):  # --exit-duration-in-mins; collective
+                if args.save and not saved:
+                    _save(args, state)
+                if metrics is not None:
+                    print(f"exiting program after {args.exit_duration_in_mins} minutes at "
+                          f"iteration {state.iteration}", flush=True)
                 return state
         if (args.save and state.iteration > start_iteration
                 and not (args.save_interval and state.iteration % args.save_interval == 0)):

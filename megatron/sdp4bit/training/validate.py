@@ -6,6 +6,7 @@ import argparse
 import re
 
 from megatron.sdp4bit.training.arguments import ArgumentsError
+from megatron.sdp4bit.training.megatron_flags import check_megatron_flags
 from megatron.sdp4bit.training.sdp4bit_flags import sdp4bit_config_from_args
 
 FP32_TINY, FP32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38
@@ -215,6 +216,7 @@ def _check_logging(args: argparse.Namespace) -> None:
 
 def validate_args(args: argparse.Namespace) -> None:
     """Check ``args`` in place and fill derived values; raise :class:`ArgumentsError`."""
+    check_megatron_flags(args)  # first: --train-samples sets train_iters
     _check_required(args)
     _check_model(args)
     _check_parallel(args)
