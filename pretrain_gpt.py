@@ -4,47 +4,71 @@
     torchrun --nproc-per-node 8 pretrain_gpt.py <Megatron-LM flags> \\
         --use-distributed-optimizer --quantized-weights --quantized-gradients --hadamard-transform
 
-Reads top to bottom: parse -> config -> init distributed -> build -> install -> loop.
-See ``python pretrain_gpt.py --help`` for every flag.
+Reads top to bottom: parse -> config -> init distributed -> check inputs -> build ->
+install -> loop. See ``python pretrain_gpt.py --help`` for every flag. A bad flag, file or
+checkpoint stops every rank with one line (``--debug`` adds the traceback).
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import warnings
+import time
+import traceback
 
-# megatron-core warns on import that Transformer Engine/Apex are absent; the local layer spec
-# and torch optimizers it falls back to are what this trainer uses without them.
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+from megatron.sdp4bit.training.noise import announce, quiet_megatron_core
+
+quiet_megatron_core()  # before megatron-core's first import: its noise fires on import
 
 from megatron.sdp4bit.training.arguments import ArgumentsError, parse_args, sdp4bit_config_from_args  # noqa: E402
+
+
+def _fail(message: str, code: int, debug: bool = False) -> int:
+    """One line from rank 0; the other ranks wait a moment so that torchrun, which stops
+    the job when the first worker exits, does not cut rank 0 off before it prints."""
+    if debug:
+        traceback.print_exc()
+    if os.environ.get("RANK", "0") == "0":
+        print(f"pretrain_gpt.py: error: {message}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(3)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
     except ArgumentsError as err:
-        if os.environ.get("RANK", "0") == "0":  # one line per launch, not one per rank
-            print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
-        return 2
+        return _fail(str(err), 2)
     sdp4bit_config = sdp4bit_config_from_args(args)
 
-    from megatron.sdp4bit.training import build, loop, sdp4bit_setup
+    from megatron.sdp4bit.training import build, loop, preflight, sdp4bit_setup
 
-    build.init_distributed(args)
+    lock = None
     try:
+        announce(f"initializing torch.distributed: {args.world_size} process(es)")
+        build.init_distributed(args)
+        build.start_watchdog(args)
+        preflight.verify_inputs(args)
         ranks_per_node = sdp4bit_config.dp_ranks_per_node or build.detect_dp_ranks_per_node()
         sdp4bit_config = sdp4bit_config.replace(dp_ranks_per_node=ranks_per_node)
         build.print_topology(args, ranks_per_node)
+        lock = build.claim_save_dir(args)
+        announce("building the model, the optimizer and the datasets")
         state, transformer_config = build.build_state(args, sdp4bit_config)
         state.ranks_per_node = ranks_per_node
         handle = sdp4bit_setup.install(sdp4bit_config, state, transformer_config)
         build.restore(args, state)
+        announce(f"training iterations {state.iteration + 1} to {args.train_iters}, a log "
+                 f"line every {args.log_interval}")
         loop.train(args, state, on_iteration=sdp4bit_setup.iteration_hook(handle))
         sdp4bit_setup.uninstall(args, state, handle)
         sdp4bit_setup.print_summary(args, state, handle)
+    except build.USER_ERRORS as err:
+        return _fail(str(err).splitlines()[0], 1, args.debug)
     finally:
+        if lock is not None:
+            lock.release()
         build.teardown()
     return 0
 

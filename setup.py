@@ -28,5 +28,6 @@ setup(
     extras_require={
         "test": ["pytest>=8"],
         "logging": ["tensorboard>=2.16"],
+        "plot": ["matplotlib>=3.8"],  # tools/plot_metrics.py, tools/loss_compare.py
     },
 )

@@ -44,7 +44,7 @@ from megatron.sdp4bit.quantization.backend import KernelBackend, resolve_backend
 MB = 1 << 20
 GPU_SIZES_MB = [8, 32, 128, 256, 512, 1024, 2048]
 CPU_SIZES_MB = [8, 16, 32, 64]
-# Configuration of the paper (DESIGN.md): qWD 4-bit groups of 2048 over 8 DP ranks; TLq-HS
+# Configuration of the paper (docs/design.md): qWD 4-bit groups of 2048 over 8 DP ranks; TLq-HS
 # 8-bit inside a node (N=4 ranks per node, M=2 nodes), 4-bit across, groups of 128, H=32.
 QWD_BITS, QWD_GROUP, QWD_WORLD = 4, 2048, 8
 TLQ_INTRA_BITS, TLQ_INTER_BITS, TLQ_GROUP, TLQ_H = 8, 4, 128, 32

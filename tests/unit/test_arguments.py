@@ -139,7 +139,32 @@ ERRORS = {
                       "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file"),
     "tp-world": ("--tensor-model-parallel-size 3", "world size 4 is not divisible by "
                  "--tensor-model-parallel-size x --pipeline-model-parallel-size = 3"),
+    "loss-scale-subnormal": ("--fp16 --loss-scale 1e-39", "--loss-scale=1e-39 is not a "
+                             "positive normal fp32 number (1.18e-38 to 3.4e+38): the gradients "
+                             "would be unscaled by Inf or 0"),
+    # 4 ranks x 100000 slices x 512-element groups = 204.8M-element buckets for a model of
+    # 1024 x 64 + 32 x 64 + 2 x (4 x 64^2 + 2 x 64 x 256) = 165,888 parameters.
+    "pipeline-too-long": ("--use-distributed-optimizer --quantized-gradients "
+                          "--gradient-alltoall-pipeline 100000",
+                          "these SDP4Bit settings pad every bucket to a multiple of "
+                          "204,800,000 elements, more than the ~165,888 parameters a rank "
+                          "holds (the padding would outweigh the model): use "
+                          "--gradient-alltoall-pipeline 81 or less"),
+    "scheduler-both": ("--override-opt_param-scheduler --use-checkpoint-opt_param-scheduler",
+                       "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
+                       "contradict each other: pass one"),
+    "timers-to-tb": ("--log-timers-to-tensorboard", "--log-timers-to-tensorboard needs "
+                     "--tensorboard-dir and --timing-log-level 1 or 2 (there are no timers at "
+                     "level 0)"),
+    "heartbeat-short": ("--heartbeat-timeout-seconds 1", "--heartbeat-timeout-seconds=1 is too "
+                        "short to tell a busy rank from a stopped one: use >= 2 (or 0 = off)"),
+    "replicas-negative": ("--check-replicas-interval -1",
+                          "--check-replicas-interval=-1 must be >= 0 (0 = off)"),
 }
+
+
+def test_the_largest_pipeline_that_fits_is_accepted():
+    parse("--use-distributed-optimizer --quantized-gradients --gradient-alltoall-pipeline 81")
 
 
 @pytest.mark.parametrize("case", sorted(ERRORS), ids=str)

@@ -36,6 +36,7 @@ ALLOWED = {
     "quantize_group": {"bits", "stochastic", "k0", "k1", "idx0", "qm", "m", "b", "zero"},
     "dequantize_into": {"bits", "mode"},
     "dequantize_sum": {"bits"},
+    "message_bytes": {"bits"},
     "hadamard": {"last"},
     "sdp4bit_qwd_sender": {"main_dt", "replica_dt", "bits", "stochastic", "k0", "k1"},
     "sdp4bit_qwd_receiver": {"replica_dt", "bits", "accumulate"},

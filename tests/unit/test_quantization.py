@@ -1,4 +1,4 @@
-"""Unit tests of the torch reference quantizer (its rules: quantization/reference.py).
+"""Unit tests of the torch reference quantizer (docs/design.md: numerics).
 
 Error bounds used below, for a group with scale ``s = absmax / qmax``:
 

@@ -1,8 +1,11 @@
 """Speed of SDP4Bit on a simulated two-node cluster with a slow link between the nodes.
 
-    sudo .venv/bin/python tools/simcluster                        # none 1gbit 300mbit 100mbit
-    sudo .venv/bin/python tools/simcluster 1gbit 100mbit --rounds 5
-    sudo .venv/bin/python tools/simcluster --write-results        # benchmarks/simcluster.*
+    sudo bash tools/simcluster.sh                         # none 1gbit 300mbit 100mbit
+    sudo bash tools/simcluster.sh 1gbit 100mbit --rounds 5
+    sudo bash tools/simcluster.sh --write-results         # benchmarks/simcluster.*
+    python tools/simcluster --render benchmarks/simcluster.json   # redraw, no root needed
+
+(``tools/simcluster.sh`` sets up ``.venv`` first; inside it, ``python tools/simcluster``.)
 
 Two network namespaces stand in for two nodes of 2 ranks each (``netns.py``), joined by a
 veth pair shaped with ``tc tbf`` at each link rate. For every rate, the link's real TCP
@@ -167,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"simcluster: {err}", file=sys.stderr)
         return 1
     result = report.summarize(links, runs, args.methods)
-    result.update(command="sudo .venv/bin/python " + shlex.join(
-        ["tools/simcluster", *(sys.argv[1:] if argv is None else argv)]),
+    result.update(command="sudo bash " + shlex.join(
+        ["tools/simcluster.sh", *(sys.argv[1:] if argv is None else argv)]),
         trainer_flags={m: trainer_args(m, args) for m in args.methods},
         minutes=round((time.time() - started) / 60, 1), load_before=load_before,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -1,4 +1,4 @@
-"""qWD: the weight-difference parameter all-gather (DESIGN.md section 3), qW, and the plain one.
+"""qWD: the weight-difference parameter all-gather (docs/design.md §4-5), qW, and the plain one.
 
 [Note: why differences quantize well]
 After an optimizer step the fp32 main shard ``w_r`` differs from the replica's shard ``w~_r``

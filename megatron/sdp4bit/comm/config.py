@@ -29,7 +29,7 @@ def _check_backend(value: str) -> None:
 
 @dataclass(frozen=True)
 class GradientQuantConfig:
-    """TLq / TLq-HS: the two-level quantized gradient reduce-scatter (DESIGN.md section 4)."""
+    """TLq / TLq-HS: the two-level quantized gradient reduce-scatter (docs/design.md §4)."""
 
     intra_bits: int = 8
     """Bits on the intra-node hop (and on the single hop when all ranks share one node)."""
@@ -96,7 +96,7 @@ class GradientQuantConfig:
 
 @dataclass(frozen=True)
 class WeightQuantConfig:
-    """qWD (and the qW ablation): the quantized parameter all-gather (DESIGN.md section 3)."""
+    """qWD (and the qW ablation): the quantized parameter all-gather (docs/design.md §4-5)."""
 
     bits: int = 4
     """Bits per quantized weight difference (or weight, in direct mode)."""

@@ -1,4 +1,4 @@
-"""TLq / TLq-HS: the two-level quantized gradient reduce-scatter (DESIGN.md section 4).
+"""TLq / TLq-HS: the two-level quantized gradient reduce-scatter (docs/design.md §4).
 
 Drop-in for ``torch.distributed.reduce_scatter_tensor(output, input, op, group, async_op)``:
 DP rank r ends with ``sum_k input_k[r*S:(r+1)*S]`` (or the mean) in ``output`` (S elements).

@@ -1,6 +1,6 @@
 """Where the data-parallel ranks run: N ranks per node, M nodes, and the per-hop subgroups.
 
-DP rank ``r = m * N + n`` runs on node ``m`` as local index ``n`` (docs/comm.md). The
+DP rank ``r = m * N + n`` runs on node ``m`` as local index ``n`` (docs/design.md §4). The
 intra-node group of rank ``r`` holds the N DP ranks of node ``m`` (group rank = ``n``); its
 inter-node group holds the M DP ranks with local index ``n`` (group rank = ``m``).
 

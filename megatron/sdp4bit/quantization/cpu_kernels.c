@@ -293,7 +293,10 @@ static void scratch_free(scratch_t *s) {
     free(s->b);
 }
 
-static inline uint8_t *message(uint8_t *wire, int64_t k, int64_t nbytes) { return wire + k * nbytes; }
+/* Bytes of one message of `numel` values in groups of `G` at `bits` bits (format.py). */
+static inline int64_t message_bytes(int64_t numel, int64_t G, int bits) {
+    return 4 * (numel / G) + numel * bits / 8;
+}
 
 /* ------------------------------------------------------------------------- operations */
 
@@ -325,7 +328,7 @@ int sdp4bit_qwd_receiver(const uint8_t *wire, void *replica, int replica_dt, int
     scratch_t s;
     if (scratch_alloc(&s, G)) return -1;
     const int64_t groups = shard / G;
-    const int64_t nbytes = 4 * groups + shard * bits / 8;
+    const int64_t nbytes = message_bytes(shard, G, bits);
     for (int64_t r = 0; r < world; r++) {
         const uint8_t *msg = wire + r * nbytes;
         for (int64_t g = 0; g < groups; g++) {
@@ -353,11 +356,11 @@ int sdp4bit_tlq_sender(const void *inp, int dt, uint8_t *out, int64_t num_dests,
     if (scratch_alloc(&s, G)) return -1;
     const int64_t msg_numel = blocks_per_dest * chunk;
     const int64_t groups = msg_numel / G;
-    const int64_t nbytes = 4 * groups + msg_numel * bits / 8;
+    const int64_t nbytes = message_bytes(msg_numel, G, bits);
     const int64_t count = slices * num_dests;
     for (int64_t m = 0; m < count; m++) {
         const int64_t p = m / num_dests, d = m - p * num_dests;
-        uint8_t *msg = message(out, m, nbytes);
+        uint8_t *msg = out + m * nbytes;
         float *scales = (float *)msg;
         uint8_t *payload = msg + 4 * groups;
         for (int64_t g = 0; g < groups; g++) {
@@ -387,12 +390,12 @@ int sdp4bit_tlq_middle(const uint8_t *wire_in, uint8_t *out, int64_t n_in, int64
                        int stochastic, uint32_t k0, uint32_t k1) {
     scratch_t s;
     if (scratch_alloc(&s, G_out)) return -1;
-    const int64_t in_nbytes = 4 * (numel / G_in) + numel * bits_in / 8;
+    const int64_t in_nbytes = message_bytes(numel, G_in, bits_in);
     const int64_t out_numel = numel / n_out;
     const int64_t groups = out_numel / G_out;
-    const int64_t out_nbytes = 4 * groups + out_numel * bits_out / 8;
+    const int64_t out_nbytes = message_bytes(out_numel, G_out, bits_out);
     for (int64_t m = 0; m < n_out; m++) {
-        uint8_t *msg = message(out, m, out_nbytes);
+        uint8_t *msg = out + m * out_nbytes;
         float *scales = (float *)msg;
         uint8_t *payload = msg + 4 * groups;
         for (int64_t g = 0; g < groups; g++) {
@@ -412,7 +415,7 @@ int sdp4bit_tlq_receiver(const uint8_t *wire_in, void *out, int out_dt, int64_t 
                          float scale, int apply_scale, int accumulate) {
     scratch_t s;
     if (scratch_alloc(&s, G)) return -1;
-    const int64_t nbytes = 4 * (numel / G) + numel * bits / 8;
+    const int64_t nbytes = message_bytes(numel, G, bits);
     for (int64_t e0 = 0; e0 < numel; e0 += G) {
         dequantize_sum(s.a, wire_in, n_in, nbytes, numel, e0, G, G, bits);
         if (HB > 0) hadamard(s.a, G, HB, hscale);

@@ -3,7 +3,7 @@
 These functions are the test oracle for the Triton kernels *and* the production path of the
 CPU mode, so they are vectorized over groups and elements (no Python loop over data).
 
-Quantization rules (DESIGN.md section 2), for a group ``x`` of ``G`` values and ``b`` bits:
+Quantization rules (docs/design.md §3), for a group ``x`` of ``G`` values and ``b`` bits:
 
 * ``qmax = 2**(b-1) - 1``; scale ``s = absmax(x) / qmax`` computed in fp32;
 * ``q = clamp(floor(x / s + u), -qmax, qmax)`` with ``u = hash(seed, i)`` uniform on

@@ -5,8 +5,9 @@ scripts run unchanged. The SDP4Bit flags are generated from ``SDP4BitConfig``
 (:mod:`megatron.sdp4bit.training.sdp4bit_flags`). Every error is a :class:`ArgumentsError`
 carrying one line that names the flag and the fix; ``pretrain_gpt.py`` prints it and exits 2.
 
-Accepted no-op flags (they exist in the paper's released scripts and changing nothing is
-truly harmless here) are listed in :data:`NO_OP_FLAGS` with the reason.
+The rest of Megatron-LM's flags (sample-based training, exit conditions, logging and
+transformer switches, and those refused or accepted as no-ops) live in
+:mod:`megatron.sdp4bit.training.megatron_flags`.
 """
 
 from __future__ import annotations
@@ -15,20 +16,11 @@ import argparse
 import os
 from collections.abc import Sequence
 
+from megatron.sdp4bit.training.megatron_flags import NO_OP_FLAGS, add_megatron_flags
 from megatron.sdp4bit.training.tokenizers import TOKENIZER_TYPES
 from megatron.sdp4bit.training.sdp4bit_flags import add_sdp4bit_flags, sdp4bit_config_from_args
 
 __all__ = ["ArgumentsError", "NO_OP_FLAGS", "build_parser", "parse_args", "sdp4bit_config_from_args"]
-
-
-NO_OP_FLAGS: dict[str, str] = {
-    "--no-async-tensor-model-parallel-allreduce": "megatron-core decides the overlap of the "
-    "tensor-parallel all-reduce itself; the flag only toggled an overlap, never the math",
-    "--log-throughput": "throughput (TFLOP/s/GPU) is always part of the log line",
-    "--distributed-backend": "the backend follows the device: NCCL with CUDA, gloo on CPU",
-    "--accumulate-allreduce-grads-in-fp32": "gradients are always reduced in fp32 with --bf16, "
-    "as Megatron-LM forces; with --fp16 they are too, for the quantized reduce-scatter",
-}
 
 
 class ArgumentsError(ValueError):
@@ -101,6 +93,10 @@ def _add_training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--end-weight-decay", type=float, default=None)
     g.add_argument("--weight-decay-incr-style", default="constant", choices=["constant", "linear", "cosine"])
     g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--max-consecutive-skipped-iterations", type=int, default=10,
+                   help="stop the run when this many iterations in a row are skipped for "
+                   "non-finite gradients (with a dynamic fp16 loss scale: at --min-loss-scale); "
+                   "0 = never stop")
 
 
 def _add_precision(p: argparse.ArgumentParser) -> None:
@@ -125,6 +121,11 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap-param-gather", action="store_true")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="elements per gradient bucket; default megatron-core's")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                   help="timeout of the process groups' collectives")
+    g.add_argument("--heartbeat-timeout-seconds", type=float, default=120.0,
+                   help="end the job when a rank sends no heartbeat for this long (a stopped "
+                   "or frozen process) or the torchrun agent is gone; 0 = off")
 
 
 def _add_data(p: argparse.ArgumentParser) -> None:
@@ -150,8 +151,23 @@ def _add_checkpoint_and_logging(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="load the model weights only (the fp32 main params are taken from them)")
     g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--overwrite-checkpoints", action="store_true",
+                   help="delete the checkpoints of another run found in --save (otherwise "
+                   "such a --save is refused unless it is also --load)")
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
+                   dest="override_opt_param_scheduler", action="store_true",
+                   help="on resume, use this command line's learning-rate and weight-decay "
+                   "schedule instead of the checkpoint's")
+    g.add_argument("--use-checkpoint-opt_param-scheduler",
+                   "--use-checkpoint-opt-param-scheduler",
+                   dest="use_checkpoint_opt_param_scheduler", action="store_true",
+                   help="on resume, keep the checkpoint's schedule whatever the command line says")
+    g.add_argument("--allow-changed-sdp4bit-settings", action="store_true",
+                   help="resume a checkpoint trained with other SDP4Bit flags (changes the "
+                   "method mid-run)")
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--eval-interval", type=int, default=1000)
@@ -175,22 +191,18 @@ def _add_checkpoint_and_logging(p: argparse.ArgumentParser) -> None:
                    help="do not wait for all ranks around level-1 timers")
     g.add_argument("--log-timers-to-tensorboard", action="store_true",
                    help="write the timers (max across ranks) to TensorBoard")
-
-
-def _add_no_ops(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("accepted for compatibility, no effect here")
-    for flag, why in NO_OP_FLAGS.items():
-        if flag == "--distributed-backend":
-            g.add_argument(flag, default=None, choices=["nccl", "gloo"], help=why)
-        else:
-            g.add_argument(flag, action="store_true", help=why)
+    g.add_argument("--check-replicas-interval", type=int, default=0,
+                   help="every N iterations compare a checksum of the model replica across "
+                   "data-parallel ranks and stop on a difference; 0 = off")
+    g.add_argument("--debug", action="store_true",
+                   help="print the traceback of an error, not only its one-line message")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="pretrain_gpt.py", description="GPT pretraining on megatron-core with SDP4Bit",
                 allow_abbrev=False)
     for add in (_add_model, _add_training, _add_precision, _add_parallel, _add_data,
-                _add_checkpoint_and_logging, _add_no_ops):
+                _add_checkpoint_and_logging, add_megatron_flags):
         add(p)
     add_sdp4bit_flags(p)
     return p

@@ -4,6 +4,7 @@ schedule, datasets, checkpoint restore."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import random
@@ -20,8 +21,14 @@ from megatron.sdp4bit.comm.topology import node_id
 from megatron.sdp4bit.config import SDP4BitConfig
 from megatron.sdp4bit.integration import sdp4bit_padding
 from megatron.sdp4bit.training import checkpointing
+from megatron.sdp4bit.training import checkpoint_files
+from megatron.sdp4bit.training.checkpoint_files import CheckpointError, SaveDirLock
 from megatron.sdp4bit.training.data import build_datasets
-from megatron.sdp4bit.training.loop import TrainState
+from megatron.sdp4bit.training.loop import TrainingStopped, TrainState
+from megatron.sdp4bit.training.preflight import InputError
+from megatron.sdp4bit.training.replicas import ReplicaMismatch
+from megatron.sdp4bit.training.watchdog import Watchdog, launcher_store
+from megatron.sdp4bit.training.megatron_flags import scheduler_steps
 from megatron.sdp4bit.training.model import (
     build_model,
     build_optimizer,
@@ -30,6 +37,11 @@ from megatron.sdp4bit.training.model import (
 )
 from megatron.sdp4bit.training.timers import Timers
 from megatron.sdp4bit.training.tokenizers import build_tokenizer, padded_vocab_size
+
+
+# What stops a run with one line instead of a traceback: bad input found by a check, and the
+# ValueErrors with which SDP4Bit and megatron-core refuse a configuration.
+USER_ERRORS = (InputError, CheckpointError, TrainingStopped, ReplicaMismatch, ValueError)
 
 
 def init_distributed(args: argparse.Namespace) -> None:
@@ -53,7 +65,16 @@ def init_distributed(args: argparse.Namespace) -> None:
         # In CPU mode megatron-core's "CUDA" RNG is the CPU generator, so its tracker warns on
         # every dropout that the CPU state moved; that is expected here, not a problem.
         logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
-    dist.init_process_group(backend, timeout=timedelta(minutes=10))
+    try:
+        dist.init_process_group(backend,
+                                timeout=timedelta(minutes=args.distributed_timeout_minutes))
+    except (RuntimeError, dist.DistError) as err:
+        if "EADDRINUSE" in str(err) or "address already in use" in str(err).lower():
+            raise InputError(f"port {os.environ['MASTER_PORT']} on "
+                             f"{os.environ['MASTER_ADDR']} is in use (another run?): set "
+                             "MASTER_PORT to a free port (torchrun: --master-port, or "
+                             "--rdzv-endpoint host:port)") from None
+        raise
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size)
@@ -62,6 +83,71 @@ def init_distributed(args: argparse.Namespace) -> None:
     numpy.random.seed(seed)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def start_watchdog(args: argparse.Namespace) -> None:
+    """Heartbeats through torchrun's store, so that a stopped rank or a killed agent ends
+    the job (training/watchdog.py); nothing for a world of one or a timeout of 0."""
+    if args.heartbeat_timeout_seconds <= 0 or dist.get_world_size() == 1:
+        return
+    store = launcher_store(args.heartbeat_timeout_seconds)
+    if store is not None:
+        interval = min(5.0, args.heartbeat_timeout_seconds / 4)
+        Watchdog(store, dist.get_rank(), dist.get_world_size(),
+                 timeout=args.heartbeat_timeout_seconds, interval=interval).start()
+
+
+def claim_save_dir(args: argparse.Namespace) -> SaveDirLock | None:
+    """Rank 0 locks ``--save`` for this run and refuses another run's checkpoints there
+    (unless resumed or ``--overwrite-checkpoints``); every rank learns the verdict."""
+    if not args.save:
+        return None
+    lock, verdict = None, [None]
+    if dist.get_rank() == 0:
+        resuming = bool(args.load) and os.path.realpath(args.load) == os.path.realpath(args.save)
+        try:
+            lock = checkpoint_files.claim_save_dir(args.save, resuming_here=resuming,
+                                                   overwrite=args.overwrite_checkpoints)
+        except CheckpointError as err:
+            verdict[0] = str(err)
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise CheckpointError(verdict[0])
+    return lock
+
+
+def run_settings(args: argparse.Namespace, sdp4bit_config: SDP4BitConfig,
+                 vocab: int) -> dict:
+    """What a checkpoint must agree with to be resumed by this run (recorded in its
+    manifest): the parallel layout, the model's shape and the SDP4Bit method."""
+    layout = {"world_size": args.world_size, "tp": args.tensor_model_parallel_size,
+              "pp": args.pipeline_model_parallel_size, "dp": args.data_parallel_size,
+              "ddp_bucket_size": args.ddp_bucket_size if args.overlap_grad_reduce else None}
+    model = {k: getattr(args, k) for k in (
+        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels",
+        "group_query_attention", "num_query_groups", "max_position_embeddings",
+        "position_embedding_type", "untie_embeddings_and_output_weights", "swiglu",
+        "normalization", "add_bias_linear", "params_dtype")}
+    model["padded_vocab_size"] = vocab
+    return {"layout": layout, "model": model, "sdp4bit": method_settings(sdp4bit_config)}
+
+
+def method_settings(config: SDP4BitConfig) -> dict:
+    """The SDP4Bit flags that define the method (those of a part that is off do not)."""
+    c = dataclasses.asdict(config)
+    keys = ["quantized_weights", "quantized_gradients"]
+    if config.quantized_weights:
+        keys += ["weight_quantization_bits", "wq_group_size", "weight_quantization_mode"]
+    if config.quantized_gradients:
+        keys += ["gradient_quantization_bits_intra", "gq_group_size_intra",
+                 "gradient_quantization_bits_inter", "gq_group_size_inter",
+                 "hadamard_transform", "gradient_alltoall_pipeline",
+                 "gradients_quantization_start_iteration"]
+        if config.hadamard_transform:
+            keys.append("hadamard_block_size")
+    if config.enabled:
+        keys.append("quantization_rounding")
+    return {k: c[k] for k in keys}
 
 
 def detect_dp_ranks_per_node() -> int:
@@ -95,16 +181,15 @@ def teardown() -> None:
 
 
 def _scheduler(args: argparse.Namespace, optimizer) -> OptimizerParamScheduler:
-    # Megatron-LM counts schedule steps in samples.
-    gbs = args.global_batch_size
-    decay = args.lr_decay_iters * gbs
-    warmup = (int(args.lr_warmup_fraction * decay) if args.lr_warmup_fraction is not None
-              else args.lr_warmup_iters * gbs)
+    # Megatron-LM counts schedule steps in samples (iteration- or sample-based training).
+    warmup, decay, wd_incr = scheduler_steps(args)
     return OptimizerParamScheduler(
         optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
         lr_warmup_steps=warmup, lr_decay_steps=decay, lr_decay_style=args.lr_decay_style,
         start_wd=args.start_weight_decay, end_wd=args.end_weight_decay,
-        wd_incr_steps=args.train_iters * gbs, wd_incr_style=args.weight_decay_incr_style)
+        wd_incr_steps=wd_incr, wd_incr_style=args.weight_decay_incr_style,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler)
 
 
 def build_state(args: argparse.Namespace, sdp4bit_config: SDP4BitConfig,
@@ -127,10 +212,14 @@ def build_state(args: argparse.Namespace, sdp4bit_config: SDP4BitConfig,
     if args.overlap_param_gather:
         config.param_sync_func = model[0].start_param_sync
     optimizer = build_optimizer(args, model, timers)
+    # megatron-core's schedules scale the loss with this before backward (fp16 loss scaling;
+    # 1.0 otherwise), as Megatron-LM sets it.
+    config.grad_scale_func = optimizer.scale_loss
     scheduler = _scheduler(args, optimizer)
     datasets = build_datasets(args, tokenizer)
     state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler,
-                       datasets=datasets, vocab_size=vocab, timers=timers)
+                       datasets=datasets, vocab_size=vocab, timers=timers,
+                       settings=run_settings(args, sdp4bit_config, vocab))
     return state, config
 
 
@@ -139,8 +228,9 @@ def restore(args: argparse.Namespace, state: TrainState) -> None:
     if not args.load:
         return
     iteration, consumed = checkpointing.load_checkpoint(
-        args.load, state.model, state.optimizer, state.scheduler,
-        load_optim=not args.no_load_optim, load_rng=not args.no_load_rng)
+        args.load, state.model, state.optimizer, state.scheduler, state.settings,
+        load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
+        allow_sdp4bit_change=args.allow_changed_sdp4bit_settings)
     state.iteration, state.consumed_samples = iteration, consumed
     if dist.get_rank() == 0:
         print(f"loaded checkpoint from {args.load} at iteration {iteration}"

@@ -1,20 +1,24 @@
-"""Checkpoints: every rank writes its own file; loading never unpickles arbitrary objects.
+"""Checkpoints: every rank writes its own file; nothing is trusted before it is verified.
 
-Layout under ``--save`` (Megatron-LM's tracker file name)::
+Files, atomic writes, checksums and the run lock: :mod:`.checkpoint_files`. This module
+decides what goes in (model chunk, optimizer shard, RNG, schedule, the run's settings) and
+what a load accepts:
 
-    latest_checkpointed_iteration.txt        the last complete iteration, written last
-    iter_0000100/common.pt                   rank 0: iteration, consumed samples, schedule,
-                                             world layout
-    iter_0000100/rank_00003.pt               every rank: its model chunk (the bf16 replica;
-                                             identical across DP ranks, kept per rank so a
-                                             rank needs no other file), its optimizer shard
-                                             (fp32 main params + Adam moments + scaler) and
-                                             its RNG states
+* the layout (world, TP, PP, DP, buckets) and the model's shape must equal this run's, and
+  the SDP4Bit settings too unless ``--allow-changed-sdp4bit-settings``: one sentence names
+  every difference;
+* the learning-rate schedule follows Megatron-LM: a schedule flag that differs from the
+  checkpoint's is refused unless ``--override-opt_param-scheduler`` (the command line wins)
+  or ``--use-checkpoint-opt_param-scheduler`` (the checkpoint wins);
+* ``--no-load-optim`` restores the 16-bit model weights and copies them into the fp32 main
+  parameters (Megatron-LM's ``reload_model_params``), so the first step continues from the
+  checkpoint's weights, not from the random initialization;
+* weights holding NaN/Inf are never written: :func:`save_checkpoint` refuses, and the last
+  good checkpoint stays current.
 
-Files are written to a temporary name and renamed, then all ranks meet at a barrier
-before rank 0 updates the tracker: a crash mid-save leaves the previous checkpoint valid.
-Files hold only tensors, numbers, strings, lists and dicts, and are read with
-``torch.load(weights_only=True)``.
+Rank 0 checks what all ranks share (tracker, manifest, settings) and broadcasts the
+verdict; every rank checks its own file's checksum and all ranks learn the first failure,
+so every rank stops with the same message.
 
 [Note: why the optimizer shard is saved as the inner optimizer's state]
 The distributed optimizer's inner ``torch.optim`` optimizer owns exactly this rank's fp32
@@ -31,17 +35,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
 
-TRACKER = "latest_checkpointed_iteration.txt"
+from megatron.sdp4bit.training import checkpoint_files as files
+from megatron.sdp4bit.training import faults
+from megatron.sdp4bit.training.checkpoint_files import CheckpointError
 
-
-class CheckpointError(ValueError):
-    """A missing, incomplete or corrupt checkpoint, or one from another layout."""
-
-
-def _iter_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
+# Schedule fields of megatron-core's OptimizerParamScheduler.state_dict() and their flags
+# (steps are counted in samples, as Megatron-LM does).
+SCHEDULE_FLAGS = {
+    "max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-* (samples)",
+    "lr_decay_steps": "--lr-decay-iters/--train-iters (decay samples)",
+    "lr_decay_style": "--lr-decay-style", "start_wd": "--start-weight-decay",
+    "end_wd": "--end-weight-decay", "wd_incr_steps": "--train-iters (weight-decay samples)",
+    "wd_incr_style": "--weight-decay-incr-style",
+}
 
 
 def _inner_optimizers(optimizer) -> list:
@@ -61,17 +69,19 @@ def _optimizer_state(optimizer) -> list[dict[str, Any]]:
     return states
 
 
-def _load_optimizer_state(optimizer, states: list[dict[str, Any]]) -> None:
+def _load_optimizer_state(optimizer, states: list[dict[str, Any]], directory: str) -> None:
     opts = _inner_optimizers(optimizer)
     if len(opts) != len(states):
-        raise CheckpointError(f"checkpoint has {len(states)} optimizers, this run {len(opts)}")
+        raise CheckpointError(f"checkpoint {directory} has {len(states)} optimizers, this run "
+                              f"{len(opts)}: resume with the same model and precision flags")
     for opt, state in zip(opts, states):
         inner = opt.optimizer
         params = [p for g in inner.param_groups for p in g["params"]]
         saved = state["main_params"]
         if [tuple(p.shape) for p in params] != [tuple(p.shape) for p in saved]:
-            raise CheckpointError("optimizer shard shapes differ from the checkpoint's: "
-                                  "resume with the same model, parallel layout and bucket size")
+            raise CheckpointError(f"optimizer shard shapes in {directory} differ from this "
+                                  "run's: resume with the same model, parallel layout and "
+                                  "bucket size")
         inner.load_state_dict(state["inner"])
         with torch.no_grad():
             for p, s in zip(params, saved):
@@ -110,84 +120,173 @@ def _model_state(model_chunks) -> list[dict[str, torch.Tensor]]:
             for m in model_chunks]
 
 
-def _layout() -> dict[str, int]:
-    return {"world_size": dist.get_world_size(),
-            "dp": parallel_state.get_data_parallel_world_size(),
-            "tp": parallel_state.get_tensor_model_parallel_world_size(),
-            "pp": parallel_state.get_pipeline_model_parallel_world_size()}
+def _first_error(message: str | None) -> None:
+    """Collective: raise on every rank the first (by rank) non-None message of any rank."""
+    messages: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, message)
+    first = next((m for m in messages if m is not None), None)
+    if first is not None:
+        raise CheckpointError(first)
 
 
-def _atomic_save(obj: Any, path: str) -> None:
-    tmp = path + ".tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+def _weights_finite(model_chunks, optimizer) -> bool:
+    tensors = [p for m in model_chunks for p in m.parameters()]
+    for opt in _inner_optimizers(optimizer):
+        tensors += [p for g in opt.optimizer.param_groups for p in g["params"]]
+    bad = torch.tensor([float(any(not torch.isfinite(t).all() for t in tensors))])
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return not bool(bad.item())
 
 
 def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chunks, optimizer,
-                    scheduler) -> str:
-    """Collective: every rank writes its file; returns the iteration directory."""
+                    scheduler, settings: dict[str, Any]) -> str:
+    """Collective: write this iteration's checkpoint; returns its folder. Refuses (with
+    :class:`CheckpointError`, on every rank, writing nothing) when weights are non-finite."""
+    if not _weights_finite(model_chunks, optimizer):
+        raise CheckpointError(f"not saving iteration {iteration}: the weights hold NaN or Inf; "
+                              f"the last complete checkpoint in {root} stays current")
     rank = dist.get_rank()
-    directory = _iter_dir(root, iteration)
+    directory = files.iteration_dir(root, iteration)
     os.makedirs(directory, exist_ok=True)
-    _atomic_save({"model": _model_state(model_chunks), "optimizer": _optimizer_state(optimizer),
-                  "rng": _rng_state()}, os.path.join(directory, f"rank_{rank:05d}.pt"))
+    name = f"rank_{rank:05d}.pt"
+    entry = files.save_file({"model": _model_state(model_chunks),
+                             "optimizer": _optimizer_state(optimizer), "rng": _rng_state()},
+                            os.path.join(directory, name))
+    if faults.active("die-saving", iteration, rank):
+        os._exit(17)
+    entries: list[tuple[str, dict] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(entries, (name, entry))
     if rank == 0:
-        _atomic_save({"iteration": iteration, "consumed_samples": consumed_samples,
-                      "scheduler": scheduler.state_dict(), "layout": _layout()},
-                     os.path.join(directory, "common.pt"))
-    dist.barrier()
+        manifest = dict(entries)
+        manifest["common.pt"] = files.save_file(
+            {"iteration": iteration, "consumed_samples": consumed_samples,
+             "scheduler": scheduler.state_dict()}, os.path.join(directory, "common.pt"))
+        files.write_manifest(directory, iteration, manifest, settings)
+    dist.barrier()  # every file and the manifest are complete: now the tracker
     if rank == 0:
-        tmp = os.path.join(root, TRACKER + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(f"{iteration}\n")
-        os.replace(tmp, os.path.join(root, TRACKER))
+        files.write_tracker(root, iteration)
     dist.barrier()
     return directory
 
 
-def _read(path: str) -> dict[str, Any]:
-    if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint is incomplete "
-                              "or was written by a different number of ranks")
+def _describe(values: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in values.items())
+
+
+def _settings_problem(saved: dict[str, Any], current: dict[str, Any], directory: str,
+                      allow_sdp4bit_change: bool) -> str | None:
+    for part, fix in (("layout", "resume with the same layout (or start a new run)"),
+                      ("model", "resume with the same model flags")):
+        if saved.get(part) != current[part]:
+            diff = {k for k in set(saved.get(part, {})) | set(current[part])
+                    if saved.get(part, {}).get(k) != current[part].get(k)}
+            was = {k: saved.get(part, {}).get(k) for k in sorted(diff)}
+            now = {k: current[part].get(k) for k in sorted(diff)}
+            return (f"checkpoint {directory} was saved with {part} {_describe(was)}; this run "
+                    f"has {_describe(now)}: {fix}")
+    if saved.get("sdp4bit") != current["sdp4bit"] and not allow_sdp4bit_change:
+        old, new = saved.get("sdp4bit", {}), current["sdp4bit"]
+        diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        switches = [k for k in ("quantized_weights", "quantized_gradients") if k in diff]
+        diff = switches or diff  # a part switched on or off: its own flags follow it
+        was = {k: old.get(k, "off") for k in diff}
+        now = {k: new.get(k, "off") for k in diff}
+        return (f"checkpoint {directory} was trained with SDP4Bit {_describe(was)}; this run "
+                f"has {_describe(now)}: use the same SDP4Bit flags, or pass "
+                "--allow-changed-sdp4bit-settings to change the method on resume")
+    return None
+
+
+def _inspect(root: str, settings: dict[str, Any], allow_sdp4bit_change: bool
+             ) -> tuple[int | None, dict | None, str | None]:
+    """Rank 0's checks: (iteration, manifest, problem)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # torch raises several types for truncated or foreign files
-        raise CheckpointError(f"checkpoint file {path} is corrupt or not a checkpoint "
-                              f"({type(err).__name__}: {str(err).splitlines()[0][:200]})") from err
+        iteration = files.latest_iteration(root)
+        if iteration is None:
+            return None, None, None
+        directory = files.iteration_dir(root, iteration)
+        if not os.path.isdir(directory):
+            return None, None, (f"{os.path.join(root, files.TRACKER)} names iteration "
+                                f"{iteration} but {directory} does not exist: the checkpoint "
+                                "folder was moved or pruned")
+        manifest = files.read_manifest(directory)
+        if manifest is None:
+            return iteration, None, None
+        problem = _settings_problem(manifest["settings"], settings, directory,
+                                    allow_sdp4bit_change)
+        expected = {f"rank_{r:05d}.pt" for r in range(dist.get_world_size())} | {"common.pt"}
+        for name in sorted(expected - set(manifest["files"])):
+            problem = problem or f"the manifest of {directory} does not list {name}"
+        for name, entry in sorted(manifest["files"].items()):
+            path = os.path.join(directory, name)
+            if problem is None and not os.path.isfile(path):
+                problem = (f"checkpoint file {path} is missing: the checkpoint is incomplete; "
+                           "load an earlier one")
+            elif problem is None and os.path.getsize(path) != entry["bytes"]:
+                problem = (f"checkpoint file {path} is {os.path.getsize(path)} bytes, the "
+                           f"manifest says {entry['bytes']}: it is truncated")
+        return iteration, manifest, problem
+    except CheckpointError as err:
+        return None, None, str(err)
 
 
-def latest_iteration(root: str) -> int | None:
-    """The iteration named by the tracker file, ``None`` when ``root`` holds no checkpoint."""
-    tracker = os.path.join(root, TRACKER)
-    if not os.path.isfile(tracker):
-        return None
-    text = open(tracker).read().strip()
-    if not text.isdigit():
-        raise CheckpointError(f"{tracker} holds {text[:40]!r}, not an iteration number")
-    return int(text)
+def _check_schedule(scheduler, saved: dict[str, Any], directory: str) -> None:
+    if scheduler.override_opt_param_scheduler or scheduler.use_checkpoint_opt_param_scheduler:
+        return
+    current = scheduler.state_dict()
+    diff = [k for k in SCHEDULE_FLAGS if k in saved and saved[k] != current.get(k)]
+    if diff:
+        changes = ", ".join(f"{SCHEDULE_FLAGS[k]} {saved[k]} -> {current.get(k)}" for k in diff)
+        raise CheckpointError(f"resuming {directory} would change its schedule: {changes}; "
+                              "pass --override-opt_param-scheduler to use this command line's "
+                              "schedule, or --use-checkpoint-opt_param-scheduler to keep the "
+                              "checkpoint's")
 
 
-def load_checkpoint(root: str, model_chunks, optimizer, scheduler, *, load_optim: bool = True,
-                    load_rng: bool = True) -> tuple[int, int]:
-    """Restore this rank's state; returns (iteration, consumed samples). (0, 0) if none."""
-    iteration = latest_iteration(root)
+def load_checkpoint(root: str, model_chunks, optimizer, scheduler, settings: dict[str, Any], *,
+                    load_optim: bool = True, load_rng: bool = True,
+                    allow_sdp4bit_change: bool = False) -> tuple[int, int]:
+    """Collective: restore this rank's state from the latest checkpoint under ``root``;
+    returns (iteration, consumed samples), (0, 0) when there is none."""
+    verdict = [None, None, None]
+    if dist.get_rank() == 0:
+        verdict = list(_inspect(root, settings, allow_sdp4bit_change))
+    dist.broadcast_object_list(verdict, src=0)
+    iteration, manifest, problem = verdict
+    if problem is not None:
+        raise CheckpointError(problem)
     if iteration is None:
         return 0, 0
-    directory = _iter_dir(root, iteration)
-    common = _read(os.path.join(directory, "common.pt"))
-    if common["layout"] != _layout():
-        raise CheckpointError(f"checkpoint {directory} was written with layout {common['layout']}, "
-                              f"this run has {_layout()}: resume with the same layout")
-    own = _read(os.path.join(directory, f"rank_{dist.get_rank():05d}.pt"))
-    for chunk, state in zip(model_chunks, own["model"]):
-        missing, unexpected = _unwrap(chunk).load_state_dict(state, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        if missing or unexpected:
-            raise CheckpointError(f"model in {directory} does not match this model: missing "
-                                  f"{missing[:3]}, unexpected {unexpected[:3]}")
-    if load_optim:
-        _load_optimizer_state(optimizer, own["optimizer"])
-        scheduler.load_state_dict(common["scheduler"])
+    directory = files.iteration_dir(root, iteration)
+    entries = manifest["files"] if manifest is not None else {}
+    own, common, error = None, None, None
+    try:
+        common = files.read_verified(os.path.join(directory, "common.pt"),
+                                     entries.get("common.pt"))
+        name = f"rank_{dist.get_rank():05d}.pt"
+        own = files.read_verified(os.path.join(directory, name), entries.get(name))
+    except CheckpointError as err:
+        error = str(err)
+    _first_error(error)
+    error = None
+    try:
+        for chunk, state in zip(model_chunks, own["model"]):
+            missing, unexpected = _unwrap(chunk).load_state_dict(state, strict=False)
+            missing = [k for k in missing if not k.endswith("_extra_state")]
+            if missing or unexpected:
+                raise CheckpointError(f"model in {directory} does not match this model: "
+                                      f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+        if load_optim:
+            _check_schedule(scheduler, common["scheduler"], directory)
+            _load_optimizer_state(optimizer, own["optimizer"], directory)
+            scheduler.load_state_dict(common["scheduler"])
+    except CheckpointError as err:
+        error = str(err)
+    _first_error(error)
+    if not load_optim:
+        # The fp32 main params still hold the random initialization: take the loaded model.
+        for opt in _inner_optimizers(optimizer):
+            opt.reload_model_params()
     if load_rng:
         _set_rng_state(own["rng"])
     return common["iteration"], common["consumed_samples"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import time
 from typing import Any
@@ -94,11 +95,22 @@ class MetricsWriter:
     """Fans metrics out to the JSON-lines file, TensorBoard and W&B (each optional)."""
 
     def __init__(self, args) -> None:
-        self._jsonl = open(args.metrics_jsonl, "a", encoding="utf-8") if args.metrics_jsonl else None
+        self._jsonl = None
+        if args.metrics_jsonl:
+            os.makedirs(os.path.dirname(os.path.abspath(args.metrics_jsonl)), exist_ok=True)
+            self._jsonl = open(args.metrics_jsonl, "a", encoding="utf-8")
         self._tb = None
         self._tb_interval = args.tensorboard_log_interval
         self._tb_ppl = args.log_validation_ppl_to_tensorboard
         self._tb_timers = args.log_timers_to_tensorboard
+        # Megatron-LM's TensorBoard switches (training/megatron_flags.py).
+        self._tb_skip = {key for key, on in (("learning_rate", args.log_learning_rate_to_tensorboard),
+                                             ("loss_scale", args.log_loss_scale_to_tensorboard))
+                         if not on}
+        self._tb_extra = {tag: value for tag, on, value in (
+            ("batch-size", args.log_batch_size_to_tensorboard, args.global_batch_size),
+            ("world-size", args.log_world_size_to_tensorboard, args.world_size)) if on}
+        self._seq_length = args.seq_length  # for consumed_tokens in --metrics-jsonl
         if args.tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -117,12 +129,16 @@ class MetricsWriter:
                                      dir=args.wandb_save_dir or None, config=vars(args))
 
     def train(self, m: dict[str, Any]) -> None:
-        self._write(m)
+        self._write({**m, "consumed_tokens": m["consumed_samples"] * self._seq_length})
         step = m["iteration"]
         if self._tb is not None and step % self._tb_interval == 0:
             for key in ("lm_loss", "learning_rate", "grad_norm", "loss_scale", "elapsed_ms",
                         "tflops_per_gpu", *COMM_KEYS, *("baseline_" + k for k in COMM_KEYS)):
-                self._tb.add_scalar(key.replace("_", " ") if key == "lm_loss" else key, m[key], step)
+                if key not in self._tb_skip:
+                    self._tb.add_scalar(key.replace("_", " ") if key == "lm_loss" else key,
+                                        m[key], step)
+            for tag, value in self._tb_extra.items():
+                self._tb.add_scalar(tag, value, step)
             if self._tb_timers:
                 for name, ms in m.get("timers_ms", {}).items():
                     self._tb.add_scalar(f"{name}-time", ms, step)

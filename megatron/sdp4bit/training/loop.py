@@ -1,25 +1,25 @@
-"""The training loop: micro-batches through megatron-core's pipeline schedule, optimizer
-step, LR schedule, evaluation, logging, checkpoints and ``--exit-interval``."""
+"""The training loop: steps (:mod:`.step`), LR schedule, evaluation, logging, checkpoints,
+``--exit-interval``, skipped steps and the replica check."""
 
 from __future__ import annotations
 
 import argparse
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron.sdp4bit.comm.stats import CommStats
 from megatron.sdp4bit.config import SDP4BitConfig
-from megatron.sdp4bit.training import checkpointing
+from megatron.sdp4bit.training import checkpointing, faults
 from megatron.sdp4bit.training.comm_counters import add_unquantized_iteration, snapshot_fields
 from megatron.sdp4bit.training.data import batch_iterator
 from megatron.sdp4bit.training.logging import MetricsWriter, format_eval_lines, format_train_line
+from megatron.sdp4bit.training.megatron_flags import exit_duration_reached
+from megatron.sdp4bit.training.replicas import check_replicas
+from megatron.sdp4bit.training.step import evaluate, has_loss_scaler, train_step
 from megatron.sdp4bit.training.timers import Timers, format_timers, max_times
 
 
@@ -44,38 +44,13 @@ class TrainState:
     last_val_loss: float | None = None
     timers: Timers | None = None
     """``--timing-log-level`` >= 1: megatron-core's and the trainer's phase timers."""
+    settings: dict = field(default_factory=dict)
+    """The run's layout, model shape and SDP4Bit settings, recorded in every checkpoint."""
+    skipped_in_a_row: int = 0
 
 
-def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
-    losses = output.float().view(-1)
-    mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
-    return loss, {"lm loss": loss.detach().clone()}
-
-
-def _forward_step(data_iterator, model, timers: Timers | None = None):
-    if timers is not None:
-        timers("batch-generator", log_level=2).start()
-    batch = next(data_iterator)
-    if timers is not None:
-        timers("batch-generator").stop()
-    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    tokens = batch["tokens"].to(device, non_blocking=True)
-    labels = batch["labels"].to(device, non_blocking=True)
-    loss_mask = batch["loss_mask"].to(device, non_blocking=True)
-    position_ids = batch["position_ids"].to(device, non_blocking=True)
-    output = model(tokens, position_ids, None, labels=labels)
-    return output, partial(_loss_func, loss_mask)
-
-
-def _mean_loss(losses: list[dict], group) -> float:
-    """Mean of the micro-batch losses over the DP group; NaN-preserving."""
-    if losses:
-        value = torch.stack([d["lm loss"].float() for d in losses]).mean().reshape(1).cpu()
-    else:  # not the last pipeline stage: contributes nothing
-        value = torch.zeros(1)
-    dist.all_reduce(value, group=group)
-    return value.item() / dist.get_world_size(group)
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (non-finite gradients again and again); one line says why."""
 
 
 def _flops_per_iteration(args: argparse.Namespace, vocab: int) -> float:
@@ -86,54 +61,43 @@ def _flops_per_iteration(args: argparse.Namespace, vocab: int) -> float:
     return 3.0 * per_token * args.global_batch_size * s
 
 
-def train_step(args, state: TrainState, data_iterator) -> tuple[float, float, bool]:
-    for chunk in state.model:
-        chunk.zero_grad_buffer()
-    state.optimizer.zero_grad()
-    timers = state.timers
-    losses = get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, timers=timers), data_iterator=data_iterator,
-        model=state.model, num_microbatches=args.num_microbatches,
-        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-        forward_only=False)
-    if timers is not None:
-        timers("optimizer", log_level=1).start(barrier=args.barrier_with_L1_time)
-    ok, grad_norm, _ = state.optimizer.step()
-    if timers is not None:
-        timers("optimizer").stop(barrier=args.barrier_with_L1_time)
-    if ok:
-        state.scheduler.step(increment=args.global_batch_size)
-    dp_group = parallel_state.get_data_parallel_group()
-    return _mean_loss(losses, dp_group), (grad_norm if grad_norm is not None else 0.0), ok
-
-
-@torch.no_grad()
-def evaluate(args, state: TrainState, iterator) -> float | None:
-    if iterator is None or args.eval_iters == 0:
-        return None
-    for chunk in state.model:
-        chunk.eval()
-    losses: list[dict] = []
-    for _ in range(args.eval_iters):
-        losses += get_forward_backward_func()(
-            forward_step_func=_forward_step, data_iterator=iterator, model=state.model,
-            num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-            micro_batch_size=args.micro_batch_size, forward_only=True)
-    for chunk in state.model:
-        chunk.train()
-    return _mean_loss(losses, parallel_state.get_data_parallel_group())
-
-
 def _is_logging_rank() -> bool:
     # Megatron-LM prints from the last rank: it holds the loss with pipeline parallelism.
     return dist.get_rank() == dist.get_world_size() - 1
 
 
 def _save(args, state: TrainState) -> None:
+    if faults.active("nan-weight", state.iteration, dist.get_rank()):
+        with torch.no_grad():
+            next(state.model[0].parameters()).view(-1)[0] = float("nan")
     checkpointing.save_checkpoint(args.save, state.iteration, state.consumed_samples,
-                                  state.model, state.optimizer, state.scheduler)
+                                  state.model, state.optimizer, state.scheduler, state.settings)
     if _is_logging_rank():
         print(f"saved checkpoint at iteration {state.iteration:7d} to {args.save}", flush=True)
+
+
+def _count_skip(args, state: TrainState, ok: bool) -> None:
+    """Say so when a step was skipped for non-finite gradients; stop after too many in a row
+    (with a dynamic fp16 loss scale, skips while the scale is still coming down are how it
+    calibrates: only those at --min-loss-scale count)."""
+    if ok:
+        state.skipped_in_a_row = 0
+        return
+    dynamic = has_loss_scaler(state.optimizer) and not args.loss_scale
+    scale = state.optimizer.get_loss_scale().item()
+    if dynamic and scale > args.min_loss_scale:
+        return
+    state.skipped_in_a_row += 1
+    if _is_logging_rank():
+        print(f"skipped iteration {state.iteration}: non-finite gradients (NaN or Inf) on some "
+              "rank; no weight changed on any rank", flush=True)
+    limit = args.max_consecutive_skipped_iterations
+    if limit and state.skipped_in_a_row >= limit:
+        raise TrainingStopped(
+            f"stopping at iteration {state.iteration}: {state.skipped_in_a_row} iterations in "
+            "a row had non-finite gradients (loss scale "
+            f"{scale:g}); lower --lr, check the data, or resume from the last checkpoint "
+            "(--max-consecutive-skipped-iterations sets the limit)")
 
 
 def train(args: argparse.Namespace, state: TrainState, on_iteration=None) -> TrainState:
@@ -169,6 +133,7 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None) -> Tra
             state.consumed_samples += gbs
             skipped += 0 if ok else 1
             nan_iters += 0 if loss == loss else 1
+            _count_skip(args, state, ok)
             if state.first_loss is None:
                 state.first_loss, state.first_loss_iteration = loss, state.iteration
             state.last_loss = loss
@@ -210,6 +175,12 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None) -> Tra
                         print(format_eval_lines(state.iteration, val), flush=True)
                         metrics.evaluation(state.iteration, val)
                 window_start = time.time()  # evaluation time is not iteration time
+            if faults.active("flip-replica", state.iteration, dist.get_rank()):
+                with torch.no_grad():
+                    next(state.model[0].parameters()).view(-1)[0] += 1.0
+            if args.check_replicas_interval and \
+                    state.iteration % args.check_replicas_interval == 0:
+                check_replicas(state.model, state.iteration)
             saved = False
             if args.save and args.save_interval and state.iteration % args.save_interval == 0:
                 _save(args, state)
@@ -219,6 +190,13 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None) -> Tra
                     _save(args, state)
                 if metrics is not None:
                     print(f"exiting program at iteration {state.iteration}", flush=True)
+                return state
+            if exit_duration_reached(args):  # --exit-duration-in-mins; collective
+                if args.save and not saved:
+                    _save(args, state)
+                if metrics is not None:
+                    print(f"exiting program after {args.exit_duration_in_mins} minutes at "
+                          f"iteration {state.iteration}", flush=True)
                 return state
         if (args.save and state.iteration > start_iteration
                 and not (args.save_interval and state.iteration % args.save_interval == 0)):

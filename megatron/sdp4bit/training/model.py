@@ -20,6 +20,8 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_mega
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron.sdp4bit.training.megatron_flags import transformer_config_overrides
+
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -84,6 +86,7 @@ def transformer_config_from_args(args: argparse.Namespace, timers=None) -> Trans
     )
     if args.swiglu:
         kwargs["activation_func"] = F.silu
+    kwargs.update(transformer_config_overrides(args))  # Megatron-LM's switches, when given
     return TransformerConfig(**kwargs)
 
 
@@ -125,7 +128,9 @@ def wrap_ddp(args: argparse.Namespace, config: TransformerConfig, model: torch.n
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
-        check_for_nan_in_grad=True,
+        # Non-finite gradients skip the step on every rank (training/step.py) instead of
+        # megatron-core's per-rank exception.
+        check_for_nan_in_grad=False,
     )
     if args.ddp_bucket_size is not None:
         ddp_kwargs["bucket_size"] = args.ddp_bucket_size

@@ -6,8 +6,10 @@ import argparse
 import re
 
 from megatron.sdp4bit.training.arguments import ArgumentsError
+from megatron.sdp4bit.training.megatron_flags import check_megatron_flags
 from megatron.sdp4bit.training.sdp4bit_flags import sdp4bit_config_from_args
 
+FP32_TINY, FP32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
             "micro_batch_size", "train_iters", "lr")
 
@@ -29,6 +31,16 @@ def _check_required(args: argparse.Namespace) -> None:
                  "pipeline_model_parallel_size", "log_interval", "eval_interval"):
         if getattr(args, dest) < 1:
             _fail(f"{_flag(dest)}={getattr(args, dest)} must be >= 1")
+    for dest in ("distributed_timeout_minutes",):
+        if getattr(args, dest) < 1:
+            _fail(f"{_flag(dest)}={getattr(args, dest)} must be >= 1")
+    for dest in ("heartbeat_timeout_seconds", "max_consecutive_skipped_iterations",
+                 "check_replicas_interval"):
+        if getattr(args, dest) < 0:
+            _fail(f"{_flag(dest)}={getattr(args, dest)} must be >= 0 (0 = off)")
+    if 0 < args.heartbeat_timeout_seconds < 2:
+        _fail(f"--heartbeat-timeout-seconds={args.heartbeat_timeout_seconds:g} is too short to "
+              "tell a busy rank from a stopped one: use >= 2 (or 0 = off)")
     for dest in ("global_batch_size", "exit_interval", "save_interval", "lr_decay_iters",
                  "eval_iters"):
         value = getattr(args, dest)
@@ -97,6 +109,16 @@ def _check_optimizer(args: argparse.Namespace) -> None:
         args.end_weight_decay = args.weight_decay
     if args.loss_scale == 0:
         args.loss_scale = None  # Megatron-LM: 0 means dynamic loss scaling
+    for flag, value in (("--loss-scale", args.loss_scale),
+                        ("--initial-loss-scale", args.initial_loss_scale),
+                        ("--min-loss-scale", args.min_loss_scale)):
+        if value is not None and not FP32_TINY <= value <= FP32_MAX:
+            _fail(f"{flag}={value:g} is not a positive normal fp32 number "
+                  f"({FP32_TINY:.3g} to {FP32_MAX:.3g}): the gradients would be unscaled by "
+                  "Inf or 0")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        _fail("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
+              "contradict each other: pass one")
     args.params_dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
 
 
@@ -145,9 +167,45 @@ def _check_sdp4bit(args: argparse.Namespace) -> None:
         # With fp32 parameters the optimizer updates the replica in place: no old replica is
         # left to take the weight difference against (see integration/install.py).
         _fail("--quantized-weights requires 16-bit parameters: add --bf16 (or --fp16)")
+    _check_padding_fits(args, config)
     if config.dp_ranks_per_node is not None and args.data_parallel_size % config.dp_ranks_per_node:
         _fail(f"--dp-ranks-per-node={config.dp_ranks_per_node} does not divide the data-parallel "
               f"size {args.data_parallel_size}")
+
+
+def _parameters_per_rank(args: argparse.Namespace) -> int:
+    """A rough count of the parameters one rank's DDP buckets hold (GPT: embeddings plus
+    L layers of attention and MLP), enough to tell a sane padding from an absurd one."""
+    h, f, layers = args.hidden_size, args.ffn_hidden_size, args.num_layers
+    vocab = args.vocab_size or 50257
+    mlp = (3 if args.swiglu else 2) * h * f
+    total = vocab * h * (2 if args.untie_embeddings_and_output_weights else 1) + \
+        args.max_position_embeddings * h + layers * (4 * h * h + mlp)
+    return total // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
+
+
+def _check_padding_fits(args: argparse.Namespace, config) -> None:
+    """Every bucket is padded to a multiple of the quantizers' divisor: refuse settings
+    (huge --gradient-alltoall-pipeline or group sizes) that would pad a bucket beyond the
+    size of the model itself."""
+    if not config.enabled:
+        return
+    from megatron.sdp4bit.comm.padding import divisor_from_config
+
+    limit = _parameters_per_rank(args)
+    divisor = divisor_from_config(config, args.data_parallel_size)
+    if divisor <= limit:
+        return
+    best = 1
+    while best < config.gradient_alltoall_pipeline and divisor_from_config(
+            config.replace(gradient_alltoall_pipeline=best + 1), args.data_parallel_size) <= limit:
+        best += 1
+    hint = (f"use --gradient-alltoall-pipeline {best} or less"
+            if config.quantized_gradients and config.gradient_alltoall_pipeline > best
+            else "use smaller group sizes")
+    _fail(f"these SDP4Bit settings pad every bucket to a multiple of {divisor:,} elements, more "
+          f"than the ~{limit:,} parameters a rank holds (the padding would outweigh the model): "
+          f"{hint}")
 
 
 def _check_logging(args: argparse.Namespace) -> None:
@@ -158,6 +216,7 @@ def _check_logging(args: argparse.Namespace) -> None:
 
 def validate_args(args: argparse.Namespace) -> None:
     """Check ``args`` in place and fill derived values; raise :class:`ArgumentsError`."""
+    check_megatron_flags(args)  # first: --train-samples sets train_iters
     _check_required(args)
     _check_model(args)
     _check_parallel(args)

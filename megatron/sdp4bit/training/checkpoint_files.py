@@ -1,0 +1,200 @@
+"""The files of a checkpoint folder: tracker, manifest, checksummed writes, the run lock.
+
+Layout under ``--save`` (Megatron-LM's tracker name)::
+
+    latest_checkpointed_iteration.txt   the last complete iteration, replaced last
+    .lock                               held by the run writing here (pid and host inside)
+    iter_0000100/rank_00003.pt          every rank: its model chunk, optimizer shard, RNG
+    iter_0000100/common.pt              rank 0: iteration, samples, schedule
+    iter_0000100/manifest.json          rank 0, after every rank file: the SHA-256 and size
+                                        of each file, and the run's layout, model shape and
+                                        SDP4Bit settings
+
+[Note: what survives a crash]
+Each file is written to ``<name>.tmp`` and renamed when complete; the manifest is written
+once every rank's file is complete, and the tracker is replaced only after that. A run
+killed at any point leaves the tracker on the previous complete checkpoint, which loads.
+On load, every file is checked against the manifest's SHA-256 before it is unpickled (with
+``weights_only=True``: tensors and plain containers only), so a changed bit is reported with
+the file's name instead of being trained on.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import io
+import json
+import os
+import shutil
+import socket
+from typing import Any
+
+import torch
+
+TRACKER = "latest_checkpointed_iteration.txt"
+MANIFEST = "manifest.json"
+LOCK = ".lock"
+FORMAT = 1
+
+
+class CheckpointError(ValueError):
+    """A missing, incomplete, corrupt or mismatched checkpoint; one line with the fix."""
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+class _HashingWriter:
+    """File-like object for ``torch.save``: writes through and hashes what it writes."""
+
+    def __init__(self, f) -> None:
+        self._f = f
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        self.size += len(data)
+        return self._f.write(data)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def save_file(obj: Any, path: str) -> dict[str, Any]:
+    """``torch.save`` to ``path`` atomically (temporary name, fsync, rename); returns the
+    manifest entry ``{"sha256", "bytes"}``."""
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        writer = _HashingWriter(f)
+        torch.save(obj, writer)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return {"sha256": writer.sha256.hexdigest(), "bytes": writer.size}
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_manifest(directory: str, iteration: int, files: dict[str, dict],
+                   settings: dict[str, Any]) -> None:
+    write_text_atomic(os.path.join(directory, MANIFEST), json.dumps(
+        {"format": FORMAT, "iteration": iteration, "files": files, "settings": settings},
+        indent=1, sort_keys=True) + "\n")
+
+
+def read_manifest(directory: str) -> dict[str, Any] | None:
+    """The manifest, or None for a checkpoint written before manifests existed."""
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+        files = manifest["files"]
+        if not isinstance(files, dict) or manifest.get("format") != FORMAT:
+            raise ValueError("unknown format")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{path} is unreadable or not a checkpoint manifest ({err}): the "
+                              "checkpoint is damaged; load an earlier one") from None
+    return manifest
+
+
+def read_verified(path: str, entry: dict[str, Any] | None) -> dict[str, Any]:
+    """Read ``path``, check it against its manifest entry (when there is one), unpickle it
+    with ``weights_only=True``. Raises :class:`CheckpointError` naming the file."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint is "
+                              "incomplete or was written by a different number of ranks")
+    with open(path, "rb") as f:
+        data = f.read()
+    if entry is not None:
+        if len(data) != entry["bytes"]:
+            raise CheckpointError(f"checkpoint file {path} is {len(data)} bytes, the manifest "
+                                  f"says {entry['bytes']}: it is truncated or was replaced")
+        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise CheckpointError(f"checkpoint file {path} does not match its SHA-256 in the "
+                                  "manifest: it changed after it was written (disk or copy "
+                                  "error); load an earlier checkpoint")
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - torch raises many types for foreign files
+        raise CheckpointError(f"checkpoint file {path} is corrupt or not a checkpoint "
+                              f"({type(err).__name__}: {str(err).splitlines()[0][:160]})"
+                              ) from None
+
+
+def latest_iteration(root: str) -> int | None:
+    """The iteration named by the tracker file; None when ``root`` holds no checkpoint."""
+    tracker = os.path.join(root, TRACKER)
+    if not os.path.isfile(tracker):
+        return None
+    with open(tracker, encoding="utf-8", errors="replace") as f:
+        text = f.read().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{tracker} holds {text[:40]!r}, not an iteration number: fix or "
+                              "delete it (the iter_* folders beside it hold the checkpoints)")
+    return int(text)
+
+
+def write_tracker(root: str, iteration: int) -> None:
+    write_text_atomic(os.path.join(root, TRACKER), f"{iteration}\n")
+
+
+class SaveDirLock:
+    """An exclusive lock on a ``--save`` folder for the life of the run (``flock`` on
+    ``.lock``, which records the holder's pid and host)."""
+
+    def __init__(self, root: str) -> None:
+        os.makedirs(root, exist_ok=True)
+        self.path = os.path.join(root, LOCK)
+        self._f = open(self.path, "a+", encoding="utf-8")
+        try:
+            fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._f.seek(0)
+            holder = self._f.read().strip() or "unknown"
+            self._f.close()
+            raise CheckpointError(f"--save {root} is in use by another run ({holder}): wait "
+                                  "for it to end or choose another --save") from None
+        self._f.seek(0)
+        self._f.truncate()
+        self._f.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
+        self._f.flush()
+
+    def release(self) -> None:
+        if not self._f.closed:
+            fcntl.flock(self._f, fcntl.LOCK_UN)
+            self._f.close()
+
+
+def claim_save_dir(root: str, *, resuming_here: bool, overwrite: bool) -> SaveDirLock:
+    """Lock ``root`` for this run; refuse a folder holding another run's checkpoints unless
+    this run resumes from it (``--load`` the same folder) or ``overwrite`` (which deletes
+    them first)."""
+    lock = SaveDirLock(root)
+    try:
+        latest = latest_iteration(root)
+    except CheckpointError:
+        latest = -1  # a damaged tracker still means someone's checkpoints live here
+    if latest is not None and not resuming_here:
+        if not overwrite:
+            lock.release()
+            what = f"checkpoints up to iteration {latest}" if latest >= 0 else "checkpoints"
+            raise CheckpointError(f"--save {root} already holds {what} of another run: resume "
+                                  f"it with --load {root}, choose another --save, or pass "
+                                  "--overwrite-checkpoints to delete them")
+        os.remove(os.path.join(root, TRACKER))
+        for name in os.listdir(root):
+            if name.startswith("iter_"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return lock

@@ -1,0 +1,44 @@
+"""Fault injection for the reliability tests; inert unless ``SDP4BIT_FAULT`` is set.
+
+``SDP4BIT_FAULT=KIND@ITERATION:RANK`` (several separated by commas) makes global rank RANK
+misbehave at ITERATION, so that tests can prove what a real fault does to a run
+(docs/reliability.md):
+
+* ``nan-grad``: after backward, one element of this rank's gradient buffer becomes NaN;
+* ``die-saving``: while saving that iteration's checkpoint, the rank exits abruptly right
+  after writing its own file (a crash in the middle of a save);
+* ``nan-weight``: just before that iteration's checkpoint is saved, one weight of this
+  rank becomes NaN (what a save must refuse to write);
+* ``flip-replica``: after that iteration, one weight of this rank's model replica changes
+  (a replica that drifted from the others', what ``--check-replicas-interval`` must catch).
+"""
+
+from __future__ import annotations
+
+import os
+
+ENV = "SDP4BIT_FAULT"
+KINDS = ("nan-grad", "die-saving", "nan-weight", "flip-replica")
+
+
+def _parse(spec: str) -> set[tuple[str, int, int]]:
+    faults = set()
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        try:
+            kind, where = item.split("@")
+            iteration, rank = where.split(":")
+            faults.add((kind, int(iteration), int(rank)))
+        except ValueError:
+            raise ValueError(f"{ENV}={spec!r}: use KIND@ITERATION:RANK, KIND one of "
+                             f"{', '.join(KINDS)}") from None
+        if kind not in KINDS:
+            raise ValueError(f"{ENV}: unknown fault {kind!r}; use one of {', '.join(KINDS)}")
+    return faults
+
+
+_FAULTS = _parse(os.environ.get(ENV, ""))
+
+
+def active(kind: str, iteration: int, rank: int) -> bool:
+    """Whether fault ``kind`` is requested for ``rank`` at ``iteration``."""
+    return (kind, iteration, rank) in _FAULTS

@@ -1,0 +1,378 @@
+"""Megatron-LM's ``pretrain_gpt.py`` flags beyond the core set: each is honoured, refused
+with one line, or accepted as a documented no-op.
+
+Existing Megatron-LM scripts must either run unchanged or be told in one line which flag
+this trainer does not support. Three kinds, all in this module:
+
+* honoured: sample-based training (``--train-samples``, ``--lr-decay-samples``,
+  ``--lr-warmup-samples``), ``--exit-duration-in-mins``, ``--distributed-timeout-minutes``,
+  the scheduler's checkpoint override, the TensorBoard logging switches, the transformer
+  switches of :func:`transformer_config_overrides`, and flags whose one accepted value is
+  what this trainer does (:data:`ONLY_VALUE`; other values are refused);
+* :data:`REFUSED_FLAGS`: parsed so that the error names the flag and says why (argparse
+  would only say "unrecognized");
+* :data:`NO_OP_FLAGS`: accepted and ignored, each where doing nothing is harmless (the same
+  results, only speed or I/O timing could differ), with the reason; the README lists them.
+
+:func:`add_megatron_flags` adds them to the parser; :func:`check_megatron_flags` is the
+first step of validation (it must turn ``--train-samples`` into ``train_iters`` before the
+required-flag check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+__all__ = ["NO_OP_FLAGS", "ONLY_VALUE", "REFUSED_FLAGS", "add_megatron_flags",
+           "check_megatron_flags", "exit_duration_reached", "scheduler_steps",
+           "transformer_config_overrides"]
+
+# Flag -> why doing nothing is harmless here. Switches unless listed in _NO_OP_VALUES.
+NO_OP_FLAGS: dict[str, str] = {
+    "--no-async-tensor-model-parallel-allreduce": "megatron-core decides the overlap of the "
+    "tensor-parallel all-reduce itself; the flag only toggled an overlap, never the math",
+    "--log-throughput": "throughput (TFLOP/s/GPU) is always part of the log line",
+    "--distributed-backend": "the backend follows the device: NCCL with CUDA, gloo on CPU",
+    "--accumulate-allreduce-grads-in-fp32": "gradients are always reduced in fp32 with --bf16, "
+    "as Megatron-LM forces; with --fp16 they are too, for the quantized reduce-scatter",
+    "--use-mcore-models": "the trainer always builds megatron-core's GPTModel",
+    "--num-workers": "batches are read in the training process from the memory-mapped "
+    "dataset; loader workers would change only how fast, never which samples",
+    "--num-dataset-builder-threads": "only how fast the dataset index is built",
+    "--no-mmap-bin-files": "only how the .bin file is read; the tokens are the same",
+    "--no-create-attention-mask-in-dataloader": "no mask is ever built in the data loader: "
+    "attention is causal by construction",
+    "--tensorboard-queue-size": "only how many TensorBoard events wait before a flush",
+    "--attention-softmax-in-fp32": "softmax is always computed in fp32 here (megatron-core's "
+    "default)",
+    "--no-persist-layer-norm": "the persistent layer-norm kernel is never used here",
+    "--no-gradient-accumulation-fusion": "gradient-accumulation fusion is never used here",
+    "--no-rope-fusion": "RoPE fusion is never used here",
+    "--no-delay-grad-reduce": "a knob of older megatron-core DDP; only when gradient "
+    "reduction starts, which --overlap-grad-reduce decides here",
+    "--delay-param-gather": "a knob of older megatron-core DDP; only when the parameter "
+    "gather starts, which --overlap-param-gather decides here",
+    "--no-overlap-p2p-communication": "applies to the interleaved (virtual) pipeline "
+    "schedule only, which is refused",
+    "--manual-gc": "Python's garbage collector runs automatically; the flag only moves its "
+    "pauses",
+    "--manual-gc-interval": "see --manual-gc",
+    "--no-manual-gc-eval": "see --manual-gc",
+    "--fp16-lm-cross-entropy": "megatron-core computes the cross entropy from fp32 logits "
+    "whatever this flag says",
+}
+# No-op flags that take a value: flag -> argparse keywords.
+_NO_OP_VALUES: dict[str, dict] = {
+    "--distributed-backend": {"choices": ["nccl", "gloo"]},
+    "--num-workers": {"type": int},
+    "--num-dataset-builder-threads": {"type": int},
+    "--tensorboard-queue-size": {"type": int},
+    "--manual-gc-interval": {"type": int},
+}
+
+# Flag -> (number of values: 0 for a switch, or an argparse nargs, why and what to do).
+REFUSED_FLAGS: dict[str, tuple[int | str, str]] = {
+    "--rampup-batch-size": (3, "batch-size ramp-up is not supported: pass a fixed "
+                            "--global-batch-size"),
+    "--decrease-batch-size-if-needed": (0, "batch-size ramp-up is not supported: pass a fixed "
+                                        "--global-batch-size"),
+    "--batch-size": (1, "it is Megatron-LM's removed name: use --micro-batch-size"),
+    "--checkpoint-activations": (0, "it is Megatron-LM's removed name: use "
+                                 "--recompute-activations or --recompute-granularity"),
+    "--warmup": (1, "it is Megatron-LM's removed name: use --lr-warmup-iters, "
+                 "--lr-warmup-samples or --lr-warmup-fraction"),
+    "--encoder-num-layers": (1, "this trainer builds decoder-only GPTs: use --num-layers"),
+    "--exit-signal-handler": (0, "use --exit-duration-in-mins or --exit-interval to stop with "
+                              "a checkpoint"),
+    "--exit-on-missing-checkpoint": (0, "with --load and no checkpoint the trainer starts from "
+                                     "scratch and says so in its first lines"),
+    "--no-save-optim": (0, "checkpoints always hold the optimizer state: a resumed run repeats "
+                        "the uninterrupted one only with it"),
+    "--no-save-rng": (0, "checkpoints always hold the RNG states: a resumed run repeats the "
+                      "uninterrupted one only with them"),
+    "--finetune": (0, "start a fine-tuning run from a checkpoint's weights outside this trainer"),
+    "--use-checkpoint-args": (0, "pass the model flags on the command line"),
+    "--ckpt-format": (1, "checkpoints are this trainer's own per-rank files "
+                      "(training/checkpointing.py)"),
+    "--use-dist-ckpt": (0, "checkpoints are this trainer's own per-rank files "
+                        "(training/checkpointing.py)"),
+    "--async-save": (0, "checkpoints are saved synchronously"),
+    "--skip-train": (0, "evaluation runs every --eval-interval during training"),
+    "--log-params-norm": (0, "the parameter norm is not computed; the gradient norm is logged"),
+    "--log-num-zeros-in-grad": (0, "zeros in the gradient are not counted"),
+    "--log-memory-to-tensorboard": (0, "memory is not logged"),
+    "--log-progress": (0, "--metrics-jsonl records every logged iteration instead"),
+    "--profile": (0, "run a profiler (nsys, torch.profiler) around pretrain_gpt.py"),
+    "--profile-step-start": (1, "see --profile"),
+    "--profile-step-end": (1, "see --profile"),
+    "--profile-ranks": ("+", "see --profile"),
+    "--use-pytorch-profiler": (0, "see --profile"),
+    "--tp-comm-overlap": (0, "Transformer Engine's userbuffer overlap is not wired up"),
+    "--num-layers-per-virtual-pipeline-stage": (1, "the interleaved (virtual) pipeline schedule "
+                                                "is not supported"),
+    "--pipeline-model-parallel-split-rank": (1, "encoder-decoder pipelines are not supported"),
+    "--standalone-embedding-stage": (0, "the embedding lives in the first pipeline stage"),
+    "--use-ring-exchange-p2p": (0, "pipeline stages talk with torch.distributed send/recv"),
+    "--num-experts": (1, "mixture-of-experts models are not supported (SDP4Bit refuses "
+                      "expert-parallel buffers)"),
+    "--train-data-path": ("*", "pass --data-path with --split"),
+    "--valid-data-path": ("*", "pass --data-path with --split"),
+    "--test-data-path": ("*", "pass --data-path with --split"),
+    "--vocab-extra-ids": (1, "it is for T5 models"),
+    "--data-parallel-random-init": (0, "every data-parallel replica starts from rank 0's "
+                                    "initialization (SDP4Bit's replicas must stay identical)"),
+    "--init-method-xavier-uniform": (0, "initialization is normal with --init-method-std"),
+    "--fp8-format": (1, "fp8 training is not supported"),
+    "--apply-layernorm-1p": (0, "not wired to the layer spec"),
+    "--apply-residual-connection-post-layernorm": (0, "not wired to the layer spec"),
+    "--openai-gelu": (0, "the activation is GeLU, or SwiGLU with --swiglu"),
+    "--squared-relu": (0, "the activation is GeLU, or SwiGLU with --swiglu"),
+    "--rotary-seq-len-interpolation-factor": (1, "not wired to the model"),
+    "--no-check-for-nan-in-loss-and-grad": (0, "the NaN check stays on: SDP4Bit's quantizer "
+                                            "keeps NaN visible to it on purpose"),
+    "--calculate-per-token-loss": (0, "the loss is the mean over each micro-batch's tokens"),
+    "--cross-entropy-loss-fusion": (0, "not wired to the model"),
+    "--spec": ("+", "the layer spec follows --transformer-impl"),
+    "--adlr-autoresume": (0, "ADLR's autoresume service is not available"),
+    "--nccl-communicator-config-path": (1, "NCCL communicators use their defaults"),
+}
+
+# Flags whose one accepted value is what this trainer does: flag -> (type, value, reason).
+ONLY_VALUE: dict[str, tuple[type, object, str]] = {
+    "--dataloader-type": (str, "single", "the training data is read once, in order"),
+    "--empty-unused-memory-level": (int, 0, "the CUDA caching allocator is never emptied"),
+    "--context-parallel-size": (int, 1, "context parallelism is not supported"),
+    "--expert-model-parallel-size": (int, 1, "mixture-of-experts models are not supported"),
+    "--rerun-mode": (str, "disabled", "the rerun state machine is not used"),
+}
+
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
+    """Add the honoured, refused and no-op flags of this module to ``parser``."""
+    g = parser.add_argument_group("Megatron-LM: training length, exits, logging switches")
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="train on this many samples: --train-iters = samples // global batch "
+                   "(instead of --train-iters)")
+    g.add_argument("--lr-decay-samples", type=int, default=None,
+                   help="with --train-samples: decay the learning rate over this many samples "
+                   "(default --train-samples)")
+    g.add_argument("--lr-warmup-samples", type=int, default=0,
+                   help="with --train-samples: warm the learning rate up over this many samples")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="after the iteration that ends more than this many minutes after start, "
+                   "save (with --save) and exit; all ranks agree on the iteration")
+    g.add_argument("--log-batch-size-to-tensorboard", action="store_true")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true")
+    g.add_argument("--no-log-learnig-rate-to-tensorboard", "--no-log-learning-rate-to-tensorboard",
+                   dest="log_learning_rate_to_tensorboard", action="store_false",
+                   help="(Megatron-LM's spelling, and the corrected one)")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", dest="log_loss_scale_to_tensorboard",
+                   action="store_false")
+    g = parser.add_argument_group("Megatron-LM: transformer switches")
+    g.add_argument("--use-cpu-initialization", action="store_true",
+                   help="initialize weights on the host (always so without CUDA)")
+    g.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion",
+                   action="store_false")
+    g.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false")
+    g.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false")
+    g.add_argument("--no-bias-dropout-fusion", dest="bias_dropout_fusion", action="store_false")
+    g.add_argument("--apply-query-key-layer-scaling", action="store_true")
+    g.add_argument("--fp32-residual-connection", action="store_true")
+    g.add_argument("--no-clone-scatter-output-in-embedding",
+                   dest="clone_scatter_output_in_embedding", action="store_false")
+    g.add_argument("--distribute-saved-activations", action="store_true",
+                   help="with --recompute-granularity full and tensor parallelism")
+    g.add_argument("--recompute-modules", nargs="*", default=None,
+                   help="with --recompute-granularity selective (default core_attn)")
+    g.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
+                   help="flash, fused and unfused choose Transformer Engine's attention kernel "
+                   "(CUDA and transformer_engine needed)")
+    g.add_argument("--use-flash-attn", action="store_true", help="= --attention-backend flash")
+    g.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="= --position-embedding-type rope")
+    g.add_argument("--no-position-embedding", dest="add_position_embedding",
+                   action="store_false",
+                   help="no learned absolute position embedding (e.g. with rope)")
+    for flag, (kind, value, why) in ONLY_VALUE.items():
+        g.add_argument(flag, type=kind, default=value, help=f"only {value}: {why}")
+
+    g = parser.add_argument_group("accepted for compatibility, no effect here")
+    for flag, why in NO_OP_FLAGS.items():
+        if flag in _NO_OP_VALUES:
+            g.add_argument(flag, default=None, help=why, **_NO_OP_VALUES[flag])
+        else:
+            g.add_argument(flag, action="store_true", help=why)
+    g = parser.add_argument_group("Megatron-LM flags refused with a reason")
+    for flag, (nargs, why) in REFUSED_FLAGS.items():
+        kwargs = ({"action": "store_const", "const": True} if nargs == 0
+                  else {"nargs": nargs})
+        g.add_argument(flag, dest="refused_" + _dest(flag), default=None,
+                       help=f"not supported: {why}", **kwargs)
+
+
+def _fail(message: str) -> None:
+    from megatron.sdp4bit.training.arguments import ArgumentsError
+
+    raise ArgumentsError(message)
+
+
+def _check_refused(args: argparse.Namespace) -> None:
+    for flag, (_, why) in REFUSED_FLAGS.items():
+        if getattr(args, "refused_" + _dest(flag)) is not None:
+            _fail(f"{flag} is not supported by this trainer: {why}")
+    for flag, (_, value, why) in ONLY_VALUE.items():
+        given = getattr(args, _dest(flag))
+        if given != value:
+            _fail(f"{flag}={given} is not supported by this trainer ({why}): only {value}")
+
+
+def _resolve_training_length(args: argparse.Namespace) -> None:
+    """Megatron-LM's rules: iteration- or sample-based, never a mix."""
+    if args.train_samples is None:
+        for flag in ("--lr-decay-samples", "--lr-warmup-samples"):
+            if getattr(args, _dest(flag)):
+                _fail(f"{flag} needs --train-samples (sample-based training); with "
+                      f"--train-iters use {flag.replace('samples', 'iters')}")
+        return
+    if args.train_iters is not None:
+        _fail("--train-iters and --train-samples are mutually exclusive: pass one")
+    if args.lr_decay_iters is not None or args.lr_warmup_iters:
+        flag = "--lr-decay-iters" if args.lr_decay_iters is not None else "--lr-warmup-iters"
+        _fail(f"{flag} counts iterations; with --train-samples use "
+              f"{flag.replace('iters', 'samples')}")
+    if args.lr_warmup_fraction is not None and args.lr_warmup_samples:
+        _fail("--lr-warmup-fraction and --lr-warmup-samples are mutually exclusive: pass one")
+    for flag in ("--train-samples", "--lr-decay-samples", "--lr-warmup-samples"):
+        value = getattr(args, _dest(flag))
+        if value is not None and value < (0 if flag == "--lr-warmup-samples" else 1):
+            _fail(f"{flag}={value} must be >= {0 if flag == '--lr-warmup-samples' else 1}")
+    if args.micro_batch_size is None:
+        _fail("missing required flag(s): --micro-batch-size")
+    gbs = args.global_batch_size
+    if gbs is None:  # Megatron-LM's default, as validation derives it next
+        model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+        gbs = args.micro_batch_size * max(1, args.world_size // model_parallel)
+    if args.train_samples < gbs:
+        _fail(f"--train-samples={args.train_samples} is less than one global batch ({gbs})")
+    args.train_iters = args.train_samples // gbs  # no ramp-up: a fixed batch per iteration
+
+
+def _check_switches(args: argparse.Namespace) -> None:
+    if args.use_flash_attn:
+        if args.attention_backend not in ("auto", "flash"):
+            _fail(f"--use-flash-attn and --attention-backend {args.attention_backend} "
+                  "contradict each other: pass one")
+        args.attention_backend = "flash"
+    if args.attention_backend in ("flash", "fused", "unfused"):
+        why = _transformer_engine_missing(args.transformer_impl)
+        if why:
+            _fail(f"--attention-backend {args.attention_backend} (or --use-flash-attn) chooses "
+                  f"Transformer Engine's attention kernel, and {why}: drop the flag")
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    if not args.add_position_embedding:
+        if args.position_embedding_type == "learned_absolute":
+            args.position_embedding_type = "none"
+    granularity = args.recompute_granularity or (
+        "selective" if args.recompute_activations else None)
+    if args.distribute_saved_activations and (granularity != "full" or args.sequence_parallel):
+        _fail("--distribute-saved-activations needs --recompute-granularity full and no "
+              "--sequence-parallel")
+    if args.recompute_modules is not None and granularity != "selective":
+        _fail("--recompute-modules needs --recompute-granularity selective "
+              "(or --recompute-activations)")
+    for flag in ("--log-batch-size-to-tensorboard", "--log-world-size-to-tensorboard"):
+        if getattr(args, _dest(flag)) and not args.tensorboard_dir:
+            _fail(f"{flag} needs --tensorboard-dir")
+    if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
+        _fail(f"--exit-duration-in-mins={args.exit_duration_in_mins} must be > 0")
+
+
+def _transformer_engine_missing(impl: str) -> str | None:
+    """Why Transformer Engine's layers will not be used, or ``None`` if they will."""
+    if impl == "local":
+        return "--transformer-impl local does not use it"
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return "there is no CUDA device"
+    if importlib.util.find_spec("transformer_engine") is None:
+        return "transformer_engine is not installed"
+    return None
+
+
+def check_megatron_flags(args: argparse.Namespace) -> None:
+    """First validation step: refusals, sample-based training, switches (in place)."""
+    args.start_time = time.time()  # --exit-duration-in-mins counts from here
+    _check_refused(args)
+    _resolve_training_length(args)
+    _check_switches(args)
+
+
+def scheduler_steps(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(warm-up, decay, weight-decay increment) lengths of the schedule in samples, which is
+    how megatron-core's scheduler counts (``step(increment=global batch)``)."""
+    gbs = args.global_batch_size
+    if args.train_samples is not None:
+        decay = args.lr_decay_samples or args.train_samples
+        warmup = args.lr_warmup_samples
+        wd_incr = args.train_samples
+    else:
+        decay = args.lr_decay_iters * gbs
+        warmup = args.lr_warmup_iters * gbs
+        wd_incr = args.train_iters * gbs
+    if args.lr_warmup_fraction is not None:
+        warmup = int(args.lr_warmup_fraction * decay)
+    return warmup, decay, wd_incr
+
+
+def transformer_config_overrides(args: argparse.Namespace) -> dict:
+    """TransformerConfig fields set by the switches of this module (only those given)."""
+    out: dict = {}
+    if args.use_cpu_initialization:
+        out["use_cpu_initialization"] = True
+    if not args.masked_softmax_fusion:
+        out["masked_softmax_fusion"] = False
+    if not (args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion):
+        out["bias_activation_fusion"] = False
+    if not args.bias_dropout_fusion:
+        out["bias_dropout_fusion"] = False
+    for name in ("apply_query_key_layer_scaling", "fp32_residual_connection",
+                 "distribute_saved_activations"):
+        if getattr(args, name):
+            out[name] = True
+    if not args.clone_scatter_output_in_embedding:
+        out["clone_scatter_output_in_embedding"] = False
+    if args.recompute_modules is not None:
+        out["recompute_modules"] = list(args.recompute_modules)
+    if args.attention_backend != "auto":
+        from megatron.core.transformer.enums import AttnBackend
+
+        out["attention_backend"] = AttnBackend[args.attention_backend]
+    return out
+
+
+def exit_duration_reached(args: argparse.Namespace) -> bool:
+    """``--exit-duration-in-mins``: whether any rank has run that long. Collective: every
+    rank calls it after every iteration, so all stop after the same one."""
+    if args.exit_duration_in_mins is None:
+        return False
+    import torch
+    import torch.distributed as dist
+
+    minutes = (time.time() - args.start_time) / 60.0
+    done = torch.tensor([int(minutes > args.exit_duration_in_mins)], dtype=torch.int32)
+    if dist.is_initialized():
+        if dist.get_backend() == "nccl":
+            done = done.cuda()
+        dist.all_reduce(done, op=dist.ReduceOp.MAX)
+    return bool(done.item())

@@ -1,0 +1,208 @@
+"""Every input the trainer reads, checked before use: one line naming the file and the fix.
+
+megatron-core opens data and caches deep inside dataset construction, on every rank, and a
+bad file there surfaces as a traceback per rank, sometimes minutes into the run. This module
+checks them first, on rank 0 only, and :func:`verify_inputs` broadcasts the verdict so that
+every rank stops together with the same message (``pretrain_gpt.py`` prints it once):
+
+* output folders (``--save``, ``--tensorboard-dir``, ``--metrics-jsonl``'s folder,
+  ``--data-cache-path``, ``--wandb-save-dir``) can be written;
+* the tokenizer files load (``--vocab-file``/``--merge-file``, ``--tokenizer-model``);
+* every ``--data-path`` prefix has a ``.bin`` and an ``.idx``; the ``.idx`` has megatron-core's
+  magic, version and a known token type; its sizes agree with the ``.bin``'s length; it holds
+  documents; the token ids are below the tokenizer's vocabulary;
+* every dataset index cache megatron-core would open (``*.npy`` under ``--data-cache-path``
+  or a prefix's ``cache/`` folder) is a plain numeric array: megatron-core loads them with
+  ``allow_pickle=True``, so a crafted cache would run code (it is refused, never opened).
+
+Checkpoints are checked where they are read (:mod:`.checkpointing`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import struct
+import tempfile
+
+import numpy
+import torch.distributed as dist
+
+IDX_MAGIC = b"MMIDIDX\x00\x00"
+IDX_HEADER = len(IDX_MAGIC) + 8 + 1 + 8 + 8  # magic, version, dtype code, counts
+# megatron-core's IndexedDataset token types (indexed_dataset.DType codes).
+TOKEN_DTYPES = {1: numpy.uint8, 2: numpy.int8, 3: numpy.int16, 4: numpy.int32,
+                5: numpy.int64, 6: numpy.float64, 7: numpy.float32, 8: numpy.uint16}
+# Token ids are all read up to this many bytes of .bin; beyond it, evenly spread samples of
+# this total size (a wrong tokenizer shows everywhere).
+FULL_SCAN_BYTES = 1 << 30
+_CHUNK = 1 << 24
+
+
+class InputError(ValueError):
+    """Bad input found before training: the message is one line naming the file and fix."""
+
+
+def _writable_dir(flag: str, path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    except OSError as err:
+        raise InputError(f"{flag} {path} is not a writable folder ({err.strerror}): "
+                         "choose another path or fix its permissions") from None
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    for flag, path in (("--save", args.save), ("--tensorboard-dir", args.tensorboard_dir),
+                       ("--data-cache-path", args.data_cache_path),
+                       ("--wandb-save-dir", args.wandb_save_dir or None)):
+        if path:
+            _writable_dir(flag, path)
+    if args.metrics_jsonl:
+        if os.path.isdir(args.metrics_jsonl):
+            raise InputError(f"--metrics-jsonl {args.metrics_jsonl} is a folder: give a file "
+                             "path")
+        _writable_dir("--metrics-jsonl", os.path.dirname(os.path.abspath(args.metrics_jsonl)))
+
+
+def check_tokenizer(args: argparse.Namespace):
+    """Build the tokenizer here (its constructors check their files) and return it."""
+    from megatron.sdp4bit.training.tokenizers import build_tokenizer
+
+    try:
+        return build_tokenizer(args)
+    except ValueError as err:
+        raise InputError(f"{str(err).splitlines()[0]}: check --tokenizer-type and its files"
+                         ) from None
+    except Exception as err:  # noqa: BLE001 - sentencepiece/tokenizers raise their own types
+        raise InputError(f"cannot load the {args.tokenizer_type} files "
+                         f"({type(err).__name__}: {str(err).splitlines()[0][:200]}): check "
+                         "--vocab-file/--merge-file/--tokenizer-model") from None
+
+
+def data_prefixes(data_path: list[str] | None) -> list[str]:
+    """The prefixes of ``--data-path`` ('P' or 'W1 P1 W2 P2 ...')."""
+    if not data_path:
+        return []
+    return list(data_path) if len(data_path) == 1 else list(data_path[1::2])
+
+
+def check_indexed_dataset(prefix: str, vocab_size: int) -> None:
+    """``prefix.idx``/``prefix.bin`` are a consistent, non-empty megatron-core dataset whose
+    token ids are below ``vocab_size``."""
+    idx, bin_ = prefix + ".idx", prefix + ".bin"
+    for path in (idx, bin_):
+        if not os.path.isfile(path):
+            raise InputError(f"--data-path {prefix}: {path} does not exist: give the prefix "
+                             "of a .bin/.idx pair written by tools/preprocess_data.py")
+    size = os.path.getsize(idx)
+    with open(idx, "rb") as f:
+        head = f.read(IDX_HEADER)
+    if len(head) < IDX_HEADER or head[:len(IDX_MAGIC)] != IDX_MAGIC:
+        raise InputError(f"{idx} is not a megatron-core index (bad magic): rebuild it with "
+                         "tools/preprocess_data.py")
+    version, code, nseq, ndoc = struct.unpack_from("<QBQQ", head, len(IDX_MAGIC))
+    if version != 1:
+        raise InputError(f"{idx} has index version {version}, expected 1: rebuild it with "
+                         "tools/preprocess_data.py")
+    if code not in TOKEN_DTYPES:
+        raise InputError(f"{idx} names token type code {code}, which megatron-core does not "
+                         "know: the file is corrupt; rebuild it")
+    body = IDX_HEADER + 4 * nseq + 8 * nseq + 8 * ndoc
+    if size not in (body, body + nseq):  # + one mode byte per sequence when multimodal
+        raise InputError(f"{idx} is {size} bytes but its header promises {body} "
+                         f"({nseq} sequences, {ndoc} document boundaries): the file is "
+                         "truncated or corrupt; rebuild it")
+    if nseq == 0 or ndoc < 2:
+        raise InputError(f"--data-path {prefix} holds no documents: check the input of "
+                         "tools/preprocess_data.py")
+    raw = numpy.memmap(idx, mode="r", dtype=numpy.uint8)
+    lengths = numpy.frombuffer(raw, numpy.int32, nseq, IDX_HEADER)
+    docs = numpy.frombuffer(raw, numpy.int64, ndoc, IDX_HEADER + 12 * nseq)
+    itemsize = numpy.dtype(TOKEN_DTYPES[code]).itemsize
+    tokens = int(lengths.sum(dtype=numpy.int64))
+    if (lengths < 0).any() or docs[0] != 0 or docs[-1] != nseq or (numpy.diff(docs) < 0).any():
+        raise InputError(f"{idx} has inconsistent sequence lengths or document boundaries: "
+                         "the file is corrupt; rebuild it")
+    if os.path.getsize(bin_) != tokens * itemsize:
+        raise InputError(f"{bin_} is {os.path.getsize(bin_)} bytes but {idx} describes "
+                         f"{tokens} tokens of {itemsize} bytes ({tokens * itemsize} bytes): "
+                         "the pair does not match or one is truncated; rebuild both with "
+                         "tools/preprocess_data.py")
+    largest = _max_token(bin_, TOKEN_DTYPES[code], tokens)
+    if largest >= vocab_size:
+        raise InputError(f"{bin_} holds token id {largest} but the tokenizer has "
+                         f"{vocab_size} tokens: the data was made with another tokenizer; "
+                         "pass the --tokenizer-type/--vocab-file it was made with")
+
+
+def _max_token(path: str, dtype, count: int) -> int:
+    tokens = numpy.memmap(path, mode="r", dtype=dtype, shape=(count,))
+    itemsize = numpy.dtype(dtype).itemsize
+    step = _CHUNK // itemsize
+    starts = range(0, count, step)
+    if count * itemsize > FULL_SCAN_BYTES:  # evenly spread chunks, FULL_SCAN_BYTES in all
+        n = FULL_SCAN_BYTES // _CHUNK
+        starts = [int(i * (count - step) / (n - 1)) for i in range(n)]
+    return max(int(tokens[s:s + step].max()) for s in starts)
+
+
+def index_cache_dirs(args: argparse.Namespace) -> list[str]:
+    """Where megatron-core reads (and writes) its dataset index caches for this run."""
+    if args.data_cache_path:
+        return [args.data_cache_path]
+    if args.mock_data:
+        return []
+    return [os.path.join(os.path.dirname(os.path.abspath(p)), "cache", "GPTDataset_indices")
+            for p in data_prefixes(args.data_path)]
+
+
+def check_index_cache(path: str) -> None:
+    """``path`` is a plain numeric ``.npy`` array of the length its header states."""
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            version = numpy.lib.format.read_magic(f)
+            read = (numpy.lib.format.read_array_header_1_0 if version == (1, 0)
+                    else numpy.lib.format.read_array_header_2_0)
+            shape, _, dtype = read(f)
+            offset = f.tell()
+    except (ValueError, OSError, SyntaxError) as err:
+        raise InputError(f"dataset index cache {path} is not a NumPy array file "
+                         f"({str(err).splitlines()[0][:120]}); megatron-core would unpickle it: "
+                         "delete it (it is rebuilt) and check who wrote it") from None
+    if dtype.hasobject:
+        raise InputError(f"dataset index cache {path} holds Python objects, not numbers; "
+                         "megatron-core would unpickle it and run code: delete it (it is "
+                         "rebuilt) and check who wrote it")
+    expected = offset + int(numpy.prod(shape, dtype=numpy.int64)) * dtype.itemsize
+    if size != expected:
+        raise InputError(f"dataset index cache {path} is {size} bytes, its header says "
+                         f"{expected}: it is truncated; delete it (it is rebuilt)")
+
+
+def check_inputs(args: argparse.Namespace) -> None:
+    """All checks above, in the order a run needs the inputs; raises :class:`InputError`."""
+    check_outputs(args)
+    tokenizer = check_tokenizer(args)
+    if not args.mock_data:
+        for prefix in data_prefixes(args.data_path):
+            check_indexed_dataset(prefix, tokenizer.vocab_size)
+    for folder in index_cache_dirs(args):
+        for path in sorted(glob.glob(os.path.join(folder, "*.npy"))):
+            check_index_cache(path)
+
+
+def verify_inputs(args: argparse.Namespace) -> None:
+    """Collective: rank 0 runs :func:`check_inputs`; every rank raises its verdict."""
+    verdict = [None]
+    if dist.get_rank() == 0:
+        try:
+            check_inputs(args)
+        except InputError as err:
+            verdict[0] = str(err)
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise InputError(verdict[0])

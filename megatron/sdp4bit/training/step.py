@@ -1,0 +1,116 @@
+"""One training step and one evaluation: megatron-core's pipeline schedule, the optimizer,
+and the skip of a step whose gradients are not finite.
+
+[Note: non-finite gradients]
+The quantized collectives carry NaN/Inf through by design (a group holding one dequantizes
+to all NaN), so a bad gradient on any rank reaches the optimizer. With ``--fp16`` the
+loss scaler of megatron-core's optimizer finds it (over every rank) and skips the step,
+lowering the scale. Without a loss scaler (bf16, fp32) megatron-core would apply the step
+and every weight would become NaN; here :func:`train_step` checks the gradient buffers
+first, every rank learns the verdict through one all-reduce, and all ranks skip the step
+together. A skipped step changes no weight, so the replicas stay bitwise identical. The
+loop stops the run after ``--max-consecutive-skipped-iterations`` skips in a row (with a
+dynamic fp16 scale only once the scale is at ``--min-loss-scale``).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron.sdp4bit.training import faults
+
+
+def _loss_func(loss_mask: torch.Tensor, nan: bool, output: torch.Tensor):
+    losses = output.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
+    if nan:  # fault injection: this rank's gradients become NaN (training/faults.py)
+        loss = loss * float("nan")
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def _forward_step(data_iterator, model, timers=None, nan: bool = False):
+    if timers is not None:
+        timers("batch-generator", log_level=2).start()
+    batch = next(data_iterator)
+    if timers is not None:
+        timers("batch-generator").stop()
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    tokens = batch["tokens"].to(device, non_blocking=True)
+    labels = batch["labels"].to(device, non_blocking=True)
+    loss_mask = batch["loss_mask"].to(device, non_blocking=True)
+    position_ids = batch["position_ids"].to(device, non_blocking=True)
+    output = model(tokens, position_ids, None, labels=labels)
+    return output, partial(_loss_func, loss_mask, nan)
+
+
+def mean_loss(losses: list[dict], group) -> float:
+    """Mean of the micro-batch losses over the DP group; NaN-preserving."""
+    if losses:
+        value = torch.stack([d["lm loss"].float() for d in losses]).mean().reshape(1).cpu()
+    else:  # not the last pipeline stage: contributes nothing
+        value = torch.zeros(1)
+    dist.all_reduce(value, group=group)
+    return value.item() / dist.get_world_size(group)
+
+
+def has_loss_scaler(optimizer) -> bool:
+    return any(getattr(o, "grad_scaler", None) is not None
+               for o in getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def grads_finite(model_chunks) -> bool:
+    """Collective over every rank: whether all gradient buffers of all ranks are finite."""
+    bad = any(not bool(torch.isfinite(buffer.grad_data).all())
+              for chunk in model_chunks for buffer in chunk.buffers)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    flag = torch.tensor([float(bad)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return not bool(flag.item())
+
+
+def train_step(args, state, data_iterator) -> tuple[float, float, bool]:
+    """One iteration; returns (mean loss, grad norm, whether the weights were updated)."""
+    for chunk in state.model:
+        chunk.zero_grad_buffer()
+    state.optimizer.zero_grad()
+    timers = state.timers
+    nan = faults.active("nan-grad", state.iteration + 1, dist.get_rank())
+    losses = get_forward_backward_func()(
+        forward_step_func=partial(_forward_step, timers=timers, nan=nan),
+        data_iterator=data_iterator, model=state.model, num_microbatches=args.num_microbatches,
+        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+        forward_only=False)
+    loss = mean_loss(losses, parallel_state.get_data_parallel_group())
+    if not has_loss_scaler(state.optimizer) and not grads_finite(state.model):
+        return loss, float("nan"), False  # see [Note: non-finite gradients]
+    if timers is not None:
+        timers("optimizer", log_level=1).start(barrier=args.barrier_with_L1_time)
+    ok, grad_norm, _ = state.optimizer.step()
+    if timers is not None:
+        timers("optimizer").stop(barrier=args.barrier_with_L1_time)
+    if ok:
+        state.scheduler.step(increment=args.global_batch_size)
+    return loss, (grad_norm if grad_norm is not None else float("nan")), ok
+
+
+@torch.no_grad()
+def evaluate(args, state, iterator) -> float | None:
+    if iterator is None or args.eval_iters == 0:
+        return None
+    for chunk in state.model:
+        chunk.eval()
+    losses: list[dict] = []
+    for _ in range(args.eval_iters):
+        losses += get_forward_backward_func()(
+            forward_step_func=_forward_step, data_iterator=iterator, model=state.model,
+            num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size, forward_only=True)
+    for chunk in state.model:
+        chunk.train()
+    return mean_loss(losses, parallel_state.get_data_parallel_group())

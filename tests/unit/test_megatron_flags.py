@@ -1,0 +1,286 @@
+"""Megatron-LM flag parity: honoured flags reach what they control, refused flags say so in
+one line, no-op flags change nothing and are documented, the paper's scripts parse."""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron.sdp4bit.training import megatron_flags as mf
+from megatron.sdp4bit.training.arguments import ArgumentsError, parse_args
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+        "--micro-batch-size 2 --lr 1e-3 --mock-data").split()
+
+
+def parse(extra: str, world_size: int = 4, iters: bool = True):
+    argv = BASE + (["--train-iters", "10"] if iters else []) + extra.split()
+    return parse_args(argv, world_size=world_size)
+
+
+def error(extra: str, iters: bool = True) -> str:
+    with pytest.raises(ArgumentsError) as info:
+        parse(extra, iters=iters)
+    text = str(info.value)
+    assert "\n" not in text
+    return text
+
+
+# Every flag the paper's released accuracy and speed scripts pass, with their values (the
+# speed scripts pass --data-path with an empty $DATA_PATH next to --mock-data).
+PAPER_SCRIPTS = (
+    "--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 2048 "
+    "--max-position-embeddings 2048 --lr 0.0006 --lr-decay-iters 70000 --lr-decay-style cosine "
+    "--min-lr 0.00006 --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-08 --weight-decay .1 "
+    "--lr-warmup-fraction 0.01 --clip-grad 1.0 --loss-scale 0 --loss-scale-window 1000 "
+    "--hysteresis 2 --min-loss-scale 1 --bf16 --use-distributed-optimizer "
+    "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --micro-batch-size 8 "
+    "--global-batch-size 256 --train-iters 80000 --data-path --vocab-file v.json "
+    "--merge-file m.txt --mock-data --log-interval 100 --timing-log-level 2 "
+    "--save-interval 5002 --eval-interval 100 --eval-iters 10 --log-timers-to-tensorboard "
+    "--log-validation-ppl-to-tensorboard --log-throughput --tensorboard-dir tb "
+    "--tensorboard-log-interval 1 --wandb-project NeurIPS --wandb-save-dir w "
+    "--wandb-exp-name 125M-quant --no-async-tensor-model-parallel-allreduce "
+    "--recompute-activations --recompute-granularity selective --quantized-gradients "
+    "--gq-group-size-inter 128 --gradient-quantization-bits-inter 4 --gq-group-size-intra 128 "
+    "--gradient-quantization-bits-intra 8 --hadamard-transform --quantized-weights "
+    "--weight-quantization-bits 4 --wq-group-size 2048 --gradient-alltoall-pipeline 8 "
+    "--overlap-grad-reduce --distributed-backend nccl --save ck --load ck "
+    "--exit-duration-in-mins 1530 --exit-interval 200"
+)
+
+
+def test_every_flag_of_the_papers_released_scripts_parses():
+    args = parse_args(PAPER_SCRIPTS.split(), world_size=32)
+    assert args.exit_duration_in_mins == 1530.0 and args.exit_interval == 200
+    assert (args.train_iters, args.num_microbatches) == (80000, 1)
+    assert args.recompute_granularity == "selective"
+
+
+def test_train_samples_sets_the_iterations_and_a_sample_schedule():
+    args = parse("--train-samples 170 --global-batch-size 16 --lr-decay-samples 120 "
+                 "--lr-warmup-samples 24", iters=False)
+    assert args.train_iters == 10  # 170 // 16: Megatron-LM drops the partial batch
+    assert mf.scheduler_steps(args) == (24, 120, 170)
+    # without --global-batch-size: one micro-batch per data-parallel rank, 2 x 4 = 8
+    args = parse("--train-samples 100", iters=False)
+    assert (args.global_batch_size, args.train_iters) == (8, 12)
+    assert mf.scheduler_steps(args) == (0, 100, 100)
+    args = parse("--train-samples 100 --lr-warmup-fraction 0.25", iters=False)
+    assert mf.scheduler_steps(args) == (25, 100, 100)
+
+
+def test_iteration_schedule_counts_samples_too():
+    args = parse("--global-batch-size 16 --lr-decay-iters 8 --lr-warmup-iters 2")
+    assert mf.scheduler_steps(args) == (32, 128, 160)
+    args = parse("--global-batch-size 16 --lr-warmup-fraction 0.5")
+    assert mf.scheduler_steps(args) == (80, 160, 160)
+
+
+class _Opt:
+    """What megatron-core's scheduler needs of an optimizer."""
+
+    def __init__(self) -> None:
+        self.param_groups = [{"lr": 0.0, "weight_decay": 0.0}]
+
+
+def test_the_built_schedule_follows_samples(monkeypatch):
+    """build._scheduler with --train-samples: linear warm-up over 24 samples, cosine decay to
+    --min-lr at 120 samples, stepped by the global batch (16) as the loop steps it."""
+    from megatron.sdp4bit.training import build
+
+    args = parse("--train-samples 170 --global-batch-size 16 --lr-decay-samples 120 "
+                 "--lr-warmup-samples 24 --lr-decay-style cosine --min-lr 1e-4", iters=False)
+    opt = _Opt()
+    sched = build._scheduler(args, opt)
+    lrs = []
+    for _ in range(args.train_iters):
+        sched.step(increment=args.global_batch_size)
+        lrs.append(opt.param_groups[0]["lr"])
+    assert lrs[0] == pytest.approx(1e-3 * 16 / 24)
+    # sample 48: (48 - 24) / (120 - 24) of the way through the cosine
+    ratio = (48 - 24) / (120 - 24)
+    assert lrs[2] == pytest.approx(1e-4 + 0.5 * (1e-3 - 1e-4) * (1 + math.cos(math.pi * ratio)))
+    assert lrs[-1] == pytest.approx(1e-4)  # 160 samples > 120: the floor
+
+
+def test_override_opt_param_scheduler_reaches_the_scheduler():
+    from megatron.sdp4bit.training import build
+
+    for flag, expected in (("", (False, False)),
+                           ("--override-opt_param-scheduler", (True, False)),
+                           ("--use-checkpoint-opt_param-scheduler", (False, True))):
+        sched = build._scheduler(parse(flag), _Opt())
+        assert (sched.override_opt_param_scheduler,
+                sched.use_checkpoint_opt_param_scheduler) == expected
+
+
+SAMPLE_ERRORS = {
+    "--train-samples 100": "--train-iters and --train-samples are mutually exclusive: pass one",
+    "--lr-decay-samples 50": "--lr-decay-samples needs --train-samples (sample-based training); "
+                             "with --train-iters use --lr-decay-iters",
+    "--lr-warmup-samples 5": "--lr-warmup-samples needs --train-samples (sample-based "
+                             "training); with --train-iters use --lr-warmup-iters",
+}
+SAMPLE_ERRORS_NO_ITERS = {
+    "--train-samples 100 --lr-decay-iters 5": "--lr-decay-iters counts iterations; with "
+                                              "--train-samples use --lr-decay-samples",
+    "--train-samples 100 --lr-warmup-iters 5": "--lr-warmup-iters counts iterations; with "
+                                               "--train-samples use --lr-warmup-samples",
+    "--train-samples 100 --lr-warmup-fraction .1 --lr-warmup-samples 5":
+        "--lr-warmup-fraction and --lr-warmup-samples are mutually exclusive: pass one",
+    "--train-samples 7": "--train-samples=7 is less than one global batch (8)",
+    "--train-samples 0": "--train-samples=0 must be >= 1",
+}
+
+
+@pytest.mark.parametrize("extra", sorted(SAMPLE_ERRORS))
+def test_sample_based_errors_with_iterations(extra):
+    assert error(extra) == SAMPLE_ERRORS[extra]
+
+
+@pytest.mark.parametrize("extra", sorted(SAMPLE_ERRORS_NO_ITERS))
+def test_sample_based_errors(extra):
+    assert error(extra, iters=False) == SAMPLE_ERRORS_NO_ITERS[extra]
+
+
+def test_train_samples_without_micro_batch_names_it():
+    cut = BASE.index("--micro-batch-size")
+    argv = BASE[:cut] + BASE[cut + 2:] + ["--train-samples", "64"]
+    with pytest.raises(ArgumentsError, match=r"^missing required flag\(s\): --micro-batch-size$"):
+        parse_args(argv, world_size=1)
+
+
+@pytest.mark.parametrize("flag", sorted(mf.REFUSED_FLAGS))
+def test_refused_flags_say_so_in_one_line(flag):
+    nargs, why = mf.REFUSED_FLAGS[flag]
+    values = {0: "", 1: " 3", 3: " 1 2 3", "+": " 0 1", "*": " a b"}[nargs]
+    assert error(flag + values) == f"{flag} is not supported by this trainer: {why}"
+
+
+@pytest.mark.parametrize("flag", sorted(mf.ONLY_VALUE))
+def test_only_value_flags_take_their_value_and_refuse_others(flag):
+    kind, value, why = mf.ONLY_VALUE[flag]
+    parse(f"{flag} {value}")  # what the trainer does: accepted
+    other = 2 if kind is int else "cyclic"
+    assert error(f"{flag} {other}") == (f"{flag}={other} is not supported by this trainer "
+                                        f"({why}): only {value}")
+
+
+def test_no_op_flags_change_nothing_else():
+    reference = vars(parse(""))
+    for flag, kwargs in [(f, mf._NO_OP_VALUES.get(f)) for f in mf.NO_OP_FLAGS]:
+        value = "" if kwargs is None else (" nccl" if "choices" in kwargs else " 3")
+        got = vars(parse(flag + value))
+        changed = {k for k in got if got[k] != reference[k]} - {"start_time"}
+        assert changed == {mf._dest(flag)}, (flag, changed)
+
+
+def test_no_op_flags_are_not_read_by_the_trainer():
+    """A no-op's dest must not be used anywhere in the package (else it is not a no-op)."""
+    package = Path(mf.__file__).resolve().parents[1]
+    source = "\n".join(p.read_text() for p in package.rglob("*.py") if p.name != "megatron_flags.py")
+    for flag in mf.NO_OP_FLAGS:
+        assert not re.search(rf"\bargs\.{mf._dest(flag)}\b", source), flag
+
+
+def test_readme_lists_exactly_the_no_op_flags():
+    text = README.read_text(encoding="utf-8")
+    section = text.split("\n### Accepted flags that do nothing here\n", 1)[1].split("\n#", 1)[0]
+    listed = re.findall(r"^\| `(--[a-zA-Z0-9_-]+)` \|", section, flags=re.M)
+    assert sorted(listed) == sorted(mf.NO_OP_FLAGS)
+
+
+def test_switches():
+    args = parse("--use-rotary-position-embeddings --no-position-embedding")
+    assert args.position_embedding_type == "rope"
+    assert parse("--no-position-embedding").position_embedding_type == "none"
+    assert parse("").position_embedding_type == "learned_absolute"
+    assert parse("--recompute-activations --recompute-modules core_attn mlp").recompute_modules \
+        == ["core_attn", "mlp"]
+
+
+SWITCH_ERRORS = {
+    "--use-flash-attn --attention-backend fused":
+        "--use-flash-attn and --attention-backend fused contradict each other: pass one",
+    "--attention-backend flash --transformer-impl local":
+        "--attention-backend flash (or --use-flash-attn) chooses Transformer Engine's attention "
+        "kernel, and --transformer-impl local does not use it: drop the flag",
+    "--distribute-saved-activations --recompute-activations":
+        "--distribute-saved-activations needs --recompute-granularity full and no "
+        "--sequence-parallel",
+    "--recompute-modules mlp": "--recompute-modules needs --recompute-granularity selective "
+                               "(or --recompute-activations)",
+    "--log-batch-size-to-tensorboard": "--log-batch-size-to-tensorboard needs --tensorboard-dir",
+    "--log-world-size-to-tensorboard": "--log-world-size-to-tensorboard needs --tensorboard-dir",
+    "--distributed-timeout-minutes 0": "--distributed-timeout-minutes=0 must be >= 1",
+    "--exit-duration-in-mins 0": "--exit-duration-in-mins=0.0 must be > 0",
+}
+
+
+@pytest.mark.parametrize("extra", sorted(SWITCH_ERRORS))
+def test_switch_errors(extra):
+    assert error(extra) == SWITCH_ERRORS[extra]
+
+
+def test_flash_attention_needs_transformer_engine_on_cuda():
+    import importlib.util
+
+    if not torch.cuda.is_available():
+        why = "there is no CUDA device"
+    elif importlib.util.find_spec("transformer_engine") is None:
+        why = "transformer_engine is not installed"
+    else:  # Transformer Engine's attention runs: the flag is honoured
+        assert parse("--use-flash-attn").attention_backend == "flash"
+        return
+    assert error("--use-flash-attn") == (
+        "--attention-backend flash (or --use-flash-attn) chooses Transformer Engine's attention "
+        f"kernel, and {why}: drop the flag")
+
+
+def test_transformer_switches_reach_the_config():
+    from megatron.core.transformer.enums import AttnBackend
+
+    from megatron.sdp4bit.training.model import transformer_config_from_args
+
+    assert mf.transformer_config_overrides(parse("")) == {}
+    args = parse("--use-cpu-initialization --no-masked-softmax-fusion --no-bias-gelu-fusion "
+                 "--no-bias-dropout-fusion --apply-query-key-layer-scaling --fp16 "
+                 "--fp32-residual-connection --no-clone-scatter-output-in-embedding "
+                 "--recompute-granularity full --recompute-method uniform "
+                 "--recompute-num-layers 1 --tensor-model-parallel-size 2 "
+                 "--distribute-saved-activations")
+    config = transformer_config_from_args(args)
+    assert config.use_cpu_initialization and config.apply_query_key_layer_scaling
+    assert config.fp32_residual_connection and config.distribute_saved_activations
+    assert not (config.masked_softmax_fusion or config.bias_activation_fusion
+                or config.bias_dropout_fusion or config.clone_scatter_output_in_embedding)
+    # the SwiGLU switch governs SwiGLU's fusion, the GeLU switch GeLU's
+    assert "bias_activation_fusion" not in mf.transformer_config_overrides(
+        parse("--swiglu --no-bias-gelu-fusion"))
+    assert mf.transformer_config_overrides(parse("--swiglu --no-bias-swiglu-fusion")) == {
+        "bias_activation_fusion": False}
+    config = transformer_config_from_args(parse("--recompute-activations --recompute-modules "
+                                                "core_attn mlp"))
+    assert config.recompute_modules == ["core_attn", "mlp"]
+    assert mf.transformer_config_overrides(parse("--attention-backend local")) == {
+        "attention_backend": AttnBackend.local}
+
+
+def test_exit_duration_is_measured_from_the_start(monkeypatch):
+    args = parse("--exit-duration-in-mins 2")
+    assert abs(args.start_time - time.time()) < 60
+    now = args.start_time
+    monkeypatch.setattr(mf.time, "time", lambda: now)
+    assert not mf.exit_duration_reached(args)
+    now = args.start_time + 119.0
+    assert not mf.exit_duration_reached(args)
+    now = args.start_time + 121.0
+    assert mf.exit_duration_reached(args)
+    assert not mf.exit_duration_reached(parse(""))  # off by default, whatever the time
