@@ -2,8 +2,8 @@
 # The README's test command (CI's .ci/run calls it verbatim). Two passes:
 #   1. the whole suite in .venv, with the megatron-core that requirements.txt picks for this
 #      Python (0.16.1 on Python 3.11);
-#   2. the megatron-core integration and end-to-end tests (tests/distributed/test_integration_*.py,
-#      tests/e2e) again in .venv-mcore019, against megatron-core 0.19.2, the release for
+#   2. the megatron-core integration and end-to-end tests (tests/distributed/test_integration_*.py
+#      but the spawn helper's, tests/e2e) again in .venv-mcore019, against megatron-core 0.19.2, the release for
 #      Python >= 3.12. 0.19.2 declares Python >= 3.12 but its cp311 wheel runs on 3.11, so it
 #      is installed there with --ignore-requires-python: a test-only environment.
 # Both environments are created on first use. Usage:
@@ -19,7 +19,12 @@ MCORE_NEW="$(sed -n 's/^megatron-core==\([0-9][0-9.]*\) *; *python_version *>= *
     requirements.txt)"
 [ -n "$MCORE_NEW" ] || { echo "run_tests.sh: no 'megatron-core==X; python_version >= \"3.12\"'" \
     "line in requirements.txt" >&2; exit 2; }
-SECOND_PASS=(tests/distributed/test_integration_*.py tests/e2e)
+# The second pass: what touches megatron-core (not the spawn helper's own test).
+SPAWN_TEST=tests/distributed/test_integration_spawn.py
+SECOND_PASS=()
+for f in tests/distributed/test_integration_*.py tests/e2e; do
+    [ "$f" = "$SPAWN_TEST" ] || SECOND_PASS+=("$f")
+done
 
 # Split the arguments into test paths and pytest options.
 paths=() options=()
@@ -32,6 +37,7 @@ else
     first=("${paths[@]}") second=()
     for p in "${paths[@]}"; do
         case "${p%%::*}" in
+            "$SPAWN_TEST") ;;
             tests/distributed/test_integration_*|tests/e2e|tests/e2e/*) second+=("$p") ;;
         esac
     done
