@@ -18,7 +18,9 @@ setup(
     install_requires=[
         # The tested pins. A CUDA build of torch 2.13.0 (2.13.0+cuXXX) satisfies the pin.
         "torch==2.13.0",
-        "megatron-core==0.16.1",
+        # The tested megatron-core release for the interpreter (0.19.2 requires Python >= 3.12).
+        "megatron-core==0.16.1; python_version < '3.12'",
+        "megatron-core==0.19.2; python_version >= '3.12'",
         # No upper bound and no exact pin: a CUDA torch pins its own triton, which wins.
         "triton>=3.2; platform_system == 'Linux'",
         "numpy>=1.26",

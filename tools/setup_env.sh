@@ -1,17 +1,48 @@
-# Sourced, not run: creates (once) and activates .venv with the pinned packages and
-# this project installed in editable mode. Re-running only checks the pins.
+# Sourced, not run: creates (once) and activates a virtual environment with the pinned
+# packages of requirements.txt and this project in editable mode. Re-running only checks the
+# pins. Settings (environment variables):
+#   SDP4BIT_VENV            the environment's folder (default .venv)
+#   SDP4BIT_MEGATRON_CORE   a megatron-core version to install instead of the one
+#                           requirements.txt picks for this Python, with --no-deps
+#                           --ignore-requires-python. Test-only: tools/run_tests.sh uses it to
+#                           test megatron-core 0.19.2 (which requires Python >= 3.12) on 3.11.
 set -euo pipefail
 PYTHON="${PYTHON:-python3.11}"
 command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
-if [ ! -x .venv/bin/python ]; then
-    "$PYTHON" -m venv .venv
+_venv="${SDP4BIT_VENV:-.venv}"
+_mcore="${SDP4BIT_MEGATRON_CORE:-}"
+_stamp="$_venv/.installed"
+_want="requirements.txt${_mcore:+ megatron-core==$_mcore}"
+
+# pip, quiet, without the notices some machines' pip.conf causes for absent local indexes
+_sdp4bit_pip() {
+    python -m pip "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+    return "${PIPESTATUS[0]}"
+}
+
+if [ ! -x "$_venv/bin/python" ]; then
+    echo "== creating $_venv ($("$PYTHON" --version 2>&1))"
+    "$PYTHON" -m venv "$_venv"
 fi
-source .venv/bin/activate
+source "$_venv/bin/activate"
 if ! python -c "import megatron.sdp4bit, megatron.core, torch, triton" >/dev/null 2>&1 \
-    || [ requirements.txt -nt .venv/.installed ] || [ setup.py -nt .venv/.installed ]; then
-    python -m pip install -q --upgrade pip
-    python -m pip install -q -r requirements.txt
-    python -m pip install -q --no-deps -e .
-    touch .venv/.installed
+    || [ ! -f "$_stamp" ] || [ "$(cat "$_stamp")" != "$_want" ] \
+    || [ requirements.txt -nt "$_stamp" ] || [ setup.py -nt "$_stamp" ]; then
+    echo "== $_venv: installing the pinned packages of requirements.txt (first run: a few minutes)"
+    _sdp4bit_pip install -q --upgrade pip
+    if [ -n "$_mcore" ]; then
+        # Everything but megatron-core, which comes next, unchecked against this Python.
+        grep -v -i "^megatron[-_]core" requirements.txt > "$_venv/requirements-no-mcore.txt"
+        _sdp4bit_pip install -q -r "$_venv/requirements-no-mcore.txt"
+        echo "== $_venv: installing megatron-core==$_mcore with --ignore-requires-python (test-only)"
+        _sdp4bit_pip install -q --no-deps --ignore-requires-python "megatron-core==$_mcore"
+    else
+        _sdp4bit_pip install -q -r requirements.txt
+    fi
+    echo "== $_venv: installing this project (editable)"
+    _sdp4bit_pip install -q --no-deps -e .
+    echo "$_want" > "$_stamp"
 fi
+unset -f _sdp4bit_pip
+unset _venv _mcore _stamp _want
 set +euo pipefail

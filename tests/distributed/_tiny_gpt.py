@@ -32,6 +32,8 @@ class Setup:
     lr: float = 3e-3
     tied_embeddings: bool = False  # share the input embedding with the output layer
     average_in_collective: bool = False  # AVG in the reduce-scatter instead of scaling by 1/DP
+    grad_reduce_in_fp32: bool = True  # False: gradient buffers in the parameters' dtype
+    ddp_options: tuple[tuple[str, object], ...] = ()  # more DistributedDataParallelConfig fields
 
 
 def init_parallel(tp: int = 1, pp: int = 1) -> None:
@@ -101,12 +103,13 @@ def build(setup: Setup, seed: int = 1, padding_for=None):
     if setup.bf16:
         model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
+        grad_reduce_in_fp32=setup.grad_reduce_in_fp32,
         use_distributed_optimizer=True,
         overlap_grad_reduce=setup.overlap_grad_reduce,
         overlap_param_gather=setup.overlap_param_gather,
         bucket_size=setup.bucket_size,
         average_in_collective=setup.average_in_collective,
+        **dict(setup.ddp_options),
     )
     with sdp4bit_padding(padding_for or SDP4BitConfig()):
         ddp = DistributedDataParallel(config, ddp_config, model)

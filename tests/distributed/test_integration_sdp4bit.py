@@ -218,6 +218,60 @@ def test_sdp4bit_methods_train_close_to_baseline(tp, pp, methods, overlap_method
     spawn(_methods_worker, 4, tp, pp, methods, overlap_methods, timeout=420)
 
 
+# (DistributedDataParallelConfig field, value, config, the refusal's words). Set on a built
+# model: install_sdp4bit checks them before it touches anything.
+REFUSED_DDP_OPTIONS = [
+    ("num_distributed_optimizer_instances", 2, "SDP4Bit",
+     "num_distributed_optimizer_instances > 1 is not supported by SDP4Bit"),
+    ("reduce_scatter_with_fp32_accumulation", True, "SDP4Bit",
+     "reduce_scatter_with_fp32_accumulation replaces the same collective as TLq"),
+    ("use_megatron_fsdp", True, "SDP4Bit", "Megatron-FSDP"),
+    ("use_custom_fsdp", True, "SDP4Bit", "Megatron-FSDP"),
+    ("reuse_grad_buf_for_mxfp8_param_ag", True, "SDP4Bit",
+     "reuse_grad_buf_for_mxfp8_param_ag is not supported by SDP4Bit"),
+    ("fp8_param_gather", True, "qWD", "qWD needs 16-bit model parameters, but fp8_param_gather"),
+    ("fp4_param_gather", True, "qWD", "qWD needs 16-bit model parameters, but fp4_param_gather"),
+]
+
+
+def _check_refusals(ddp, optimizer, cfg) -> None:
+    """Every refused option stops install_sdp4bit with its message; TLq alone takes FP8/FP4
+    parameter gathers (only qWD needs 16-bit parameters)."""
+    import copy
+
+    from megatron.sdp4bit.integration import install_sdp4bit
+
+    real = ddp.ddp_config
+    for field, value, method, words in REFUSED_DDP_OPTIONS:
+        if not hasattr(real, field):  # fp4_param_gather: 0.19.2 only
+            continue
+        ddp.ddp_config = copy.copy(real)
+        setattr(ddp.ddp_config, field, value)
+        try:
+            with pytest.raises(ValueError, match=words):
+                install_sdp4bit([ddp], optimizer, dataclasses.replace(cfg, **METHODS[method]))
+            if method == "qWD":
+                install_sdp4bit([ddp], optimizer, dataclasses.replace(
+                    cfg, quantized_weights=False)).uninstall()
+        finally:
+            ddp.ddp_config = real
+    real_groups, ddp.expert_parallel_bucket_groups = ddp.expert_parallel_bucket_groups, \
+        ddp.bucket_groups[:1]
+    try:
+        with pytest.raises(ValueError, match=r"expert-parallel \(MoE\) buffers are not supported"):
+            install_sdp4bit([ddp], optimizer, cfg)
+    finally:
+        ddp.expert_parallel_bucket_groups = real_groups
+    opt = optimizer.chained_optimizers[0]
+    real_config, opt.config = opt.config, copy.copy(opt.config)
+    opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
+    try:
+        with pytest.raises(ValueError, match="qWD needs the fp32 main params"):
+            install_sdp4bit([ddp], optimizer, cfg)
+    finally:
+        opt.config = real_config
+
+
 def _uninstall_worker(rank: int, world_size: int) -> None:
     import _tiny_gpt as T
     from megatron.sdp4bit.config import SDP4BitConfig
@@ -227,13 +281,15 @@ def _uninstall_worker(rank: int, world_size: int) -> None:
     cfg = SDP4BitConfig(**BASE, **METHODS["SDP4Bit"], dp_ranks_per_node=2)
     setup = T.Setup(overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=12_000)
     steps = 4
-    # Baseline on the padded layout, vs. install + immediate uninstall: bit for bit.
-    ref_losses, _, ref_ddp = _run(setup, cfg, steps, install=False)
-    losses, handle, ddp = _run(setup, cfg, steps, then_uninstall=True)
-    assert losses == ref_losses
-    for a, b in zip(T.param_buffers(ddp), T.param_buffers(ref_ddp)):
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-    assert handle.stats.snapshot() == dict.fromkeys(handle.stats.snapshot(), 0)
+    # Baseline on the padded layout, vs. install + immediate uninstall: bit for bit, with the
+    # collectives issued from the hooks (overlap) and from the step and finish_grad_sync.
+    for each in (T.Setup(), setup):  # the overlap baseline's losses are used below
+        ref_losses, _, ref_ddp = _run(each, cfg, steps, install=False)
+        losses, handle, ddp = _run(each, cfg, steps, then_uninstall=True)
+        assert losses == ref_losses
+        for a, b in zip(T.param_buffers(ddp), T.param_buffers(ref_ddp)):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        assert handle.stats.snapshot() == dict.fromkeys(handle.stats.snapshot(), 0)
 
     # gradients_quantization_start_iteration=2: megatron-core's reduce-scatter for iterations
     # 0 and 1 (so the losses through step 2 are the baseline's, bit for bit), TLq after.
@@ -269,6 +325,7 @@ def _uninstall_worker(rank: int, world_size: int) -> None:
     assert handle.stats.snapshot() == sent  # nothing quantized after uninstall
     handle = install_sdp4bit([ddp], optimizer, cfg)  # re-installable after uninstall
     handle.uninstall()
+    _check_refusals(ddp, optimizer, cfg)
 
     # Refusals, identical on every rank.
     unpadded, opt2 = T.build(setup)  # built outside sdp4bit_padding
@@ -283,6 +340,46 @@ def _uninstall_worker(rank: int, world_size: int) -> None:
 
 def test_uninstall_restores_bit_exact_baseline() -> None:
     spawn(_uninstall_worker, 4, timeout=300)
+
+
+def _precisions_worker(rank: int, world_size: int) -> None:
+    import _tiny_gpt as T
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.sdp4bit.config import SDP4BitConfig
+
+    T.init_parallel(1, 1)
+    cfg = SDP4BitConfig(**BASE, **METHODS["TLq-HS"], dp_ranks_per_node=2)
+    cases = {
+        "bf16 gradient buffers": T.Setup(grad_reduce_in_fp32=False),
+        "fp32 parameters": T.Setup(bf16=False),
+    }
+    fields = {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}
+    if "param_name_patterns_for_fp32_local_accumulation" in fields:  # 0.19.2
+        cases["fp32 local accumulation"] = T.Setup(grad_reduce_in_fp32=False, ddp_options=(
+            ("param_name_patterns_for_fp32_local_accumulation", ("all",)),))
+    report: list[str] = []
+    for name, setup in cases.items():
+        base_losses, _, _ = _run(setup, cfg, install=False)
+        _assert_trains(base_losses, f"baseline, {name}")
+        losses, handle, ddp = _run(setup, cfg)
+        buckets = [bucket for buffer in ddp.buffers for bucket in buffer.buckets]
+        grad_dtype = torch.float32 if setup.grad_reduce_in_fp32 else torch.bfloat16
+        assert {bucket.grad_data.dtype for bucket in buckets} == {grad_dtype}, name
+        if setup.ddp_options:  # every parameter accumulates in its own fp32 main_grad
+            assert all(bucket.params_with_extra_main_grads for bucket in buckets), name
+        assert all(handle.state.grad_calls[bid] == STEPS for bid in handle.bucket_numels), name
+        _assert_trains(losses, name)
+        gap = abs(_final(losses) - _final(base_losses)) / _final(base_losses)
+        report.append(f"TLq-HS, {name}: final {_final(losses):.4f} vs baseline "
+                      f"{_final(base_losses):.4f} ({100 * gap:.2f}%)")
+        assert gap <= LOSS_BOUND, report[-1]
+    print("\n".join(report), flush=True)
+
+
+def test_other_gradient_and_parameter_precisions() -> None:
+    """TLq-HS with bf16 gradient buffers, with fp32 parameters, and (0.19.2, where the option
+    exists) with fp32 local accumulation into bf16 buffers: trains like its own baseline."""
+    spawn(_precisions_worker, 4, timeout=300)
 
 
 def _instrumented_run(setup, cfg, steps: int):
@@ -370,15 +467,18 @@ def test_overlap_issues_inter_hops_during_backward() -> None:
     spawn(_early_advance_worker, 4, timeout=300)
 
 
-def test_untested_megatron_core_version_is_refused(monkeypatch) -> None:
-    from megatron.core import package_info
+def test_runs_against_the_expected_megatron_core() -> None:
+    """tools/run_tests.sh runs this file against each tested release (the second pass in a
+    test-only environment with 0.19.2, named by SDP4BIT_EXPECT_MEGATRON_CORE); without it,
+    the release requirements.txt picks for this Python."""
+    import os
+    import sys
 
-    from megatron.sdp4bit.integration import check_megatron_core_version
+    from megatron.sdp4bit.integration import (
+        TESTED_MEGATRON_CORE_VERSIONS,
+        check_megatron_core_version,
+    )
 
-    assert check_megatron_core_version() == "0.16.1"
-    monkeypatch.setattr(package_info, "__version__", "0.17.0")
-    with pytest.raises(RuntimeError, match=r"megatron-core 0\.17\.0 is installed: install "
-                                           r"megatron-core==0\.16\.1, or pass "
-                                           r"allow_untested_version=True"):
-        check_megatron_core_version()
-    assert check_megatron_core_version(allow_untested_version=True) == "0.17.0"
+    expected = (os.environ.get("SDP4BIT_EXPECT_MEGATRON_CORE")
+                or TESTED_MEGATRON_CORE_VERSIONS[int(sys.version_info >= (3, 12))])
+    assert check_megatron_core_version() == expected

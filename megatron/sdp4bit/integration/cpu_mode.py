@@ -1,4 +1,4 @@
-"""CPU development mode: run megatron-core 0.16.1 on CPU with the gloo backend.
+"""CPU development mode: run megatron-core (0.16.1, 0.19.2) on CPU with the gloo backend.
 
 megatron-core assumes CUDA: it allocates its buffers on ``torch.cuda.current_device()``,
 creates small bookkeeping tensors with ``device="cuda"``, and recognises mixed-precision
@@ -33,6 +33,10 @@ What it changes (all in this process, in the thread that calls it, until exit):
    ``model_parallel_cuda_manual_seed`` and by every attention layer's ``fork()`` around
    dropout) then swaps the CPU generator's state, which is the generator that CPU dropout
    draws from: the tracker keeps its meaning (distinct streams per TP rank) on CPU.
+5. ``torch.cuda.current_stream()`` returns the CPU stream (``torch.cpu.current_stream()``,
+   whose ``wait_event`` / ``wait_stream`` do nothing: CPU work is synchronous). megatron-core
+   0.19.2's ``start_grad_sync`` reads it on every call (to wait on CUDA-graph events, which
+   a CPU run never has); 0.16.1 does not call it on these paths.
 
 What it needs from the caller, through ordinary megatron-core options (no patch):
 ``TransformerConfig(use_cpu_initialization=True)``, ``get_gpt_layer_local_spec()``
@@ -107,6 +111,10 @@ def _megatron_set_rng_state_cpu(new_state: torch.Tensor, device: Any = -1, graph
     torch.set_rng_state(new_state)
 
 
+def _current_stream_cpu(device: Any = None) -> torch.cpu.Stream:
+    return torch.cpu.current_stream()
+
+
 def cpu_mode_active() -> bool:
     """Whether :func:`enable_cpu_mode` has switched this process to CPU mode."""
     return _mode is not None
@@ -131,6 +139,7 @@ def enable_cpu_mode(*, force: bool = False) -> None:
     from megatron.core.tensor_parallel import random as mcore_random
 
     torch.cuda.current_device = _current_device_cpu
+    torch.cuda.current_stream = _current_stream_cpu
     torch.cuda.get_rng_state = torch.cuda.random.get_rng_state = _cuda_get_rng_state_cpu
     torch.cuda.manual_seed = torch.cuda.random.manual_seed = _cuda_manual_seed_cpu
     mcore_random._set_cuda_rng_state = _megatron_set_rng_state_cpu

@@ -1,18 +1,21 @@
 """TLq / TLq-HS in megatron-core's gradient sync: the replaced ``start_grad_sync``.
 
-megatron-core 0.16.1, ``_ParamAndGradBucketGroup.start_grad_sync`` (param_and_grad_buffer.py)
-issues, inside a ``_coalescing_manager``, one ``reduce_scatter_tensor(shard_r, grad_data)``
-per bucket, asynchronously with ``overlap_grad_reduce`` (then ``finish_grad_sync`` waits on
-the stored ``grad_reduce_handle``), synchronously otherwise (``finish_grad_sync`` calls it).
-It is called from three places: the backward hook once every gradient of the group is
-ready (``register_grad_ready``), ``finish_grad_sync`` (first batch, and always without
-overlap), and ``DistributedDataParallel.start_grad_sync``.
+megatron-core's ``_ParamAndGradBucketGroup.start_grad_sync`` (param_and_grad_buffer.py; the
+same in 0.16.1 and 0.19.2 where SDP4Bit is concerned) issues, inside a
+``_coalescing_manager``, one ``reduce_scatter_tensor(shard_r, grad_data)`` per bucket,
+asynchronously with ``overlap_grad_reduce`` (then ``finish_grad_sync`` waits on the stored
+``grad_reduce_handle``), synchronously otherwise (``finish_grad_sync`` calls it). It is
+called from three places: the backward hook once every gradient of the group is ready
+(``register_grad_ready``), ``finish_grad_sync`` (first batch, and always without overlap),
+and ``DistributedDataParallel.start_grad_sync``.
 
 The replacement below is bound on each bucket-group instance (so all three callers reach
-it) and keeps that contract: same early return in the first batch, same NaN/large-gradient
-checks, same ``gradient_scaling_factor`` and SUM/AVG choice, same handle semantics. Only the
-collective differs: ``two_level_reduce_scatter`` on every bucket (not coalesced: each
-returns its own handle, and megatron-core's ``_coalescing_manager`` would not wait on ours).
+it) and keeps that contract: same early return in the first batch, same preparation of the
+buckets (``releases.prepare_grads_for_sync``: 0.19.2's CUDA-graph events and fp32 local
+accumulators), same NaN/large-gradient checks, same ``gradient_scaling_factor`` and SUM/AVG
+choice, same handle semantics. Only the collective differs: ``two_level_reduce_scatter`` on
+every bucket (not coalesced: each returns its own handle, and megatron-core's
+``_coalescing_manager`` would not wait on ours).
 
 [Note: advancing earlier buckets]
 With ``overlap_grad_reduce`` the backward hook starts bucket groups one by one while
@@ -40,9 +43,11 @@ from __future__ import annotations
 import types
 from collections.abc import Sequence
 
+import torch
 from torch.distributed import ReduceOp
 
 from megatron.sdp4bit.comm import CollectiveWork, DPTopology, two_level_reduce_scatter
+from megatron.sdp4bit.integration.releases import prepare_grads_for_sync
 from megatron.sdp4bit.integration.state import KIND_GRAD, RunState
 from megatron.sdp4bit.integration.work import BucketGroupWork
 
@@ -92,13 +97,15 @@ def make_start_grad_sync(bucket_group, *, bucket_ids: list[int], topology: DPTop
         if self.is_first_batch and self.grad_reduce_handle is not None:
             return  # already dispatched in this first batch (megatron-core's rule)
         assert self.grad_reduce_handle is None, "grad sync issued twice without a wait"
+        prepare_grads_for_sync(self)
         ddp_config = self.ddp_config
         if ddp_config.check_for_nan_in_grad or ddp_config.check_for_large_grads:
             self.check_grads(check_for_nan_or_inf=ddp_config.check_for_nan_in_grad,
                              check_for_large=ddp_config.check_for_large_grads)
-        for bucket in self.buckets:
-            if bucket.gradient_scaling_factor != 1.0:
-                bucket.grad_data *= bucket.gradient_scaling_factor
+        with torch.no_grad():  # buffer state, not part of any autograd graph
+            for bucket in self.buckets:
+                if bucket.gradient_scaling_factor != 1.0:
+                    bucket.grad_data *= bucket.gradient_scaling_factor
         op = ReduceOp.AVG if ddp_config.average_in_collective else ReduceOp.SUM
         async_op = ddp_config.overlap_grad_reduce
         world, rank = topology.world, topology.rank

@@ -97,8 +97,10 @@ def _check_supported(model_chunks: Sequence, optimizers: Sequence, config: SDP4B
         _refuse(ddp_config.reduce_scatter_with_fp32_accumulation,
                 "reduce_scatter_with_fp32_accumulation replaces the same collective as TLq: "
                 "turn it off")
-        _refuse(getattr(ddp_config, "use_megatron_fsdp", False),
-                "Megatron-FSDP is not supported by SDP4Bit: use DistributedDataParallel")
+        _refuse(ddp_config.use_megatron_fsdp or ddp_config.use_custom_fsdp,
+                "Megatron-FSDP (use_megatron_fsdp / use_custom_fsdp) is not supported by "
+                "SDP4Bit: it shards parameters with its own collectives; use "
+                "DistributedDataParallel with the distributed optimizer")
         _refuse(ddp_config.reuse_grad_buf_for_mxfp8_param_ag,
                 "reuse_grad_buf_for_mxfp8_param_ag is not supported by SDP4Bit: turn it off")
         _refuse(bool(chunk.expert_parallel_bucket_groups),
@@ -107,6 +109,12 @@ def _check_supported(model_chunks: Sequence, optimizers: Sequence, config: SDP4B
             raise ValueError("SDP4Bit is already installed on this model: call "
                              "handle.uninstall() before installing again")
     if config.quantized_weights:
+        for chunk in model_chunks:
+            for flag in ("fp8_param_gather", "fp4_param_gather"):  # fp4: 0.19.2 only
+                _refuse(getattr(chunk.ddp_config, flag, False),
+                        f"qWD needs 16-bit model parameters, but {flag} keeps the replica as "
+                        "quantized bytes with no weights to take a difference of: turn "
+                        f"{flag} off, or quantize only the gradients (quantized_gradients)")
         for opt in optimizers:
             _refuse(opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
                     "qWD needs the fp32 main params of the distributed optimizer: turn off "

@@ -1,19 +1,21 @@
 """Bucket padding: make every DDP bucket a whole number of quantization groups per shard.
 
 [Note: why padding goes around DDP construction]
-``_ParamAndGradBuffer.__init__`` lays out its buckets and allocates ``param_data`` /
-``grad_data`` in one go; the end of each bucket is padded to a multiple of
-``math.lcm(dp_size, 128)`` (``lcm(dp_size, 128, 2**16)`` with
-``pad_buckets_for_high_nccl_busbw``) by a closure local to ``__init__``. No configuration
-option reaches that divisor, and a buffer cannot be re-laid out once built (its views are
-already the model's ``param.data`` and ``param.main_grad``). The only name the closure looks
-up at call time is the module global ``math`` of ``param_and_grad_buffer``, so, while DDP is
-being built inside :func:`sdp4bit_padding`, that global is a namespace whose ``lcm`` also
-takes in :func:`~megatron.sdp4bit.comm.padding.divisor_from_config` for the buffer's DP size
-(the first argument megatron-core passes). Everything else in it is the real ``math``. The
-previous value is restored on exit, and :func:`~megatron.sdp4bit.integration.install_sdp4bit`
-checks every bucket, so a layout built outside the context is refused with the fix, never
-used unpadded.
+megatron-core lays out a buffer's buckets once, when DDP is built, and pads the end of each
+bucket to a multiple of ``math.lcm(dp_size, 128)`` (``lcm(dp_size, 128, 2**16)`` with
+``pad_buckets_for_high_nccl_busbw``). No configuration option reaches that divisor, and a
+buffer cannot be re-laid out once built (its views are already the model's ``param.data``
+and ``param.main_grad``). The divisor is computed by a call to the global ``math`` of one
+megatron-core module, looked up at call time (``releases.bucket_padding_module``: the
+closure in ``_ParamAndGradBuffer.__init__`` in 0.16.1; ``optimizer/param_layout.py``'s
+``bucket_end_divisor`` in 0.19.2, called by ``DistributedOptimizer.compute_full_param_layout``
+from DDP's constructor). While DDP (and, in 0.19.2, a layout computed by the caller) is
+built inside :func:`sdp4bit_padding`, that global is a namespace whose ``lcm`` also takes in
+:func:`~megatron.sdp4bit.comm.padding.divisor_from_config` for the buffer's DP size (the
+first argument megatron-core passes, in both releases). Everything else in it is the real
+``math``. The previous value is restored on exit, and
+:func:`~megatron.sdp4bit.integration.install_sdp4bit` checks every bucket, so a layout built
+outside the context is refused with the fix, never used unpadded.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections.abc import Iterator
 
 from megatron.sdp4bit.comm import divisor_from_config
 from megatron.sdp4bit.config import SDP4BitConfig
+from megatron.sdp4bit.integration.releases import bucket_padding_module
 
 
 def _padded_math(config: SDP4BitConfig) -> types.SimpleNamespace:
@@ -38,7 +41,9 @@ def _padded_math(config: SDP4BitConfig) -> types.SimpleNamespace:
 
 @contextlib.contextmanager
 def sdp4bit_padding(config: SDP4BitConfig) -> Iterator[None]:
-    """Build megatron-core's ``DistributedDataParallel`` inside this to pad its buckets.
+    """Build megatron-core's ``DistributedDataParallel`` inside this to pad its buckets
+    (with 0.19.2, also ``DistributedOptimizer.compute_full_param_layout`` when the caller
+    computes the layout and passes it to DDP, as Megatron-LM's training loop does).
 
     With nothing quantized (``config.enabled`` False) it changes nothing. Not re-entrant
     across threads (DDP construction is single-threaded). See [Note: why padding goes
@@ -47,11 +52,10 @@ def sdp4bit_padding(config: SDP4BitConfig) -> Iterator[None]:
     if not config.enabled:
         yield
         return
-    from megatron.core.distributed import param_and_grad_buffer
-
-    previous = param_and_grad_buffer.math
-    param_and_grad_buffer.math = _padded_math(config)
+    module = bucket_padding_module()
+    previous = module.math
+    module.math = _padded_math(config)
     try:
         yield
     finally:
-        param_and_grad_buffer.math = previous
+        module.math = previous

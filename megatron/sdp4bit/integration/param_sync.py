@@ -1,13 +1,14 @@
 """qWD in megatron-core's parameter sync: main-shard views, the replaced copy and all-gather.
 
-megatron-core 0.16.1, bf16/fp16 parameters with the distributed optimizer:
+megatron-core 0.16.1 and 0.19.2 alike, bf16/fp16 parameters with the distributed optimizer:
 
 * ``DistributedOptimizer.step_with_ready_grads`` runs the inner Adam step on the fp32 main
   shards, then ``_copy_main_params_to_model_params`` writes each main shard, cast to bf16,
   into *this rank's shard of the bucket's* ``param_data`` (the replica), then, without
   ``overlap_param_gather``, ``start_param_sync`` all-gathers every bucket's ``param_data``
-  from those shards. With ``overlap_param_gather`` the all-gathers are issued later, bucket
-  by bucket, from the forward pre-hooks of the next iteration.
+  from those shards (0.19.2: through ``DDP._start_bucket_group_param_sync``, which calls the
+  bucket group's ``start_param_sync``). With ``overlap_param_gather`` the all-gathers are
+  issued later, bucket by bucket, from the forward pre-hooks of the next iteration.
 * So between the Adam step and the all-gather, the replica shard still holds the previous
   replica *unless the copy has run*. The installed copy therefore skips the 16-bit groups:
   the replica shard keeps the old values (no extra copy of the weights is needed to take the
@@ -42,6 +43,7 @@ import torch
 
 from megatron.sdp4bit.comm import weight_difference_all_gather
 from megatron.sdp4bit.comm.stats import timed
+from megatron.sdp4bit.integration.releases import post_param_sync
 from megatron.sdp4bit.integration.state import KIND_PARAM, KIND_TIED_PARAM, RunState
 from megatron.sdp4bit.integration.work import BucketGroupWork
 
@@ -106,7 +108,8 @@ def _tied_embedding_key(bucket) -> int | None:
 
 def make_start_param_sync(bucket_group, *, bucket_ids: list[int], shards: dict[int, MainShard],
                           group_id: int, ranks_per_node: int, state: RunState):
-    """A ``start_param_sync`` for ``bucket_group`` (megatron-core's contract, qWD inside)."""
+    """A ``start_param_sync`` for ``bucket_group`` (megatron-core's contract, qWD inside;
+    ``post_param_sync`` where 0.19.2 runs its post-all-gather processing)."""
     tied_keys = [_tied_embedding_key(bucket) for bucket in bucket_group.buckets]
 
     def start_param_sync(self, force_sync: bool = False) -> None:
@@ -115,6 +118,7 @@ def make_start_param_sync(bucket_group, *, bucket_ids: list[int], shards: dict[i
             if self.param_gather_handle is not None:
                 self.param_gather_handle.wait()
                 self.param_gather_handle = None
+                post_param_sync(self)
                 return
         else:
             assert self.param_gather_handle is None
@@ -134,6 +138,8 @@ def make_start_param_sync(bucket_group, *, bucket_ids: list[int], shards: dict[i
                 async_op=async_op))
             state.param_calls[bucket_id] += 1
         self.param_gather_handle = BucketGroupWork(works) if async_op else None
+        if force_sync and self.ddp_config.overlap_param_gather:
+            post_param_sync(self)
         self.param_gather_dispatched = True
 
     return types.MethodType(start_param_sync, bucket_group)
