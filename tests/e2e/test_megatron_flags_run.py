@@ -16,7 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 NOISE = ("Apex is not installed", "Transformer Engine and Apex are not installed",
          "full scope is deprecated", "Unable to save MockGPTDataset indexes",
-         "Rerun State Machine", "RerunStateMachine", "is deprecated. Please use")
+         "Rerun State Machine", "RerunStateMachine", "is deprecated. Please use",
+         "GPTModel IS DEPRECATED", "full_param_layout not provided", "MimoModelConfig")
 
 
 def _free_port() -> int:

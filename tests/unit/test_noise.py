@@ -42,11 +42,19 @@ def test_every_dropped_message_is_one_the_installed_packages_print():
     torch_dist = _package_source("torch.distributed")
     # the source spreads some messages over adjacent string literals: join them
     joined = [re.sub(r"\"\s*\n\s*[f]?\"|'\s*\n\s*[f]?'", "", s) for s in (mcore, torch_dist)]
+    from megatron.sdp4bit.integration.version import megatron_core_version
+
+    installed = megatron_core_version()  # a release-specific pattern is checked on its own
+    # release (the end-to-end run checks the console of each release for the noise)
     for message, module, _ in noise.NOISE_WARNINGS:
+        if noise.RELEASE_SPECIFIC.get(message, installed) != installed:
+            continue
         haystack = joined[1] if module.startswith("torch") else joined[0]
         assert re.search(message, haystack), message
     for patterns in noise.NOISE_LOGS.values():
         for pattern in patterns:  # plain text; megatron-core formats the class name in
+            if noise.RELEASE_SPECIFIC.get(pattern, installed) != installed:
+                continue
             assert pattern.replace("MockGPTDataset", "{type(self).__name__}") in joined[0], \
                 pattern
 
