@@ -52,6 +52,7 @@ def one_error_line(res: subprocess.CompletedProcess) -> str:
     return lines[0][len("pretrain_gpt.py: error: "):]
 
 
+@pytest.mark.release_independent
 def test_bad_data_file_stops_every_rank_with_one_line(data_prefix, tmp_path):
     prefix = data_prefix[data_prefix.index("--data-path") + 1]
     broken = tmp_path / "broken"
@@ -72,6 +73,7 @@ def test_bad_data_file_stops_every_rank_with_one_line(data_prefix, tmp_path):
     assert time.time() - start < 90
 
 
+@pytest.mark.release_independent
 def test_crafted_index_cache_is_refused_and_runs_no_code(data_prefix, tmp_path):
     cache = data_prefix[data_prefix.index("--data-cache-path") + 1]
     os.makedirs(cache, exist_ok=True)
@@ -142,6 +144,7 @@ def _train_and_save(tmp_path, extra=(), iters=8, env=None) -> tuple[str, list]:
     return ckpt, res
 
 
+@pytest.mark.release_independent
 def test_checkpoint_tampering_and_damage_are_named(tmp_path):
     ckpt, res = _train_and_save(tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -176,6 +179,7 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path):
     assert [m["iteration"] for m in train_lines(res.stdout)] == [5, 6, 7, 8]
 
 
+@pytest.mark.release_independent
 def test_runs_do_not_clobber_each_others_checkpoints(tmp_path):
     ckpt, res = _train_and_save(tmp_path, iters=4)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -273,6 +277,7 @@ def _wait_for_training(proc: subprocess.Popen) -> None:
     raise AssertionError("the run ended before training: " + proc.stderr.read()[-3000:])
 
 
+@pytest.mark.release_independent
 def test_a_stopped_rank_ends_the_job_in_bounded_time():
     proc = _long_run(["--heartbeat-timeout-seconds", "6"])
     try:
@@ -292,6 +297,7 @@ def test_a_stopped_rank_ends_the_job_in_bounded_time():
     assert elapsed < 60, elapsed
 
 
+@pytest.mark.release_independent
 def test_a_killed_rank_ends_the_job():
     proc = _long_run([])
     try:
@@ -305,6 +311,7 @@ def test_a_killed_rank_ends_the_job():
     assert proc.returncode != 0 and elapsed < 60, elapsed
 
 
+@pytest.mark.release_independent
 def test_workers_of_a_killed_agent_exit_on_their_own():
     proc = _long_run(["--heartbeat-timeout-seconds", "6"])
     try:
@@ -335,6 +342,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.release_independent
 def test_parse_errors_always_print_their_line():
     """Whichever rank exits first, the launch shows its one error line (four launches; before
     the fix about one launch in twelve lost it)."""
@@ -343,6 +351,7 @@ def test_parse_errors_always_print_their_line():
         assert message == "argument --lr: invalid float value: '-'"
 
 
+@pytest.mark.release_independent
 def test_port_in_use_is_one_line(tmp_path):
     import socket
 
@@ -358,6 +367,7 @@ def test_port_in_use_is_one_line(tmp_path):
                                    "--rdzv-endpoint host:port)")
 
 
+@pytest.mark.release_independent
 def test_preprocess_is_atomic_and_refuses_empty_input(data_prefix, tmp_path):
     prefix = data_prefix[data_prefix.index("--data-path") + 1]
     vocab = data_prefix[data_prefix.index("--vocab-file") + 1]
