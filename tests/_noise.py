@@ -49,6 +49,7 @@ class Rounding:
     r: torch.Tensor  # error in steps, q - x/s (0 where s == 0)
     v: torch.Tensor  # its variance f (1 - f)
     f: torch.Tensor  # fractional part of x/s
+    messages: int = 1  # equal-sized messages the call wrote, in stream order
 
 
 def decode(wire: torch.Tensor, count: int, numel: int, bits: int, group_size: int
@@ -140,6 +141,25 @@ def assert_independent(roundings: list[Rounding], what: str, min_elements: int =
     return pairs
 
 
+def assert_messages_independent(roundings: list[Rounding], what: str,
+                                min_elements: int = 1000) -> int:
+    """Within each call, every pair of its messages uncorrelated (|z| < ``Z_LIMIT``): one
+    call's stream continues across the messages it writes, so a stream that restarts in
+    every message gives each destination the same uniforms. Returns the pairs checked."""
+    pairs = 0
+    for x in roundings:
+        if x.messages < 2:
+            continue
+        size = x.r.numel() // x.messages
+        if size < min_elements:
+            continue
+        parts = [Rounding(f"{x.label}/message{j}", x.r[j * size:(j + 1) * size],
+                          x.v[j * size:(j + 1) * size], x.f[j * size:(j + 1) * size])
+                 for j in range(x.messages)]
+        pairs += assert_independent(parts, what, min_elements)
+    return pairs
+
+
 # ------------------------------------------------------------------- recording quantizers
 
 
@@ -171,9 +191,12 @@ class Recorder:
         self.tag = ""
         self._count = 0
 
-    def _add(self, op: str, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> None:
+    def _add(self, op: str, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
+             messages: int = 1) -> None:
         self._count += 1
-        self.roundings.append(rounding(f"{self.tag}{op}#{self._count}", x, q, s))
+        record = rounding(f"{self.tag}{op}#{self._count}", x, q, s)
+        record.messages = messages
+        self.roundings.append(record)
 
     @contextlib.contextmanager
     def active(self):
@@ -200,7 +223,7 @@ class Recorder:
             if stochastic:
                 count = num_dests * slices
                 self._add("tlq_sender", x, *decode(out, count, x.numel() // count, bits,
-                                                   group_size))
+                                                   group_size), messages=count)
 
         def tlq_middle(wire_in, out, *, n_in, numel, bits_in, group_size_in, n_out, bits_out,
                        group_size_out, stochastic, seed, **kw):
@@ -211,7 +234,7 @@ class Recorder:
                                     stochastic=stochastic, seed=seed, **kw)
             if stochastic:
                 self._add("tlq_middle", x, *decode(out, n_out, numel // n_out, bits_out,
-                                                   group_size_out))
+                                                   group_size_out), messages=n_out)
 
         replacements = {"qwd_sender": qwd_sender, "tlq_sender": tlq_sender,
                         "tlq_middle": tlq_middle}

@@ -5,7 +5,8 @@ Every stochastic quantization a rank makes is recorded off the wire next to its 
 (``tests/_noise.py``); all ranks' records meet on every rank, and every pair must be
 uncorrelated: a seed that misses the DP rank, the hop, the slice, the bucket or the iteration
 makes two of them share their uniforms and their ``z`` jump to ~``sqrt(n) / 2`` (tens to
-hundreds here). The pooled roundings must be unbiased per bin of ``f`` to 0.01 of a step.
+hundreds here). Within one call, the messages to different destinations and slices must be
+uncorrelated too (one stream runs through them all). The pooled roundings must be unbiased per bin of ``f`` to 0.01 of a step.
 
 End to end, the reduce-scatter's output error (in the Hadamard domain, where the roundings
 happen) sums to ``Z = sum err / sqrt(V)`` with ``V`` the variance bound of
@@ -108,6 +109,10 @@ def _worker(rank: int, world: int) -> None:
         if n == 2:
             for backend in ("auto", "torch"):
                 _end_to_end_bias(topo, rank, backend)
+    # the messages of one call (one per destination and slice) draw distinct uniforms
+    within = torch.tensor([_noise.assert_messages_independent(roundings, f"rank {rank}")])
+    dist.all_reduce(within)
+    assert within.item() >= world * 4 * 6, within.item()  # at least the 2x2 senders' 4 messages
     sums = _noise.bin_sums(roundings)
     dist.all_reduce(sums)
     _noise.assert_unbiased_sums(sums, "the collectives' roundings")
