@@ -11,7 +11,7 @@ a timeout. Before the mutations it runs every target once unmutated: a target th
 fails proves nothing, so the tool stops there.
 
     python tools/mutate.py --list                    # the mutations and their targets
-    python tools/mutate.py                           # all of them (8 to 10 minutes on 2 cores)
+    python tools/mutate.py                           # all of them (about 7 minutes on 2 cores)
     python tools/mutate.py --only seed-without-iteration grad-scaling-factor-dropped
     python tools/mutate.py --write-results           # also record the table in docs/testing.md
 

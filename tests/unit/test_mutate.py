@@ -1,6 +1,6 @@
 """tools/mutate.py stays runnable: every mutation still applies to the source as written,
 every target exists, and the tool restores what it mutates (CI does not run the mutations
-themselves: the whole list takes 8 to 10 minutes on 2 cores)."""
+themselves: the whole list takes about 7 minutes on 2 cores)."""
 
 from __future__ import annotations
 
