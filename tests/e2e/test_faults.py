@@ -9,6 +9,7 @@ checkpoint lost. docs/reliability.md lists the probes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -261,35 +262,33 @@ def _worker_pids(agent: int) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-def _long_run(extra: list[str]) -> subprocess.Popen:
+@contextlib.contextmanager
+def _training_job(extra: list[str]):
+    """A 4-rank run that would go on for 100000 iterations, once it trains: yields the
+    torchrun agent's process and its 4 workers' pids; whatever is left is killed after."""
     flags = SHORT + SDP4BIT + ["--mock-data", *extra]
     flags[flags.index("--train-iters") + 1] = "100000"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
            "--master-port", str(_free_port()), os.path.join(ROOT, "pretrain_gpt.py"), *flags]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=_env(), cwd=ROOT, start_new_session=True)
-
-
-def _wait_for_training(proc: subprocess.Popen) -> None:
-    for line in proc.stdout:
-        if " iteration " in line:
-            return
-    raise AssertionError("the run ended before training: " + proc.stderr.read()[-3000:])
+    try:
+        if not any(" iteration " in line for line in proc.stdout):
+            raise AssertionError("the run ended before training: " + proc.stderr.read()[-3000:])
+        workers = _worker_pids(proc.pid)
+        assert len(workers) == 4
+        yield proc, workers
+    finally:
+        _kill_group(proc)
 
 
 @pytest.mark.release_independent
 def test_a_stopped_rank_ends_the_job_in_bounded_time():
-    proc = _long_run(["--heartbeat-timeout-seconds", "6"])
-    try:
-        _wait_for_training(proc)
-        workers = _worker_pids(proc.pid)
-        assert len(workers) == 4
+    with _training_job(["--heartbeat-timeout-seconds", "6"]) as (proc, workers):
         os.kill(workers[2], signal.SIGSTOP)
         start = time.time()
         _, err = proc.communicate(timeout=120)
         elapsed = time.time() - start
-    finally:
-        _kill_group(proc)
     assert proc.returncode != 0
     assert re.search(r"pretrain_gpt\.py: error: rank \d stopped responding for \d+ s", err), \
         err[-3000:]
@@ -299,31 +298,22 @@ def test_a_stopped_rank_ends_the_job_in_bounded_time():
 
 @pytest.mark.release_independent
 def test_a_killed_rank_ends_the_job():
-    proc = _long_run([])
-    try:
-        _wait_for_training(proc)
-        os.kill(_worker_pids(proc.pid)[1], signal.SIGKILL)
+    with _training_job([]) as (proc, workers):
+        os.kill(workers[1], signal.SIGKILL)
         start = time.time()
         proc.communicate(timeout=120)
         elapsed = time.time() - start
-    finally:
-        _kill_group(proc)
     assert proc.returncode != 0 and elapsed < 60, elapsed
 
 
 @pytest.mark.release_independent
 def test_workers_of_a_killed_agent_exit_on_their_own():
-    proc = _long_run(["--heartbeat-timeout-seconds", "6"])
-    try:
-        _wait_for_training(proc)
-        workers = _worker_pids(proc.pid)
+    with _training_job(["--heartbeat-timeout-seconds", "6"]) as (proc, workers):
         os.kill(proc.pid, signal.SIGKILL)
         deadline = time.time() + 30
         while time.time() < deadline and any(_alive(w) for w in workers):
             time.sleep(0.5)
         alive = [w for w in workers if _alive(w)]
-    finally:
-        _kill_group(proc)
     assert not alive
 
 

@@ -15,7 +15,6 @@ its processes (and no other) when the run fails, times out or is interrupted.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import statistics
@@ -29,6 +28,8 @@ from netns import Cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from summarize_metrics import read_metrics  # noqa: E402  (a sibling tool, not a package)
 
 
 @dataclass
@@ -127,8 +128,7 @@ def run(cluster: Cluster, method: str, trainer_args: list[str], *, warmup: int, 
         _kill(procs + samplers)
         for log in logs:
             log.close()
-    records = [json.loads(x) for x in metrics.read_text().splitlines()]
-    train = [r for r in records if "lm_loss" in r]
+    train, _ = read_metrics(metrics)
     if len(train) != warmup + iters:
         raise RuntimeError(f"{method}: {len(train)} logged iterations, expected "
                            f"{warmup + iters} ({metrics})")

@@ -20,15 +20,14 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.sdp4bit.comm.topology import node_id
 from megatron.sdp4bit.config import SDP4BitConfig
 from megatron.sdp4bit.integration import sdp4bit_padding
-from megatron.sdp4bit.training import checkpointing
-from megatron.sdp4bit.training import checkpoint_files
+from megatron.sdp4bit.training import checkpoint_files, checkpointing
 from megatron.sdp4bit.training.checkpoint_files import CheckpointError, SaveDirLock
 from megatron.sdp4bit.training.data import build_datasets
 from megatron.sdp4bit.training.loop import TrainingStopped, TrainState
+from megatron.sdp4bit.training.megatron_flags import scheduler_steps
 from megatron.sdp4bit.training.preflight import InputError
 from megatron.sdp4bit.training.replicas import ReplicaMismatch
 from megatron.sdp4bit.training.watchdog import Watchdog, launcher_store
-from megatron.sdp4bit.training.megatron_flags import scheduler_steps
 from megatron.sdp4bit.training.model import (
     build_model,
     build_optimizer,

@@ -21,6 +21,7 @@ the file's name instead of being trained on.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import io
@@ -63,26 +64,29 @@ class _HashingWriter:
         self._f.flush()
 
 
-def save_file(obj: Any, path: str) -> dict[str, Any]:
-    """``torch.save`` to ``path`` atomically (temporary name, fsync, rename); returns the
-    manifest entry ``{"sha256", "bytes"}``."""
+@contextlib.contextmanager
+def _atomic(path: str, mode: str):
+    """A file opened as ``<path>.tmp``, synced and renamed to ``path`` once written whole."""
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        writer = _HashingWriter(f)
-        torch.save(obj, writer)
+    with open(tmp, mode, encoding=None if "b" in mode else "utf-8") as f:
+        yield f
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def save_file(obj: Any, path: str) -> dict[str, Any]:
+    """``torch.save`` to ``path`` atomically (temporary name, fsync, rename); returns the
+    manifest entry ``{"sha256", "bytes"}``."""
+    with _atomic(path, "wb") as f:
+        writer = _HashingWriter(f)
+        torch.save(obj, writer)
     return {"sha256": writer.sha256.hexdigest(), "bytes": writer.size}
 
 
 def write_text_atomic(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with _atomic(path, "w") as f:
         f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def write_manifest(directory: str, iteration: int, files: dict[str, dict],

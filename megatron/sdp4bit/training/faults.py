@@ -4,7 +4,8 @@
 misbehave at ITERATION, so that tests can prove what a real fault does to a run
 (docs/reliability.md):
 
-* ``nan-grad``: after backward, one element of this rank's gradient buffer becomes NaN;
+* ``nan-grad``: this rank's loss of that iteration is multiplied by NaN, so its backward
+  fills its gradients with NaN;
 * ``die-saving``: while saving that iteration's checkpoint, the rank exits abruptly right
   after writing its own file (a crash in the middle of a save);
 * ``nan-weight``: just before that iteration's checkpoint is saved, one weight of this

@@ -66,10 +66,12 @@ def has_loss_scaler(optimizer) -> bool:
 
 def grads_finite(model_chunks) -> bool:
     """Collective over every rank: whether all gradient buffers of all ranks are finite."""
-    bad = any(not bool(torch.isfinite(buffer.grad_data).all())
-              for chunk in model_chunks for buffer in chunk.buffers)
+    # one flag per buffer, left on the device: a single host sync, after the all-reduce
+    bad = [(~torch.isfinite(buffer.grad_data)).any()
+           for chunk in model_chunks for buffer in chunk.buffers]
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    flag = torch.tensor([float(bad)], device=device)
+    flag = (torch.stack(bad).any().float().reshape(1).to(device) if bad
+            else torch.zeros(1, device=device))
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return not bool(flag.item())
 
