@@ -40,6 +40,7 @@ from megatron.core import tensor_parallel
 from megatron.sdp4bit.training import checkpoint_files as files
 from megatron.sdp4bit.training import faults
 from megatron.sdp4bit.training.checkpoint_files import CheckpointError
+from megatron.sdp4bit.training.finite import all_finite
 
 # Schedule fields of megatron-core's OptimizerParamScheduler.state_dict() and their flags
 # (steps are counted in samples, as Megatron-LM does).
@@ -133,9 +134,7 @@ def _weights_finite(model_chunks, optimizer) -> bool:
     tensors = [p for m in model_chunks for p in m.parameters()]
     for opt in _inner_optimizers(optimizer):
         tensors += [p for g in opt.optimizer.param_groups for p in g["params"]]
-    bad = torch.tensor([float(any(not torch.isfinite(t).all() for t in tensors))])
-    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-    return not bool(bad.item())
+    return all_finite(tensors)
 
 
 def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chunks, optimizer,

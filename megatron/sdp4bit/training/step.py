@@ -23,6 +23,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron.sdp4bit.training import faults
+from megatron.sdp4bit.training.finite import all_finite
 
 
 def _loss_func(loss_mask: torch.Tensor, nan: bool, output: torch.Tensor):
@@ -66,14 +67,7 @@ def has_loss_scaler(optimizer) -> bool:
 
 def grads_finite(model_chunks) -> bool:
     """Collective over every rank: whether all gradient buffers of all ranks are finite."""
-    # one flag per buffer, left on the device: a single host sync, after the all-reduce
-    bad = [(~torch.isfinite(buffer.grad_data)).any()
-           for chunk in model_chunks for buffer in chunk.buffers]
-    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    flag = (torch.stack(bad).any().float().reshape(1).to(device) if bad
-            else torch.zeros(1, device=device))
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return not bool(flag.item())
+    return all_finite(buffer.grad_data for chunk in model_chunks for buffer in chunk.buffers)
 
 
 def train_step(args, state, data_iterator) -> tuple[float, float, bool]:
