@@ -16,11 +16,11 @@ import sys
 import time
 import traceback
 
-from megatron.sdp4bit.training.noise import announce, quiet_megatron_core
+from megatron.sdp4bit.training.observe.noise import announce, quiet_megatron_core
 
 quiet_megatron_core()  # before megatron-core's first import: its noise fires on import
 
-from megatron.sdp4bit.training.arguments import ArgumentsError, parse_args, sdp4bit_config_from_args  # noqa: E402
+from megatron.sdp4bit.training.cli.arguments import ArgumentsError, parse_args, sdp4bit_config_from_args  # noqa: E402
 
 
 def _fail(message: str, code: int, debug: bool = False) -> int:
@@ -42,14 +42,15 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(err), 2)
     sdp4bit_config = sdp4bit_config_from_args(args)
 
-    from megatron.sdp4bit.training import build, loop, preflight, sdp4bit_setup
+    from megatron.sdp4bit.training import build, loop, sdp4bit_setup, tokenizers
+    from megatron.sdp4bit.training.guards import preflight
 
     lock = None
     try:
         announce(f"initializing torch.distributed: {args.world_size} process(es)")
         build.init_distributed(args)
         build.start_watchdog(args)
-        preflight.verify_inputs(args)
+        preflight.verify_inputs(args, tokenizers.build_tokenizer)
         ranks_per_node = sdp4bit_config.dp_ranks_per_node or build.detect_dp_ranks_per_node()
         sdp4bit_config = sdp4bit_config.replace(dp_ranks_per_node=ranks_per_node)
         build.print_topology(args, ranks_per_node)

@@ -152,7 +152,7 @@ MUTATIONS = [
        [U + "test_comm_config.py", D + "test_topology_placement.py"]),
     _m("group-nesting-unchecked", "intra/inter group sizes that do not divide pass",
        [Edit(f"{PKG}/config.py", "if intra % inter and inter % intra:", "if False:")],
-       [U + "test_arguments.py"]),
+       [U + "training/cli/test_arguments.py"]),
     _m("rng-unchunked-off-cpu", "the references' hash scratch is the whole tensor on CUDA",
        [Edit(f"{PKG}/quantization/rng.py", "    chunk = chunk_elements(device)\n",
              "    chunk = numel if torch.device(device).type == \"cuda\" else _CHUNK\n")],

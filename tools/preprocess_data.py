@@ -37,7 +37,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: E402
-from megatron.sdp4bit.training.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megatron.sdp4bit.training.cli.arguments import TOKENIZER_TYPES  # noqa: E402
+from megatron.sdp4bit.training.tokenizers import build_tokenizer  # noqa: E402
 
 
 class InputError(ValueError):

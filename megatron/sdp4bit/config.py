@@ -1,7 +1,7 @@
 """The one configuration object of SDP4Bit.
 
 Every SDP4Bit command-line flag is generated from the fields of :class:`SDP4BitConfig`
-(``megatron.sdp4bit.training.arguments``), so a flag and its meaning live in one place.
+(``megatron.sdp4bit.training.cli.arguments``), so a flag and its meaning live in one place.
 This module imports nothing from the rest of the package: every layer may use it.
 """
 

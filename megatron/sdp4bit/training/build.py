@@ -20,21 +20,22 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.sdp4bit.comm.topology import node_id
 from megatron.sdp4bit.config import SDP4BitConfig
 from megatron.sdp4bit.integration import sdp4bit_padding
-from megatron.sdp4bit.training import checkpoint_files, checkpointing
-from megatron.sdp4bit.training.checkpoint_files import CheckpointError, SaveDirLock
+from megatron.sdp4bit.training.checkpoint import checkpointing
+from megatron.sdp4bit.training.checkpoint import files as checkpoint_files
+from megatron.sdp4bit.training.checkpoint.files import CheckpointError, SaveDirLock
 from megatron.sdp4bit.training.data import build_datasets
 from megatron.sdp4bit.training.loop import TrainingStopped, TrainState
-from megatron.sdp4bit.training.megatron_flags import scheduler_steps
-from megatron.sdp4bit.training.preflight import InputError
-from megatron.sdp4bit.training.replicas import ReplicaMismatch
-from megatron.sdp4bit.training.watchdog import Watchdog, launcher_store
+from megatron.sdp4bit.training.cli.megatron_flags import scheduler_steps
+from megatron.sdp4bit.training.guards.preflight import InputError
+from megatron.sdp4bit.training.guards.replicas import ReplicaMismatch
+from megatron.sdp4bit.training.guards.watchdog import Watchdog, launcher_store
 from megatron.sdp4bit.training.model import (
     build_model,
     build_optimizer,
     transformer_config_from_args,
     wrap_ddp,
 )
-from megatron.sdp4bit.training.timers import Timers
+from megatron.sdp4bit.training.observe.timers import Timers
 from megatron.sdp4bit.training.tokenizers import build_tokenizer, padded_vocab_size
 
 
@@ -86,7 +87,7 @@ def init_distributed(args: argparse.Namespace) -> None:
 
 def start_watchdog(args: argparse.Namespace) -> None:
     """Heartbeats through torchrun's store, so that a stopped rank or a killed agent ends
-    the job (training/watchdog.py); nothing for a world of one or a timeout of 0."""
+    the job (training/guards/watchdog.py); nothing for a world of one or a timeout of 0."""
     if args.heartbeat_timeout_seconds <= 0 or dist.get_world_size() == 1:
         return
     store = launcher_store(args.heartbeat_timeout_seconds)

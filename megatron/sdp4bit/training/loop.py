@@ -13,14 +13,15 @@ import torch.distributed as dist
 
 from megatron.sdp4bit.comm.stats import CommStats
 from megatron.sdp4bit.config import SDP4BitConfig
-from megatron.sdp4bit.training import checkpointing, faults
-from megatron.sdp4bit.training.comm_counters import add_unquantized_iteration, snapshot_fields
+from megatron.sdp4bit.training.checkpoint import checkpointing
+from megatron.sdp4bit.training.guards import faults
+from megatron.sdp4bit.training.observe.comm_counters import add_unquantized_iteration, snapshot_fields
 from megatron.sdp4bit.training.data import batch_iterator
-from megatron.sdp4bit.training.logging import MetricsWriter, format_eval_lines, format_train_line
-from megatron.sdp4bit.training.megatron_flags import exit_duration_reached
-from megatron.sdp4bit.training.replicas import check_replicas
+from megatron.sdp4bit.training.observe.logging import MetricsWriter, format_eval_lines, format_train_line
+from megatron.sdp4bit.training.cli.megatron_flags import exit_duration_reached
+from megatron.sdp4bit.training.guards.replicas import check_replicas
 from megatron.sdp4bit.training.step import evaluate, has_loss_scaler, train_step
-from megatron.sdp4bit.training.timers import Timers, format_timers, max_times
+from megatron.sdp4bit.training.observe.timers import Timers, format_timers, max_times
 
 
 @dataclass

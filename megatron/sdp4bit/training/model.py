@@ -20,7 +20,7 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_mega
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron.sdp4bit.training.megatron_flags import transformer_config_overrides
+from megatron.sdp4bit.training.cli.megatron_flags import transformer_config_overrides
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -22,15 +22,15 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron.sdp4bit.training import faults
-from megatron.sdp4bit.training.finite import all_finite
+from megatron.sdp4bit.training.guards import faults
+from megatron.sdp4bit.training.guards.finite import all_finite
 
 
 def _loss_func(loss_mask: torch.Tensor, nan: bool, output: torch.Tensor):
     losses = output.float().view(-1)
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
-    if nan:  # fault injection: this rank's gradients become NaN (training/faults.py)
+    if nan:  # fault injection: this rank's gradients become NaN (training/guards/faults.py)
         loss = loss * float("nan")
     return loss, {"lm loss": loss.detach().clone()}
 

@@ -13,7 +13,6 @@ import argparse
 import os
 
 GPT2_EOD = "<|endoftext|>"
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "NullTokenizer")
 
 
 def _require_file(flag: str, path: str | None) -> str:

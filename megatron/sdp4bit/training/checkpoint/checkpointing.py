@@ -1,6 +1,6 @@
 """Checkpoints: every rank writes its own file; nothing is trusted before it is verified.
 
-Files, atomic writes, checksums and the run lock: :mod:`.checkpoint_files`. This module
+Files, atomic writes, checksums and the run lock: :mod:`.files`. This module
 decides what goes in (model chunk, optimizer shard, RNG, schedule, the run's settings) and
 what a load accepts:
 
@@ -37,10 +37,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import tensor_parallel
 
-from megatron.sdp4bit.training import checkpoint_files as files
-from megatron.sdp4bit.training import faults
-from megatron.sdp4bit.training.checkpoint_files import CheckpointError
-from megatron.sdp4bit.training.finite import all_finite
+from megatron.sdp4bit.training.checkpoint import files
+from megatron.sdp4bit.training.guards import faults
+from megatron.sdp4bit.training.checkpoint.files import CheckpointError
+from megatron.sdp4bit.training.guards.finite import all_finite
 
 # Schedule fields of megatron-core's OptimizerParamScheduler.state_dict() and their flags
 # (steps are counted in samples, as Megatron-LM does).

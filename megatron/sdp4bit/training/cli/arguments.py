@@ -2,12 +2,12 @@
 
 Flag names, defaults and meanings follow Megatron-LM's ``arguments.py`` so that existing
 scripts run unchanged. The SDP4Bit flags are generated from ``SDP4BitConfig``
-(:mod:`megatron.sdp4bit.training.sdp4bit_flags`). Every error is a :class:`ArgumentsError`
+(:mod:`megatron.sdp4bit.training.cli.sdp4bit_flags`). Every error is a :class:`ArgumentsError`
 carrying one line that names the flag and the fix; ``pretrain_gpt.py`` prints it and exits 2.
 
 The rest of Megatron-LM's flags (sample-based training, exit conditions, logging and
 transformer switches, and those refused or accepted as no-ops) live in
-:mod:`megatron.sdp4bit.training.megatron_flags`.
+:mod:`megatron.sdp4bit.training.cli.megatron_flags`.
 """
 
 from __future__ import annotations
@@ -16,15 +16,16 @@ import argparse
 import os
 from collections.abc import Sequence
 
-from megatron.sdp4bit.training.megatron_flags import NO_OP_FLAGS, add_megatron_flags
-from megatron.sdp4bit.training.tokenizers import TOKENIZER_TYPES
-from megatron.sdp4bit.training.sdp4bit_flags import add_sdp4bit_flags, sdp4bit_config_from_args
+from megatron.sdp4bit.training.cli.errors import ArgumentsError
+from megatron.sdp4bit.training.cli.megatron_flags import NO_OP_FLAGS, add_megatron_flags
+from megatron.sdp4bit.training.cli.sdp4bit_flags import add_sdp4bit_flags, sdp4bit_config_from_args
+from megatron.sdp4bit.training.cli.validate import validate_args
 
-__all__ = ["ArgumentsError", "NO_OP_FLAGS", "build_parser", "parse_args", "sdp4bit_config_from_args"]
+__all__ = ["ArgumentsError", "NO_OP_FLAGS", "TOKENIZER_TYPES", "build_parser", "parse_args",
+           "sdp4bit_config_from_args"]
 
-
-class ArgumentsError(ValueError):
-    """A bad command line; the message is one line with the fix."""
+# The --tokenizer-type choices (built by megatron.sdp4bit.training.tokenizers).
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "NullTokenizer")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -214,7 +215,5 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.world_size = world_size
-    from megatron.sdp4bit.training.validate import validate_args  # split for file size
-
     validate_args(args)
     return args

@@ -24,6 +24,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from megatron.sdp4bit.training.cli.errors import ArgumentsError
+
 __all__ = ["NO_OP_FLAGS", "ONLY_VALUE", "REFUSED_FLAGS", "add_megatron_flags",
            "check_megatron_flags", "exit_duration_reached", "scheduler_steps",
            "transformer_config_overrides"]
@@ -94,9 +96,9 @@ REFUSED_FLAGS: dict[str, tuple[int | str, str]] = {
     "--finetune": (0, "start a fine-tuning run from a checkpoint's weights outside this trainer"),
     "--use-checkpoint-args": (0, "pass the model flags on the command line"),
     "--ckpt-format": (1, "checkpoints are this trainer's own per-rank files "
-                      "(training/checkpointing.py)"),
+                      "(training/checkpoint/checkpointing.py)"),
     "--use-dist-ckpt": (0, "checkpoints are this trainer's own per-rank files "
-                        "(training/checkpointing.py)"),
+                        "(training/checkpoint/checkpointing.py)"),
     "--async-save": (0, "checkpoints are saved synchronously"),
     "--skip-train": (0, "evaluation runs every --eval-interval during training"),
     "--log-params-norm": (0, "the parameter norm is not computed; the gradient norm is logged"),
@@ -218,8 +220,6 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _fail(message: str) -> None:
-    from megatron.sdp4bit.training.arguments import ArgumentsError
-
     raise ArgumentsError(message)
 
 

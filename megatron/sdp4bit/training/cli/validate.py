@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import re
 
-from megatron.sdp4bit.training.arguments import ArgumentsError
-from megatron.sdp4bit.training.megatron_flags import check_megatron_flags
-from megatron.sdp4bit.training.sdp4bit_flags import sdp4bit_config_from_args
+from megatron.sdp4bit.training.cli.errors import ArgumentsError
+from megatron.sdp4bit.training.cli.megatron_flags import check_megatron_flags
+from megatron.sdp4bit.training.cli.sdp4bit_flags import sdp4bit_config_from_args
 
 FP32_TINY, FP32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",

@@ -15,7 +15,8 @@ every rank stops together with the same message (``pretrain_gpt.py`` prints it o
   or a prefix's ``cache/`` folder) is a plain numeric array: megatron-core loads them with
   ``allow_pickle=True``, so a crafted cache would run code (it is refused, never opened).
 
-Checkpoints are checked where they are read (:mod:`.checkpointing`).
+Checkpoints are checked where they are read
+(:mod:`megatron.sdp4bit.training.checkpoint.checkpointing`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import glob
 import os
 import struct
 import tempfile
+from collections.abc import Callable
+from typing import Any
 
 import numpy
 import torch.distributed as dist
@@ -67,10 +70,9 @@ def check_outputs(args: argparse.Namespace) -> None:
         _writable_dir("--metrics-jsonl", os.path.dirname(os.path.abspath(args.metrics_jsonl)))
 
 
-def check_tokenizer(args: argparse.Namespace):
-    """Build the tokenizer here (its constructors check their files) and return it."""
-    from megatron.sdp4bit.training.tokenizers import build_tokenizer
-
+def check_tokenizer(args: argparse.Namespace, build_tokenizer: Callable[[argparse.Namespace], Any]):
+    """Build the tokenizer with ``build_tokenizer`` (the trainer's; its constructors check
+    their files) and return it."""
     try:
         return build_tokenizer(args)
     except ValueError as err:
@@ -183,10 +185,11 @@ def check_index_cache(path: str) -> None:
                          f"{expected}: it is truncated; delete it (it is rebuilt)")
 
 
-def check_inputs(args: argparse.Namespace) -> None:
+def check_inputs(args: argparse.Namespace,
+                 build_tokenizer: Callable[[argparse.Namespace], Any]) -> None:
     """All checks above, in the order a run needs the inputs; raises :class:`InputError`."""
     check_outputs(args)
-    tokenizer = check_tokenizer(args)
+    tokenizer = check_tokenizer(args, build_tokenizer)
     if not args.mock_data:
         for prefix in data_prefixes(args.data_path):
             check_indexed_dataset(prefix, tokenizer.vocab_size)
@@ -195,12 +198,13 @@ def check_inputs(args: argparse.Namespace) -> None:
             check_index_cache(path)
 
 
-def verify_inputs(args: argparse.Namespace) -> None:
+def verify_inputs(args: argparse.Namespace,
+                  build_tokenizer: Callable[[argparse.Namespace], Any]) -> None:
     """Collective: rank 0 runs :func:`check_inputs`; every rank raises its verdict."""
     verdict = [None]
     if dist.get_rank() == 0:
         try:
-            check_inputs(args)
+            check_inputs(args, build_tokenizer)
         except InputError as err:
             verdict[0] = str(err)
     dist.broadcast_object_list(verdict, src=0)

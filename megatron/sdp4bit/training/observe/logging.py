@@ -15,7 +15,7 @@ sent by this rank to ranks of its own node (intra) and of other nodes (inter): t
 sizes of the messages handed to the collectives, next to what an ideal unquantized
 collective would send (megatron.sdp4bit.comm.stats, [Note: what counts as sent]).
 :func:`parse_log_line` reads a line back (tests, tools). With ``--timing-log-level`` >= 1 a
-block of timers follows each line (:func:`megatron.sdp4bit.training.timers.format_timers`).
+block of timers follows each line (:func:`megatron.sdp4bit.training.observe.timers.format_timers`).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class MetricsWriter:
         self._tb_interval = args.tensorboard_log_interval
         self._tb_ppl = args.log_validation_ppl_to_tensorboard
         self._tb_timers = args.log_timers_to_tensorboard
-        # Megatron-LM's TensorBoard switches (training/megatron_flags.py).
+        # Megatron-LM's TensorBoard switches (training/cli/megatron_flags.py).
         self._tb_skip = {key for key, on in (("learning_rate", args.log_learning_rate_to_tensorboard),
                                              ("loss_scale", args.log_loss_scale_to_tensorboard))
                          if not on}

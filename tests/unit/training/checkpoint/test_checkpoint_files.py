@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from megatron.sdp4bit.training import checkpoint_files as cf
+from megatron.sdp4bit.training.checkpoint import files as cf
 
 
 def _saved(tmp_path) -> tuple[str, dict]:

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from megatron.sdp4bit.config import SDP4BitConfig
-from megatron.sdp4bit.training.arguments import (
+from megatron.sdp4bit.training.cli.arguments import (
     NO_OP_FLAGS,
     ArgumentsError,
     build_parser,

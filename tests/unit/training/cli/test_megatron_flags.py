@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.sdp4bit.training import megatron_flags as mf
-from megatron.sdp4bit.training.arguments import ArgumentsError, parse_args
+from megatron.sdp4bit.training.cli import megatron_flags as mf
+from megatron.sdp4bit.training.cli.arguments import ArgumentsError, parse_args
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[4] / "README.md"
 BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
         "--micro-batch-size 2 --lr 1e-3 --mock-data").split()
 
@@ -184,7 +184,7 @@ def test_no_op_flags_change_nothing_else():
 
 def test_no_op_flags_are_not_read_by_the_trainer():
     """A no-op's dest must not be used anywhere in the package (else it is not a no-op)."""
-    package = Path(mf.__file__).resolve().parents[1]
+    package = Path(mf.__file__).resolve().parents[2]  # megatron/sdp4bit
     source = "\n".join(p.read_text() for p in package.rglob("*.py") if p.name != "megatron_flags.py")
     for flag in mf.NO_OP_FLAGS:
         assert not re.search(rf"\bargs\.{mf._dest(flag)}\b", source), flag

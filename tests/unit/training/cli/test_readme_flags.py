@@ -7,9 +7,9 @@ import re
 from pathlib import Path
 
 from megatron.sdp4bit.config import SUPPORTED_BITS
-from megatron.sdp4bit.training.arguments import build_parser
+from megatron.sdp4bit.training.cli.arguments import build_parser
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[4] / "README.md"
 
 
 def readme_flag_rows() -> dict[str, list[str]]:

@@ -14,7 +14,8 @@ import struct
 import numpy
 import pytest
 
-from megatron.sdp4bit.training import preflight as pf
+from megatron.sdp4bit.training.guards import preflight as pf
+from megatron.sdp4bit.training.tokenizers import build_tokenizer
 from tests.unit._gpt2_vocab import write_gpt2_vocab
 
 
@@ -155,13 +156,13 @@ def test_unwritable_output_folder_is_named(tmp_path):
     blocker.write_text("x")
     target = str(blocker / "ckpt")
     with pytest.raises(pf.InputError) as err:
-        pf.check_inputs(_args(tmp_path, save=target))
+        pf.check_inputs(_args(tmp_path, save=target), build_tokenizer)
     assert str(err.value).startswith(f"--save {target} is not a writable folder (")
 
 
 def test_metrics_path_that_is_a_folder(tmp_path):
     with pytest.raises(pf.InputError, match="is a folder: give a file path"):
-        pf.check_inputs(_args(tmp_path, metrics_jsonl=str(tmp_path)))
+        pf.check_inputs(_args(tmp_path, metrics_jsonl=str(tmp_path)), build_tokenizer)
 
 
 def test_missing_and_wrong_tokenizer_files(tmp_path):
@@ -170,13 +171,13 @@ def test_missing_and_wrong_tokenizer_files(tmp_path):
                  merge_file=merges)
     with pytest.raises(pf.InputError, match=r"--vocab-file .*/no: no such file: check "
                                             "--tokenizer-type and its files"):
-        pf.check_inputs(args)
+        pf.check_inputs(args, build_tokenizer)
     bad = tmp_path / "bad.json"
     bad.write_text("this is not json")
     args = _args(tmp_path, tokenizer_type="GPT2BPETokenizer", vocab_file=str(bad),
                  merge_file=merges)
     with pytest.raises(pf.InputError, match="cannot read GPT-2 BPE files"):
-        pf.check_inputs(args)
+        pf.check_inputs(args, build_tokenizer)
 
 
 def test_caches_of_the_run_are_checked(tmp_path):
@@ -184,4 +185,4 @@ def test_caches_of_the_run_are_checked(tmp_path):
     cache.mkdir()
     (cache / "h-GPTDataset-train-shuffle_index.npy").write_bytes(b"\x80\x04not numpy")
     with pytest.raises(pf.InputError, match="shuffle_index.npy is not a NumPy array file"):
-        pf.check_inputs(_args(tmp_path, data_cache_path=str(cache)))
+        pf.check_inputs(_args(tmp_path, data_cache_path=str(cache)), build_tokenizer)

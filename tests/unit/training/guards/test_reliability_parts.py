@@ -8,12 +8,12 @@ import time
 import pytest
 import torch
 
-from megatron.sdp4bit.training import faults, watchdog
-from megatron.sdp4bit.training.replicas import checksum
+from megatron.sdp4bit.training.guards import faults, watchdog
+from megatron.sdp4bit.training.guards.replicas import checksum
 
 
 def test_checksum_sees_one_changed_element_and_a_swap(monkeypatch):
-    from megatron.sdp4bit.training import replicas
+    from megatron.sdp4bit.training.guards import replicas
 
     monkeypatch.setattr(replicas, "_CHUNK", 1024)  # several chunks on a small tensor
     x = torch.randn(3 * 1024 + 5).to(torch.bfloat16)

@@ -6,8 +6,8 @@ import json
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from megatron.sdp4bit.training.arguments import parse_args
-from megatron.sdp4bit.training.logging import COMM_KEYS, MetricsWriter
+from megatron.sdp4bit.training.cli.arguments import parse_args
+from megatron.sdp4bit.training.observe.logging import COMM_KEYS, MetricsWriter
 
 BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
         "--micro-batch-size 2 --train-iters 10 --lr 1e-3 --mock-data").split()

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron.sdp4bit.training import noise
+from megatron.sdp4bit.training.observe import noise
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 @pytest.fixture
@@ -126,7 +126,7 @@ def _start(code: str, rank: str) -> subprocess.Popen:
 
 
 IMPORT_AND_BUILD = """
-from megatron.sdp4bit.training.noise import quiet_megatron_core
+from megatron.sdp4bit.training.observe.noise import quiet_megatron_core
 quiet_megatron_core(cuda=False)
 import warnings
 import megatron.core.optimizer
