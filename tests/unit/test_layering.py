@@ -1,0 +1,124 @@
+"""The package's import graph: no cycle, and every arrow points down.
+
+Read from the source with ``ast`` (every ``import``, at module level or inside a function),
+so a lazy import that closes a cycle or climbs a layer is seen too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "megatron" / "sdp4bit"
+# Layers, top to bottom: a module may import its own layer and the ones below it.
+LAYERS = ["training", "integration", "comm", "quantization"]
+# training/'s packages that must not reach the run files at training/'s top.
+LEAF_PACKAGES = ("cli", "guards", "observe")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path, name: str, modules: set[str]) -> set[str]:
+    """The megatron.sdp4bit modules (or packages) ``path`` imports: ``from pkg import sub``
+    is an arrow to ``pkg.sub`` when that is a module, else to ``pkg`` (a name defined there)."""
+    is_package = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".")[: len(name.split(".")) - node.level + is_package]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.add(sub if sub in modules else base)
+    return {m for m in found if m in modules and m != name}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {name: _imports(path, name, set(modules)) for name, path in modules.items()}
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[2] in LAYERS else None
+
+
+def test_graph_is_read_from_the_source():
+    graph = _graph()
+    # A few arrows that must be there, so an empty graph cannot pass the checks below.
+    assert "megatron.sdp4bit.training.cli.errors" in graph["megatron.sdp4bit.training.cli.validate"]
+    assert "megatron.sdp4bit.training.guards.faults" in graph["megatron.sdp4bit.training.step"]
+    assert "megatron.sdp4bit.comm" in graph["megatron.sdp4bit.integration.install"]
+    assert sum(len(v) for v in graph.values()) > 80
+
+
+def test_no_import_cycle():
+    graph = _graph()
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycle = stack[stack.index(nxt):] + [nxt] if nxt in stack else [node, nxt]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+
+
+def test_layers_only_import_downward():
+    bad = []
+    for module, targets in _graph().items():
+        here = _layer(module)
+        for target in targets:
+            there = _layer(target)
+            if here and there and LAYERS.index(there) < LAYERS.index(here):
+                bad.append(f"{module} -> {target}")
+    assert not bad, bad
+
+
+def test_training_packages_do_not_import_the_run_files():
+    training = "megatron.sdp4bit.training."
+    bad = []
+    for module, targets in _graph().items():
+        if not module.startswith(training):
+            continue
+        room = module[len(training):].split(".")[0]
+        if room not in LEAF_PACKAGES:
+            continue
+        for target in targets:
+            rest = target[len(training):] if target.startswith(training) else ""
+            if rest and "." not in rest and rest not in LEAF_PACKAGES + ("checkpoint",):
+                bad.append(f"{module} -> {target}")  # a run file at training/'s top
+    assert not bad, bad
+
+
+def test_nothing_imports_the_entry_point():
+    users = [p for p in list(PACKAGE.rglob("*.py")) + list((ROOT / "tools").rglob("*.py"))
+             if "pretrain_gpt" in _imports_any(p)]
+    assert not users, users
+
+
+def _imports_any(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
