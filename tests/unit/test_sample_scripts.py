@@ -3,7 +3,7 @@
 Each script is checked with ``bash -n``, then run with fake ``torchrun``/``srun``/``scontrol``/
 ``sbatch`` first on ``PATH``: the fake ``torchrun`` records its argv, the fake ``srun`` records
 its own and runs the rest of its command line. The recorded ``pretrain_gpt.py`` arguments go
-through ``megatron.sdp4bit.training.arguments.parse_args`` (full validation, no process group)
+through ``megatron.sdp4bit.training.cli.arguments.parse_args`` (full validation, no process group)
 and the result is compared with the paper's model cards and methods (README: Reproducing
 the paper).
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.sdp4bit.training.arguments import parse_args, sdp4bit_config_from_args
+from megatron.sdp4bit.training.cli.arguments import parse_args, sdp4bit_config_from_args
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "sample_scripts"
