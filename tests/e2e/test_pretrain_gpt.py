@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from megatron.sdp4bit.training.logging import parse_log_line
+from megatron.sdp4bit.training.observe.logging import parse_log_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
@@ -120,10 +120,17 @@ CASES = [("baseline", "mock"), ("baseline", "preprocessed"), ("qWD", "mock"),
 @pytest.mark.parametrize("method,data", [pytest.param(m, d, id=f"{m}-{d}") for m, d in CASES])
 def test_method_trains(method, data, data_prefix, tmp_path):
     flags = ["--mock-data"] if data == "mock" else data_prefix
+    tiny = TINY
+    per_split = method == "baseline" and data == "preprocessed"
+    if per_split:  # Megatron-LM's per-split files instead of --data-path and --split
+        prefix = flags[1]
+        flags = flags[2:] + [x for s in ("train", "valid", "test")
+                             for x in (f"--{s}-data-path", prefix)]
+        tiny = [x for x in TINY if x not in ("--split", "90,10,0")]
     if method == "TLq-HS":  # where the time goes: Megatron-LM's timers plus SDP4Bit's phases
         flags = flags + ["--timing-log-level", "1", "--timing-log-option", "max"]
     metrics = tmp_path / "metrics.jsonl"
-    res = torchrun(TINY + flags + METHODS[method] + ["--dp-ranks-per-node", "2",
+    res = torchrun(tiny + flags + METHODS[method] + ["--dp-ranks-per-node", "2",
                                                      "--metrics-jsonl", str(metrics)])
     lines = train_lines(res.stdout)
     check_run(lines, method)
@@ -146,6 +153,13 @@ def test_method_trains(method, data, data_prefix, tmp_path):
                 *("baseline_" + k for k in comm)}
     assert all(required <= set(r) for r in train)
     assert [r["iteration"] for r in evals] == [10, 20]
+    tests = [r for r in records if "test_lm_loss" in r]
+    if per_split:  # the log names the files; the test set is evaluated once, at the end
+        assert f"data: train {prefix}; valid {prefix}; test {prefix}" in res.stdout
+        assert [r["iteration"] for r in tests] == [20] and " test loss at iteration 20 |" \
+            in res.stdout and tests[0]["test_lm_loss"] < train[0]["lm_loss"]
+    else:
+        assert not tests and " data: " in res.stdout
     for rec, line in zip(train, lines):
         assert rec["comm_bytes_params"] == line["comm_bytes_params"]
         assert abs(rec["lm_loss"] - line["lm_loss"]) <= 1e-6 * abs(line["lm_loss"])

@@ -23,7 +23,7 @@ from megatron.sdp4bit.integration import sdp4bit_padding
 from megatron.sdp4bit.training.checkpoint import checkpointing
 from megatron.sdp4bit.training.checkpoint import files as checkpoint_files
 from megatron.sdp4bit.training.checkpoint.files import CheckpointError, SaveDirLock
-from megatron.sdp4bit.training.data import build_datasets
+from megatron.sdp4bit.training.data import build_datasets, describe_data
 from megatron.sdp4bit.training.loop import TrainingStopped, TrainState
 from megatron.sdp4bit.training.cli.megatron_flags import scheduler_steps
 from megatron.sdp4bit.training.guards.preflight import InputError
@@ -35,6 +35,7 @@ from megatron.sdp4bit.training.model import (
     transformer_config_from_args,
     wrap_ddp,
 )
+from megatron.sdp4bit.training.observe.noise import announce
 from megatron.sdp4bit.training.observe.timers import Timers
 from megatron.sdp4bit.training.tokenizers import build_tokenizer, padded_vocab_size
 
@@ -216,6 +217,7 @@ def build_state(args: argparse.Namespace, sdp4bit_config: SDP4BitConfig,
     # 1.0 otherwise), as Megatron-LM sets it.
     config.grad_scale_func = optimizer.scale_loss
     scheduler = _scheduler(args, optimizer)
+    announce(f"data: {describe_data(args)}")
     datasets = build_datasets(args, tokenizer)
     state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler,
                        datasets=datasets, vocab_size=vocab, timers=timers,

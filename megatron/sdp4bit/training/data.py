@@ -2,9 +2,12 @@
 
 Sizes follow Megatron-LM: train = ``train_iters x global batch`` samples, valid =
 ``(train_iters // eval_interval + 1) x eval_iters x global batch``, test =
-``eval_iters x global batch``. The sampler hands every DP rank its slice of each global
-batch in order, starting at ``consumed_samples``, so a resumed run reads exactly the
-samples the uninterrupted run would have read.
+``eval_iters x global batch``. The splits come from ``--data-path`` divided by ``--split``,
+or each from its own files (``--train-data-path``, ``--valid-data-path``,
+``--test-data-path``: megatron-core's ``blend_per_split``); a split without files has no
+dataset (no validation without ``--valid-data-path``). The sampler hands every DP rank its
+slice of each global batch in order, starting at ``consumed_samples``, so a resumed run
+reads exactly the samples the uninterrupted run would have read.
 """
 
 from __future__ import annotations
@@ -20,12 +23,34 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.utils import get_blend_from_list
 
 
+def _per_split(args: argparse.Namespace) -> list | None:
+    """megatron-core's ``blend_per_split`` of ``--{train,valid,test}-data-path``, or None."""
+    paths = [args.train_data_path, args.valid_data_path, args.test_data_path]
+    if not any(paths):
+        return None
+    return [get_blend_from_list(p) if p else None for p in paths]
+
+
+def describe_data(args: argparse.Namespace) -> str:
+    """The data this run reads, for the log: mock data, --data-path with its split, or the
+    per-split paths."""
+    if args.mock_data:
+        return "mock data (--mock-data)"
+    if args.data_path:
+        return f"--data-path {' '.join(args.data_path)} (split {args.split})"
+    return "; ".join(f"{split} {' '.join(paths)}" for split, paths in
+                     (("train", args.train_data_path), ("valid", args.valid_data_path),
+                      ("test", args.test_data_path)) if paths)
+
+
 def dataset_config(args: argparse.Namespace, tokenizer) -> GPTDatasetConfig:
+    per_split = None if args.mock_data else _per_split(args)
     return GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
-        blend=None if args.mock_data else get_blend_from_list(args.data_path),
-        split=args.split,
+        blend=None if args.mock_data or per_split else get_blend_from_list(args.data_path),
+        blend_per_split=per_split,
+        split=None if per_split else args.split,
         path_to_cache=args.data_cache_path,
         tokenizer=tokenizer,
         reset_position_ids=args.reset_position_ids,

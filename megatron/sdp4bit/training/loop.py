@@ -43,6 +43,7 @@ class TrainState:
     first_loss_iteration: int | None = None
     last_loss: float | None = None
     last_val_loss: float | None = None
+    last_test_loss: float | None = None
     timers: Timers | None = None
     """``--timing-log-level`` >= 1: megatron-core's and the trainer's phase timers."""
     settings: dict = field(default_factory=dict)
@@ -202,6 +203,13 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None) -> Tra
         if (args.save and state.iteration > start_iteration
                 and not (args.save_interval and state.iteration % args.save_interval == 0)):
             _save(args, state)
+        if args.test_data_path:  # Megatron-LM evaluates the test set once, at the end
+            test = evaluate(args, state, batch_iterator(state.datasets[2], 0, args))
+            if test is not None:
+                state.last_test_loss = test
+                if metrics is not None:
+                    print(format_eval_lines(state.iteration, test, label="test"), flush=True)
+                    metrics.evaluation(state.iteration, test, split="test")
     finally:
         if metrics is not None:
             metrics.close()

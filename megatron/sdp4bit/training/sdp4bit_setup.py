@@ -77,6 +77,8 @@ def print_summary(args: argparse.Namespace, state: TrainState, handle=None) -> N
               f"{sum(s.unquantized_grad_calls.values())} unquantized (before "
               "--gradients-quantization-start-iteration)", flush=True)
     val = f", validation loss {state.last_val_loss:.4f}" if state.last_val_loss is not None else ""
+    if state.last_test_loss is not None:
+        val += f", test loss {state.last_test_loss:.4f}"
     print(f"training done: lm loss {state.first_loss:.4f} at iteration "
           f"{state.first_loss_iteration} -> {state.last_loss:.4f} at iteration "
           f"{state.iteration} (single iterations){val}", flush=True)

@@ -133,8 +133,15 @@ def _add_data(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data and tokenizer")
     g.add_argument("--data-path", nargs="*", default=None,
                    help="prefixes of .bin/.idx files, optionally weighted: 'w1 p1 w2 p2'")
-    g.add_argument("--split", default="969, 30, 1", help="train, valid, test proportions")
-    g.add_argument("--mock-data", action="store_true", help="synthetic data; ignores --data-path")
+    g.add_argument("--split", default=None,
+                   help="train, valid, test proportions of --data-path (default '969, 30, 1')")
+    for split in ("train", "valid", "test"):
+        g.add_argument(f"--{split}-data-path", nargs="*", default=None,
+                       help=f"the {split} split's own prefixes, optionally weighted, instead "
+                       "of --data-path and --split" + (
+                           "; evaluated once after the last iteration" if split == "test"
+                           else ""))
+    g.add_argument("--mock-data", action="store_true", help="synthetic data")
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--tokenizer-type", default=None, choices=list(TOKENIZER_TYPES),
                    help="default GPT2BPETokenizer, or NullTokenizer with --mock-data and no vocab")

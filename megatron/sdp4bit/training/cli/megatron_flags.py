@@ -118,9 +118,6 @@ REFUSED_FLAGS: dict[str, tuple[int | str, str]] = {
     "--use-ring-exchange-p2p": (0, "pipeline stages talk with torch.distributed send/recv"),
     "--num-experts": (1, "mixture-of-experts models are not supported (SDP4Bit refuses "
                       "expert-parallel buffers)"),
-    "--train-data-path": ("*", "pass --data-path with --split"),
-    "--valid-data-path": ("*", "pass --data-path with --split"),
-    "--test-data-path": ("*", "pass --data-path with --split"),
     "--vocab-extra-ids": (1, "it is for T5 models"),
     "--data-parallel-random-init": (0, "every data-parallel replica starts from rank 0's "
                                     "initialization (SDP4Bit's replicas must stay identical)"),

@@ -122,18 +122,48 @@ def _check_optimizer(args: argparse.Namespace) -> None:
     args.params_dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
 
 
-def _check_data(args: argparse.Namespace) -> None:
-    if not args.mock_data and not args.data_path:
-        _fail("pass --data-path PREFIX [PREFIX ...] (preprocessed .bin/.idx) or --mock-data")
-    if args.data_path and not args.mock_data and len(args.data_path) > 1:
-        if len(args.data_path) % 2:
-            _fail("weighted --data-path needs pairs 'WEIGHT PREFIX ...'; got an odd count")
-        for weight in args.data_path[0::2]:
+PER_SPLIT_FLAGS = ("--train-data-path", "--valid-data-path", "--test-data-path")
+
+
+def _check_blend(flag: str, values: list[str]) -> None:
+    """``values`` is one PREFIX or 'WEIGHT PREFIX' pairs."""
+    if len(values) > 1:
+        if len(values) % 2:
+            _fail(f"weighted {flag} needs pairs 'WEIGHT PREFIX ...'; got an odd count")
+        for weight in values[0::2]:
             try:
                 float(weight)
             except ValueError:
-                _fail(f"--data-path: {weight!r} is not a weight; use 'WEIGHT PREFIX' pairs "
+                _fail(f"{flag}: {weight!r} is not a weight; use 'WEIGHT PREFIX' pairs "
                       "or a single PREFIX")
+
+
+def _check_data(args: argparse.Namespace) -> None:
+    per_split = [f for f in PER_SPLIT_FLAGS if getattr(args, f[2:].replace("-", "_"))]
+    if per_split:
+        # Megatron-LM's per-split data: each split reads its own files, --split has no role.
+        if args.mock_data:
+            _fail(f"--mock-data makes up its data: drop it or drop {', '.join(per_split)}")
+        if args.data_path:
+            _fail(f"--data-path and {', '.join(per_split)} both name the data: pass "
+                  "--data-path (divided by --split) or --train-data-path/--valid-data-path/"
+                  "--test-data-path (one set of files per split)")
+        if args.split is not None:
+            _fail(f"--split divides --data-path; with {', '.join(per_split)} each split has "
+                  "its own files: drop --split")
+        if not args.train_data_path:
+            _fail(f"{', '.join(per_split)} without --train-data-path: pass the training data "
+                  "with --train-data-path")
+        for flag in per_split:
+            _check_blend(flag, getattr(args, flag[2:].replace("-", "_")))
+    else:
+        if not args.mock_data and not args.data_path:
+            _fail("pass --data-path PREFIX [PREFIX ...] (preprocessed .bin/.idx), "
+                  "--train-data-path (with --valid-data-path/--test-data-path) or --mock-data")
+        if args.split is None:
+            args.split = "969, 30, 1"
+        if args.data_path and not args.mock_data:
+            _check_blend("--data-path", args.data_path)
     if args.tokenizer_type is None:
         has_vocab = args.vocab_file is not None
         args.tokenizer_type = (

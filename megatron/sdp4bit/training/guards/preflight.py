@@ -8,9 +8,10 @@ every rank stops together with the same message (``pretrain_gpt.py`` prints it o
 * output folders (``--save``, ``--tensorboard-dir``, ``--metrics-jsonl``'s folder,
   ``--data-cache-path``, ``--wandb-save-dir``) can be written;
 * the tokenizer files load (``--vocab-file``/``--merge-file``, ``--tokenizer-model``);
-* every ``--data-path`` prefix has a ``.bin`` and an ``.idx``; the ``.idx`` has megatron-core's
-  magic, version and a known token type; its sizes agree with the ``.bin``'s length; it holds
-  documents; the token ids are below the tokenizer's vocabulary;
+* every data prefix (``--data-path``, ``--train-data-path``, ...) has a ``.bin`` and an
+  ``.idx``; the ``.idx`` has megatron-core's magic, version and a known token type; its
+  sizes agree with the ``.bin``'s length; it holds documents; the token ids are below the
+  tokenizer's vocabulary;
 * every dataset index cache megatron-core would open (``*.npy`` under ``--data-cache-path``
   or a prefix's ``cache/`` folder) is a plain numeric array: megatron-core loads them with
   ``allow_pickle=True``, so a crafted cache would run code (it is refused, never opened).
@@ -84,20 +85,31 @@ def check_tokenizer(args: argparse.Namespace, build_tokenizer: Callable[[argpars
                          "--vocab-file/--merge-file/--tokenizer-model") from None
 
 
+DATA_FLAGS = ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path")
+
+
 def data_prefixes(data_path: list[str] | None) -> list[str]:
-    """The prefixes of ``--data-path`` ('P' or 'W1 P1 W2 P2 ...')."""
+    """The prefixes of one data flag's value ('P' or 'W1 P1 W2 P2 ...')."""
     if not data_path:
         return []
     return list(data_path) if len(data_path) == 1 else list(data_path[1::2])
 
 
-def check_indexed_dataset(prefix: str, vocab_size: int) -> None:
-    """``prefix.idx``/``prefix.bin`` are a consistent, non-empty megatron-core dataset whose
-    token ids are below ``vocab_size``."""
+def data_sources(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(flag, prefix) of every dataset the run reads; none with ``--mock-data``."""
+    if args.mock_data:
+        return []
+    return [(flag, prefix) for flag in DATA_FLAGS
+            for prefix in data_prefixes(getattr(args, flag[2:].replace("-", "_"), None))]
+
+
+def check_indexed_dataset(prefix: str, vocab_size: int, flag: str = "--data-path") -> None:
+    """``prefix.idx``/``prefix.bin`` (given with ``flag``) are a consistent, non-empty
+    megatron-core dataset whose token ids are below ``vocab_size``."""
     idx, bin_ = prefix + ".idx", prefix + ".bin"
     for path in (idx, bin_):
         if not os.path.isfile(path):
-            raise InputError(f"--data-path {prefix}: {path} does not exist: give the prefix "
+            raise InputError(f"{flag} {prefix}: {path} does not exist: give the prefix "
                              "of a .bin/.idx pair written by tools/preprocess_data.py")
     size = os.path.getsize(idx)
     with open(idx, "rb") as f:
@@ -118,7 +130,7 @@ def check_indexed_dataset(prefix: str, vocab_size: int) -> None:
                          f"({nseq} sequences, {ndoc} document boundaries): the file is "
                          "truncated or corrupt; rebuild it")
     if nseq == 0 or ndoc < 2:
-        raise InputError(f"--data-path {prefix} holds no documents: check the input of "
+        raise InputError(f"{flag} {prefix} holds no documents: check the input of "
                          "tools/preprocess_data.py")
     raw = numpy.memmap(idx, mode="r", dtype=numpy.uint8)
     lengths = numpy.frombuffer(raw, numpy.int32, nseq, IDX_HEADER)
@@ -155,10 +167,8 @@ def index_cache_dirs(args: argparse.Namespace) -> list[str]:
     """Where megatron-core reads (and writes) its dataset index caches for this run."""
     if args.data_cache_path:
         return [args.data_cache_path]
-    if args.mock_data:
-        return []
     return [os.path.join(os.path.dirname(os.path.abspath(p)), "cache", "GPTDataset_indices")
-            for p in data_prefixes(args.data_path)]
+            for _, p in data_sources(args)]
 
 
 def check_index_cache(path: str) -> None:
@@ -190,9 +200,8 @@ def check_inputs(args: argparse.Namespace,
     """All checks above, in the order a run needs the inputs; raises :class:`InputError`."""
     check_outputs(args)
     tokenizer = check_tokenizer(args, build_tokenizer)
-    if not args.mock_data:
-        for prefix in data_prefixes(args.data_path):
-            check_indexed_dataset(prefix, tokenizer.vocab_size)
+    for flag, prefix in data_sources(args):
+        check_indexed_dataset(prefix, tokenizer.vocab_size, flag)
     for folder in index_cache_dirs(args):
         for path in sorted(glob.glob(os.path.join(folder, "*.npy"))):
             check_index_cache(path)

@@ -147,14 +147,17 @@ class MetricsWriter:
             flat.update({f"{k}-time": v for k, v in m.get("timers_ms", {}).items()})
             self._wandb.log(flat, step=step)
 
-    def evaluation(self, iteration: int, loss: float) -> None:
-        self._write({"iteration": iteration, "val_lm_loss": loss, "val_lm_ppl": math.exp(min(20.0, loss))})
+    def evaluation(self, iteration: int, loss: float, split: str = "validation") -> None:
+        """A validation loss, or with ``split="test"`` the test set's (keys ``test_lm_*``)."""
+        key = "val" if split == "validation" else split
+        ppl = math.exp(min(20.0, loss))
+        self._write({"iteration": iteration, f"{key}_lm_loss": loss, f"{key}_lm_ppl": ppl})
         if self._tb is not None:
-            self._tb.add_scalar("lm loss validation", loss, iteration)
+            self._tb.add_scalar(f"lm loss {split}", loss, iteration)
             if self._tb_ppl:
-                self._tb.add_scalar("lm loss validation ppl", math.exp(min(20.0, loss)), iteration)
+                self._tb.add_scalar(f"lm loss {split} ppl", ppl, iteration)
         if self._wandb is not None:
-            self._wandb.log({"val_lm_loss": loss}, step=iteration)
+            self._wandb.log({f"{key}_lm_loss": loss}, step=iteration)
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._jsonl is not None:

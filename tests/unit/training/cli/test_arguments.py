@@ -189,6 +189,39 @@ def test_missing_required_and_data_errors():
                    world_size=1)
 
 
+def test_per_split_data_paths():
+    no_data = [a for a in BASE if a != "--mock-data"] + "--vocab-file v --merge-file m".split()
+    args = parse_args(no_data + "--train-data-path 0.3 a 0.7 b --valid-data-path c".split(),
+                      world_size=1)
+    assert (args.train_data_path, args.valid_data_path, args.test_data_path) == (
+        ["0.3", "a", "0.7", "b"], ["c"], None)
+    assert args.split is None and args.data_path is None
+    assert parse_args(no_data + ["--data-path", "a"], world_size=1).split == "969, 30, 1"
+    cases = {
+        "--data-path a --valid-data-path c":
+            "--data-path and --valid-data-path both name the data: pass --data-path (divided "
+            "by --split) or --train-data-path/--valid-data-path/--test-data-path (one set of "
+            "files per split)",
+        "--train-data-path a --split 90,5,5":
+            "--split divides --data-path; with --train-data-path each split has its own "
+            "files: drop --split",
+        "--valid-data-path c --test-data-path d":
+            "--valid-data-path, --test-data-path without --train-data-path: pass the training "
+            "data with --train-data-path",
+        "--train-data-path a --test-data-path 1 d 2":
+            "weighted --test-data-path needs pairs 'WEIGHT PREFIX ...'; got an odd count",
+        "--train-data-path x a y b":
+            "--train-data-path: 'x' is not a weight; use 'WEIGHT PREFIX' pairs or a single PREFIX",
+    }
+    for extra, message in cases.items():
+        with pytest.raises(ArgumentsError) as err:
+            parse_args(no_data + extra.split(), world_size=1)
+        assert str(err.value) == message, extra
+    with pytest.raises(ArgumentsError) as err:
+        parse("--train-data-path a")
+    assert str(err.value) == "--mock-data makes up its data: drop it or drop --train-data-path"
+
+
 def test_abbreviations_are_refused():
     with pytest.raises(ArgumentsError, match="unrecognized arguments: --num-lay"):
         parse("--num-lay 3")
