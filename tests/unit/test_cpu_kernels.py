@@ -3,14 +3,19 @@
 The CPU kernels are the production path of every CPU run (``KernelBackend.AUTO`` picks them
 for CPU tensors), so they are checked bit for bit against the references over every layout,
 bit width, rounding mode, Hadamard block and dtype, on sizes large enough to cross many
-groups; then their build: cached per source and machine, built once by concurrent
-processes, and a clear fallback (one warning, the reference runs) when no compiler exists.
+groups, and their element conversions over every half-precision value; then their build:
+cached per source and machine, built once by concurrent processes, a private cache that
+refuses a library another user could have planted, and a clear fallback (one warning per
+process, the reference runs) when the library cannot be built or is refused.
 """
 
 import os
+import shutil
+import stat
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -158,6 +163,98 @@ def test_cpu_backend_refuses_other_devices():
         resolve_backend("cpu", torch.empty(1, device="meta"))
 
 
+# ------------------------------------------------------------------ element conversions
+
+
+def _bits(t: torch.Tensor) -> list[int]:
+    """The bit patterns of a float tensor, as unsigned integers."""
+    width = t.element_size() * 8
+    view = {16: torch.int16, 32: torch.int32}[width]
+    return [v & ((1 << width) - 1) for v in t.view(view).tolist()]
+
+
+def _floats(patterns: list[int]) -> torch.Tensor:
+    return torch.tensor(patterns, dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+
+def test_every_half_converts_to_the_float_torch_gives():
+    """All 65536 half bit patterns: zeros, subnormals, normals and infinities bit for bit as
+    torch's .float(); a NaN stays a NaN of its sign, quieted, its payload kept (the rule of
+    the F16C and ARM instructions; torch's own NaN bits differ between its vectorized loop
+    and its scalar tail, and the kernels' contract leaves NaN payloads open)."""
+    half = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    out = torch.full((1 << 16,), 7.0)
+    ck.convert(half, out)
+    nan = torch.isnan(half)
+    assert int(nan.sum()) == 2 * 1023
+    expected, actual = _bits(half.float()), _bits(out)
+    for h in range(1 << 16):
+        if nan[h]:
+            assert actual[h] == ((h & 0x8000) << 16) | 0x7FC00000 | ((h & 0x3FF) << 13), hex(h)
+        else:
+            assert actual[h] == expected[h], (hex(h), hex(actual[h]), hex(expected[h]))
+
+
+def test_floats_round_to_the_nearest_half_ties_to_even():
+    """fp32 -> fp16 at its edges: every half, every midpoint between neighbours (a tie: to
+    the even one) and the floats either side of it, overflow to Inf from 65520 up, underflow
+    through the subnormals to zero, fp32 subnormals; bit for bit as torch's .half()."""
+    half = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    finite = half[torch.isfinite(half)].double().unique()  # ascending, one zero
+    mids = ((finite[1:] + finite[:-1]) / 2).float()  # exact: 12 significant bits
+    up, down = torch.tensor(float("inf")), torch.tensor(float("-inf"))
+    edges = torch.tensor([65504.0, 65519.99609375, 65520.0, 65536.0, 1e38, float("inf"),
+                          2.0 ** -25, 2.0 ** -26, 2.0 ** -14 - 2.0 ** -25, 1e-45, 1e-40,
+                          1.1754942e-38, 1.1754944e-38, 0.0])
+    edges = torch.cat([edges, -edges])
+    x = torch.cat([finite.float(), mids, torch.nextafter(mids, up), torch.nextafter(mids, down),
+                   edges, torch.nextafter(edges, up), torch.nextafter(edges, down)])
+    out = torch.empty(x.numel(), dtype=torch.float16)
+    ck.convert(x, out)
+    assert _bits(out) == _bits(x.half())
+    # the rules themselves, torch aside (sign bit first)
+    cases = {65519.99609375: 0x7BFF, 65520.0: 0x7C00, 2.0 ** -25: 0x0000,
+             float(torch.nextafter(torch.tensor(2.0 ** -25), up)): 0x0001,
+             2.0 ** -24 * 1.5: 0x0002, 2.0 ** -24 * 2.5: 0x0002,  # ties to even
+             2.0 ** -14 - 2.0 ** -25: 0x0400,  # the largest subnormal's tie: the smallest normal
+             1.0 + 2.0 ** -11: 0x3C00, 1.0 + 3 * 2.0 ** -11: 0x3C02, -0.0: 0x8000,
+             float("-inf"): 0xFC00, 1e-40: 0x0000}
+    x = torch.tensor(list(cases))
+    ck.convert(x, out[: x.numel()])
+    assert _bits(out[: x.numel()]) == list(cases.values())
+
+
+def test_random_floats_round_as_torch_rounds():
+    """A million random fp32 bit patterns (every exponent, NaNs included) to fp16: bit for
+    bit as torch's .half(), NaN payloads included (torch's vectorized rule: quiet, top bits
+    of the payload kept, sign kept)."""
+    g = torch.Generator().manual_seed(7)
+    x = _floats(torch.randint(0, 1 << 32, (1 << 20,), generator=g, dtype=torch.int64).tolist())
+    x = torch.cat([x, _floats([0x7F800001, 0xFF800001, 0x7FC00000, 0x7FFFFFFF, 0xFFA00000])])
+    out = torch.empty(x.numel(), dtype=torch.float16)
+    ck.convert(x, out)
+    finite = ~torch.isnan(x)
+    assert torch.equal(out[finite].view(torch.int16), x[finite].half().view(torch.int16))
+    expected_nan = [((u >> 16) & 0x8000) | 0x7E00 | ((u >> 13) & 0x1FF)
+                    for u in _bits(x[~finite])]
+    assert _bits(out[~finite]) == expected_nan
+
+
+def test_the_source_needs_no_half_precision_type():
+    """GCC 11 on x86 (Ubuntu 22.04, RHEL 9) has no _Float16: the conversions are bit
+    operations; building as strict C11 with warnings as errors must pass."""
+    text = ck.SOURCE.read_text()
+    assert "_Float16" not in text and "__fp16" not in text and "__bf16" not in text
+    for cc in ("gcc-11", ck._compiler()):
+        if not shutil.which(cc):
+            continue
+        flags = [f for f in ck.CFLAGS if f != "-std=gnu11"]
+        done = subprocess.run([cc, "-std=c11", "-Wall", "-Wextra", "-Werror", *flags, "-o",
+                               os.devnull, str(ck.SOURCE), "-lm"], capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, (cc, done.stderr)
+
+
 # ------------------------------------------------------------------------------ building
 
 
@@ -178,16 +275,20 @@ def _python(code: str, env: dict) -> subprocess.CompletedProcess:
 
 
 def test_concurrent_first_use_builds_once(tmp_path):
-    """Four processes starting together (the ranks of a node) share one build."""
-    env = {**os.environ, ck.CACHE_ENV: str(tmp_path)}
+    """Four processes starting together (the ranks of a node) share one build, in a cache
+    folder they create private (mode 0700)."""
+    cache = tmp_path / "home" / "cache" / "sdp4bit"
+    env = {**os.environ, ck.CACHE_ENV: str(cache)}
     code = ("from megatron.sdp4bit.quantization import cpu_kernels as ck\n"
             "assert ck.unavailable_reason() is None, ck.unavailable_reason()\n")
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env,
                               stderr=subprocess.PIPE, text=True) for _ in range(4)]
     for proc in procs:
         assert proc.wait(timeout=300) == 0, proc.stderr.read()
-    assert len(list(tmp_path.glob("*.so"))) == 1
-    assert not list(tmp_path.glob("tmp*"))  # no half-written library left behind
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700
+    libraries = list(cache.glob("*.so"))
+    assert len(libraries) == 1 and stat.S_IMODE(libraries[0].stat().st_mode) == 0o755
+    assert not list(cache.glob("tmp*"))  # no half-written library left behind
 
 
 def test_without_a_compiler_the_reference_runs_after_one_warning(tmp_path):
@@ -223,11 +324,19 @@ def test_without_a_compiler_the_reference_runs_after_one_warning(tmp_path):
                             "compiler found")
 
 
-def test_a_failing_compiler_is_named(tmp_path):
+def _fake_compiler(tmp_path: Path, stderr: str) -> Path:
+    """A compiler that answers --version and fails every build, printing ``stderr``."""
+    (tmp_path / "fake.err").write_text(stderr)
     fake = tmp_path / "fakecc"
-    fake.write_text("#!/bin/sh\n[ \"$1\" = --version ] && exit 0\necho 'fakecc: broken' >&2\n"
-                    "exit 1\n")
+    fake.write_text(f"#!/bin/sh\n[ \"$1\" = --version ] && exit 0\n"
+                    f"cat '{tmp_path / 'fake.err'}' >&2\nexit 1\n")
     fake.chmod(0o755)
+    return fake
+
+
+def test_a_failing_compiler_is_named(tmp_path):
+    """No line names an error: the last non-empty one is quoted."""
+    fake = _fake_compiler(tmp_path, "fakecc: note: starting\nfakecc: broken\n\n")
     env = {**os.environ, ck.CACHE_ENV: str(tmp_path / "cache"), "CC": str(fake)}
     done = _python("""
         from megatron.sdp4bit.quantization import cpu_kernels as ck
@@ -235,6 +344,224 @@ def test_a_failing_compiler_is_named(tmp_path):
     """, env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"{fake} failed to compile cpu_kernels.c: fakecc: broken"
+
+
+GCC11_STDERR = """\
+{src}: In function 'load_f32':
+{src}:54:15: error: '_Float16' is not supported on this target
+   54 |         const _Float16 *s = (const _Float16 *)src + off;
+      |               ^~~~~~~~
+{src}:73:9: error: '_Float16' is not supported on this target
+"""
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """The library, its reason and its warning computed anew in this process, and again
+    after the test (a real library already loaded stays loaded)."""
+    monkeypatch.delenv("RANK", raising=False)
+    caches = (ck._library, ck.unavailable_reason, ck._warn_once)
+    for cached in caches:
+        cached.cache_clear()
+    yield
+    for cached in caches:
+        cached.cache_clear()
+
+
+def test_the_warning_quotes_the_compilers_error_line(tmp_path, monkeypatch, fresh):
+    """GCC opens with a context line ("In function ..."): the warning quotes the first line
+    that names an error, the one a user can act on."""
+    fake = _fake_compiler(tmp_path, GCC11_STDERR.format(src=ck.SOURCE))
+    monkeypatch.setenv("CC", str(fake))
+    monkeypatch.setenv(ck.CACHE_ENV, str(tmp_path / "cache"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert resolve_backend("auto", torch.empty(1)) is KernelBackend.TORCH
+    assert [str(w.message) for w in caught] == [
+        f"SDP4Bit CPU kernels unavailable ({fake} failed to compile cpu_kernels.c: "
+        f"{ck.SOURCE}:54:15: error: '_Float16' is not supported on this target); the slower "
+        "torch references run instead"]
+
+
+# ------------------------------------------------------------------ a private cache folder
+
+OTHER_UID = 65534  # "nobody": another user, as root can make a file's owner
+
+
+def _refusal(monkeypatch, cache: Path) -> str:
+    """The reason the library at ``cache`` is refused (a build error expected)."""
+    monkeypatch.setenv(ck.CACHE_ENV, str(cache))
+    with pytest.raises(ck.BuildError) as err:
+        ck._library.__wrapped__()
+    return str(err.value)
+
+
+PLANTED_C = r"""
+#include <stdio.h>
+#include <stdlib.h>
+/* A planted library: its constructor runs when it is loaded, and leaves a mark. */
+__attribute__((constructor)) static void planted(void) {
+    const char *mark = getenv("SDP4BIT_TEST_MARK");
+    FILE *f = mark ? fopen(mark, "a") : NULL;
+    if (f) {
+        fputs(NAME "\n", f);
+        fclose(f);
+    }
+}
+int sdp4bit_abi_version(void) { return -1; }
+"""
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory) -> dict[str, Path]:
+    """Two small libraries whose constructors append "good" or "evil" to $SDP4BIT_TEST_MARK."""
+    folder = tmp_path_factory.mktemp("planted")
+    (folder / "planted.c").write_text(PLANTED_C)
+    libraries = {}
+    for name in ("good", "evil"):
+        libraries[name] = folder / f"{name}.so"
+        subprocess.run([ck._compiler(), "-shared", "-fPIC", f'-DNAME="{name}"', "-o",
+                        str(libraries[name]), str(folder / "planted.c")], check=True,
+                       timeout=300)
+    return libraries
+
+
+@pytest.fixture
+def mark(tmp_path, monkeypatch) -> Path:
+    path = tmp_path / "mark"
+    monkeypatch.setenv("SDP4BIT_TEST_MARK", str(path))
+    return path
+
+
+def _plant(cache: Path, library: Path) -> Path:
+    """Copy ``library`` into ``cache`` (made 0700) under the name the kernels would load."""
+    cache.mkdir(mode=0o700, exist_ok=True)
+    target = cache / ck._library_path(ck._compiler()).name
+    shutil.copyfile(library, target)
+    target.chmod(0o755)
+    return target
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv(ck.CACHE_ENV, str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_a_new_cache_folder_is_private_whatever_the_umask(cache):
+    old = os.umask(0)
+    try:
+        fd = ck._open_cache_dir(cache)
+    finally:
+        os.umask(old)
+    os.close(fd)
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700
+
+
+def test_an_existing_folder_only_the_user_writes_is_used(cache):
+    """Caches made before the folder was private (0755) stay in use."""
+    cache.mkdir(mode=0o755)
+    cache.chmod(0o755)
+    os.close(ck._open_cache_dir(cache))
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o755
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o1777])
+def test_a_folder_others_can_write_is_refused(monkeypatch, cache, planted, mark, mode):
+    _plant(cache, planted["evil"])
+    cache.chmod(mode)
+    assert _refusal(monkeypatch, cache) == (
+        f"the cache folder {cache} is writable by group or others (mode {mode:04o}): "
+        "refused; chmod 700 it")
+    assert not mark.exists()
+
+
+def test_a_symlinked_folder_is_refused(monkeypatch, tmp_path, planted, mark):
+    real = tmp_path / "real"
+    _plant(real, planted["evil"])
+    (tmp_path / "link").symlink_to(real)
+    assert _refusal(monkeypatch, tmp_path / "link") == (
+        f"the cache folder {tmp_path / 'link'} is a symbolic link: refused; set "
+        "SDP4BIT_CACHE_DIR to a folder of yours")
+    assert not mark.exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can give a folder to another user")
+def test_a_folder_of_another_user_is_refused(monkeypatch, cache, planted, mark):
+    _plant(cache, planted["evil"])
+    os.chown(cache, OTHER_UID, -1)
+    assert _refusal(monkeypatch, cache) == (
+        f"the cache folder {cache} belongs to uid {OTHER_UID}, not to this user (uid "
+        f"{os.geteuid()}): refused; set SDP4BIT_CACHE_DIR to a folder of yours")
+    assert not mark.exists()
+
+
+def test_a_library_others_can_write_is_refused(monkeypatch, cache, planted, mark):
+    library = _plant(cache, planted["evil"])
+    library.chmod(0o666)
+    assert _refusal(monkeypatch, cache) == (
+        f"the library {library} is writable by group or others (mode 0666): refused; "
+        "delete it to rebuild")
+    assert not mark.exists()
+
+
+def test_a_symlinked_library_is_refused(monkeypatch, cache, planted, mark):
+    library = _plant(cache, planted["evil"])
+    library.unlink()
+    library.symlink_to(planted["evil"])  # a file of this user's, 0755: only the link is wrong
+    assert _refusal(monkeypatch, cache) == (
+        f"the library {library} is a symbolic link: refused; delete it to rebuild")
+    assert not mark.exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can give a file to another user")
+def test_a_library_of_another_user_is_refused(monkeypatch, cache, planted, mark):
+    library = _plant(cache, planted["evil"])
+    os.chown(library, OTHER_UID, -1)
+    assert _refusal(monkeypatch, cache) == (
+        f"the library {library} belongs to uid {OTHER_UID}, not to this user (uid "
+        f"{os.geteuid()}): refused; delete it to rebuild")
+    assert not mark.exists()
+
+
+def test_the_file_checked_is_the_file_loaded(cache, planted, mark):
+    """A library swapped in after the checks (a rename into the folder) is not the one
+    loaded: the loader gets the checked file's descriptor, not its name."""
+    library = _plant(cache, planted["good"])
+    dir_fd = ck._open_cache_dir(cache)
+    fd = ck._open_library(dir_fd, library)
+    os.close(dir_fd)
+    swap = cache / "swap.so"
+    shutil.copyfile(planted["evil"], swap)
+    os.replace(swap, library)
+    ck._load(fd, library)  # fd stays open, as in _library: its number names this file
+    assert mark.read_text() == "good\n"
+
+
+def test_a_refused_cache_falls_back_with_one_warning(cache, fresh):
+    """The documented fallback: one warning line naming the reason, the references run; the
+    CPU backend asked for by name raises ImportError with the same reason."""
+    cache.mkdir()
+    cache.chmod(0o777)
+    x = torch.randn(256)
+    out, expected = (torch.empty(fmt.message_nbytes(256, 4, 64), dtype=torch.uint8)
+                     for _ in range(2))
+    ref.qwd_sender(x, None, expected, bits=4, group_size=64, stochastic=True, seed=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            ops.qwd_sender(x, None, out, bits=4, group_size=64, stochastic=True, seed=1)
+            assert torch.equal(out, expected)
+    reason = (f"the cache folder {cache} is writable by group or others (mode 0777): refused; "
+              "chmod 700 it")
+    assert [str(w.message) for w in caught] == [
+        f"SDP4Bit CPU kernels unavailable ({reason}); the slower torch references run instead"]
+    with pytest.raises(ImportError) as err:
+        ops.qwd_sender(x, None, out, bits=4, group_size=64, stochastic=True, seed=1,
+                       backend="cpu")
+    assert str(err.value) == (f"the CPU kernel backend was requested but cannot run: {reason}; "
+                              "use KernelBackend.TORCH")
+    assert list(cache.iterdir()) == []  # nothing built into it either
 
 
 def test_ops_dispatch_to_cpu_kernels_by_default():

@@ -29,6 +29,11 @@ NARROW = r"(?:unsigned\s+int|unsigned|int|int32_t|uint32_t|int16_t|uint16_t|int8
 ALLOWED = {
     "bits_to_f32": {"u"},  # an fp32 bit pattern
     "f32_to_bits": {"u"},
+    "f16_to_f32": {"h", "sign", "exp", "normal", "small", "special"},  # half/fp32 bit patterns
+    "mask_if": {"c"},  # a condition
+    # fp32/half bit patterns and their fields (exponent, shift, rounded mantissa, masks)
+    "f32_to_f16": {"u", "sign", "normal", "e", "sh", "q", "up", "small", "nan", "is_nan",
+                   "is_inf", "is_normal", "is_small"},
     "load_f32": {"dt"},  # dtype code
     "store_f32": {"dt", "u", "r"},  # dtype code, bf16 bit patterns
     "mix32": {"x"},  # the hash state (uint32 arithmetic by design)
@@ -38,6 +43,7 @@ ALLOWED = {
     "dequantize_sum": {"bits"},
     "message_bytes": {"bits"},
     "hadamard": {"last"},
+    "sdp4bit_convert": {"src_dt", "dst_dt"},
     "sdp4bit_qwd_sender": {"main_dt", "replica_dt", "bits", "stochastic", "k0", "k1"},
     "sdp4bit_qwd_receiver": {"replica_dt", "bits", "accumulate"},
     "sdp4bit_tlq_sender": {"dt", "bits", "stochastic", "k0", "k1"},

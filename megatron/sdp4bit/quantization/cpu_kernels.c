@@ -15,7 +15,9 @@
  * codes are offset binary (q + 2^(bits-1)); 4-bit codes two per byte, even element in the
  * low nibble.
  *
- * Element types of float buffers: 0 = float32, 1 = bfloat16, 2 = float16.
+ * Element types of float buffers: 0 = float32, 1 = bfloat16, 2 = float16. bfloat16 and float16
+ * are converted by integer operations on their bits, not by a compiler's half-precision type:
+ * C11 has none, and GCC before 12 offers none on x86.
  */
 
 #include <math.h>
@@ -23,7 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define ABI_VERSION 1
+#define ABI_VERSION 2
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 
@@ -43,6 +45,53 @@ static inline uint32_t f32_to_bits(float f) {
     return u;
 }
 
+/* The float of IEEE half h (exact: every half is an fp32). A NaN keeps its sign and payload
+ * and comes out quiet, as the x86 F16C and ARM conversion instructions (torch's vectorized
+ * path) make it. Every case is computed and one is selected, so the loops vectorize. */
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    /* normal: rebias the exponent from 15 to 127 (112 = 127 - 15), widen the mantissa */
+    const uint32_t normal = sign | (((uint32_t)(h & 0x7FFFu) << 13) + (112u << 23));
+    /* zero or subnormal: man * 2^-24, an fp32 normal (or zero) computed exactly */
+    const uint32_t small = sign | f32_to_bits((float)man * 0x1p-24f);
+    /* Inf, or NaN with the quiet bit set */
+    const uint32_t special = sign | 0x7F800000u | (man << 13) | (man ? 0x00400000u : 0u);
+    return bits_to_f32(exp == 0x1Fu ? special : (exp == 0 ? small : normal));
+}
+
+/* All ones when c holds, else zero. */
+static inline uint32_t mask_if(int c) { return 0u - (uint32_t)c; }
+
+/* fp32 x rounded to the nearest IEEE half, ties to even (IEEE's and torch's rule): values from
+ * 65520 up become Inf, values up to 2^-25 become zero, both keeping the sign. A NaN keeps its
+ * sign and the top bits of its payload and comes out quiet (as F16C and ARM make it). Every
+ * case is computed and one kept by masks: GCC turns a chain of ?: here into branches, and
+ * the loop would not vectorize. */
+static inline uint16_t f32_to_f16(float x) {
+    const uint32_t u = f32_to_bits(x);
+    const uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
+    /* normal half (|x| >= 2^-14): round the 23-bit mantissa to 10 bits at bit 13 (a carry
+     * into the exponent is the correct result), then rebias the exponent from 127 to 15 */
+    const uint32_t normal = ((a + 0xFFFu + ((a >> 13) & 1u)) >> 13) - (112u << 10);
+    /* subnormal half: |x| / 2^-24 = m * 2^(e - 126) with m the 24-bit significand; shift
+     * right by 126 - e (14 to 24 for 2^-25 <= |x| < 2^-14) and round the dropped bits to
+     * nearest even (1024, from the largest subnormals, is the smallest normal: correct);
+     * below 2^-25 (e < 102) the result is zero */
+    const uint32_t e = a >> 23, m = (a & 0x7FFFFFu) | 0x800000u;
+    const uint32_t sh = 126u - (e < 102u ? 102u : (e > 112u ? 112u : e)); /* in [14, 24] */
+    const uint32_t q = m >> sh, rest = m & ((1u << sh) - 1u), half = 1u << (sh - 1u);
+    const uint32_t up = (uint32_t)(rest > half) | ((uint32_t)(rest == half) & q);
+    const uint32_t small = (q + up) & mask_if(e >= 102u);
+    const uint32_t nan = 0x7E00u | ((a >> 13) & 0x1FFu);
+    const uint32_t is_nan = mask_if(a > 0x7F800000u);
+    const uint32_t is_inf = mask_if(a >= 0x477FF000u) & ~is_nan; /* 65520 and up, Inf too */
+    const uint32_t is_normal = mask_if(a >= 0x38800000u) & ~(is_nan | is_inf);
+    const uint32_t is_small = ~(is_nan | is_inf | is_normal);
+    return (uint16_t)(sign | (nan & is_nan) | (0x7C00u & is_inf) | (normal & is_normal) |
+                      (small & is_small));
+}
+
 /* dst[i] = float(src[off + i]) for i < n (exact for every source type). */
 static void load_f32(float *restrict dst, const void *src, int dt, int64_t off, int64_t n) {
     if (dt == DT_F32) {
@@ -51,13 +100,13 @@ static void load_f32(float *restrict dst, const void *src, int dt, int64_t off, 
         const uint16_t *s = (const uint16_t *)src + off;
         for (int64_t i = 0; i < n; i++) dst[i] = bits_to_f32((uint32_t)s[i] << 16);
     } else {
-        const _Float16 *s = (const _Float16 *)src + off;
-        for (int64_t i = 0; i < n; i++) dst[i] = (float)s[i];
+        const uint16_t *s = (const uint16_t *)src + off;
+        for (int64_t i = 0; i < n; i++) dst[i] = f16_to_f32(s[i]);
     }
 }
 
-/* dst[off + i] = src[i] rounded to nearest even, as torch's copy_ rounds (bf16 by hand:
- * torch's rule, NaN -> 0x7FC0). */
+/* dst[off + i] = src[i] rounded to nearest even, as torch's copy_ rounds (bf16: torch's rule,
+ * NaN -> 0x7FC0; fp16: f32_to_f16). */
 static void store_f32(void *dst, int dt, int64_t off, const float *restrict src, int64_t n) {
     if (dt == DT_F32) {
         memcpy((float *)dst + off, src, (size_t)n * 4);
@@ -69,8 +118,8 @@ static void store_f32(void *dst, int dt, int64_t off, const float *restrict src,
             d[i] = (uint16_t)(src[i] != src[i] ? 0x7FC0u : r);
         }
     } else {
-        _Float16 *d = (_Float16 *)dst + off;
-        for (int64_t i = 0; i < n; i++) d[i] = (_Float16)src[i];
+        uint16_t *d = (uint16_t *)dst + off;
+        for (int64_t i = 0; i < n; i++) d[i] = f32_to_f16(src[i]);
     }
 }
 
@@ -299,6 +348,19 @@ static inline int64_t message_bytes(int64_t numel, int64_t G, int bits) {
 }
 
 /* ------------------------------------------------------------------------- operations */
+
+/* convert: dst = src converted element by element (load_f32, then store_f32), the element
+ * conversions every operation uses, callable alone so the tests can check them over every
+ * half-precision bit pattern. */
+int sdp4bit_convert(const void *src, int src_dt, void *dst, int dst_dt, int64_t n) {
+    float buf[1024];
+    for (int64_t i = 0; i < n; i += 1024) {
+        const int64_t run = n - i < 1024 ? n - i : 1024;
+        load_f32(buf, src, src_dt, i, run);
+        store_f32(dst, dst_dt, i, buf, run);
+    }
+    return 0;
+}
 
 /* qwd_sender: one message of Q(main - replica) (Q(main) when replica is NULL). */
 int sdp4bit_qwd_sender(const void *main, int main_dt, const void *replica, int replica_dt,

@@ -13,16 +13,33 @@ system C compiler (``$CC``, else ``cc``/``gcc``/``clang``) into a shared library
 library's name hashes the source, the flags, the compiler's version and this CPU's feature
 flags, so a changed source, compiler or machine (a cluster's home directory is shared by
 nodes of different CPUs) builds anew; several processes starting at once take a file lock
-and build once. Flags: ``-O3 -march=native`` for the vector units of this CPU, and
-``-ffp-contract=off`` with no ``-ffast-math``: no fused multiply-add and no reassociation,
-so every result is the reference's IEEE result (``-fno-trapping-math`` and
-``-fno-math-errno`` only drop floating-point exception flags and ``errno``, which lets
-``floorf`` vectorize; no value changes). ``pip install`` brings nothing: a C compiler
-is all it needs.
+and build once. The compiler writes into a private temporary folder; the library is then
+copied into the cache under a temporary name and renamed, so no reader sees half of one.
+Flags: ``-O3 -march=native`` for the vector units of this CPU, and ``-ffp-contract=off``
+with no ``-ffast-math``: no fused multiply-add and no reassociation, so every result is the
+reference's IEEE result (``-fno-trapping-math`` and ``-fno-math-errno`` only drop
+floating-point exception flags and ``errno``, which lets ``floorf`` vectorize; no value
+changes). Half-precision values are converted by integer operations on their bits, so any
+C11 compiler builds the file (GCC 11, the default of Ubuntu 22.04 and RHEL 9, has no
+half-precision type on x86). ``pip install`` brings nothing: a C compiler is all it needs.
+When the compiler fails, the warning quotes its first line naming an error.
 
-When the library cannot be built or loaded (no compiler, a read-only cache, ...),
-:func:`available` is False, one warning line names why, and ``KernelBackend.AUTO`` runs the
-torch references on CPU tensors instead (same bits, slower); asking for
+[Note: the cache is private]
+Loading a library runs its constructors in every rank, so a library another local user could
+have written must never be loaded (a shared ``$SDP4BIT_CACHE_DIR`` or ``$XDG_CACHE_HOME``, a
+group-writable home). The cache folder is created with mode 0700; a cache folder or library
+that is a symbolic link, is not owned by this user, or is writable by group or others is
+refused (the fallback below, its warning naming the path and the fix). The checks hold for
+what is loaded, not merely for a name: the folder is opened with ``O_NOFOLLOW`` and checked
+with ``fstat``, the library is opened through that descriptor with ``O_NOFOLLOW`` and checked
+with ``fstat``, and the loader is given ``/proc/self/fd/N``, the very file checked. That
+descriptor stays open: the loader knows a library by its name, and a reused number would
+name another file. (Where ``/proc`` is missing the path is loaded, its folder private.)
+
+When the library cannot be built or loaded (no compiler, a read-only cache, a refused cache,
+...), :func:`available` is False, one warning line names why, once in every process that
+falls back (each rank says so for itself: each is slowed), and ``KernelBackend.AUTO`` runs
+the torch references on CPU tensors instead (same bits, slower); asking for
 ``KernelBackend.CPU`` explicitly raises ``ImportError`` with the reason.
 """
 
@@ -33,7 +50,9 @@ import functools
 import hashlib
 import os
 import platform
+import secrets
 import shutil
+import stat
 import subprocess
 import tempfile
 import warnings
@@ -52,12 +71,13 @@ CFLAGS = ("-std=gnu11", "-O3", "-march=native", "-ffp-contract=off", "-fno-math-
 # x86: use the full width of AVX-512 where this CPU has it (GCC defaults to 256 bits).
 if platform.machine() in ("x86_64", "AMD64"):
     CFLAGS += ("-mprefer-vector-width=512",)
-ABI_VERSION = 1
+ABI_VERSION = 2
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 _i64, _u32, _int, _f32, _ptr = (ctypes.c_int64, ctypes.c_uint32, ctypes.c_int,
                                 ctypes.c_float, ctypes.c_void_p)
 _SIGNATURES = {
+    "sdp4bit_convert": (_ptr, _int, _ptr, _int, _i64),
     "sdp4bit_qwd_sender": (_ptr, _int, _ptr, _int, _ptr, _i64, _i64, _int, _int, _u32, _u32),
     "sdp4bit_qwd_receiver": (_ptr, _ptr, _int, _i64, _i64, _i64, _int, _int),
     "sdp4bit_tlq_sender": (_ptr, _int, _ptr, _i64, _i64, _i64, _i64, _i64, _int, _i64, _f32,
@@ -112,29 +132,136 @@ def _library_path(cc: str) -> Path:
     return cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
 
 
-def _build(cc: str, target: Path) -> None:
+def _compiler_error(stderr: str) -> str:
+    """The line of a compiler's stderr that says what failed: the first that names an error
+    (GCC opens with context lines such as "In function ..."), else the last non-empty one."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    for line in lines:
+        if "error" in line.lower():
+            return line
+    return lines[-1] if lines else "(no output)"
+
+
+def _refuse_foreign(st: os.stat_result, what: str, path: Path, owner_fix: str,
+                    mode_fix: str) -> None:
+    """Refuse a cache entry that another user owns or may write: code in it would run here."""
+    uid = os.geteuid()
+    if st.st_uid != uid:
+        raise BuildError(f"{what} {path} belongs to uid {st.st_uid}, not to this user "
+                         f"(uid {uid}): refused; {owner_fix}")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise BuildError(f"{what} {path} is writable by group or others (mode "
+                         f"{stat.S_IMODE(st.st_mode):04o}): refused; {mode_fix}")
+
+
+def _open_cache_dir(folder: Path) -> int:
+    """A descriptor of the cache folder, created with mode 0700 when missing; refused when it
+    is a symbolic link, not this user's or writable by group or others."""
+    created = False
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        os.mkdir(folder, 0o700)
+        created = True
+    except FileExistsError:
+        pass
     except OSError as err:
-        raise BuildError(f"cannot create the cache folder {target.parent}: {err}") from None
+        raise BuildError(f"cannot create the cache folder {folder}: {err}") from None
+    fix = f"set {CACHE_ENV} to a folder of yours"
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as err:
+        if folder.is_symlink():
+            raise BuildError(f"the cache folder {folder} is a symbolic link: refused; "
+                             f"{fix}") from None
+        raise BuildError(f"cannot open the cache folder {folder}: {err}") from None
+    try:
+        _refuse_foreign(os.fstat(fd), "the cache folder", folder, fix, "chmod 700 it")
+        if created:  # exactly 0700, whatever the umask (which can only have removed bits)
+            os.fchmod(fd, 0o700)
+    except OSError as err:
+        os.close(fd)
+        raise BuildError(f"cannot use the cache folder {folder}: {err}") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_library(dir_fd: int, path: Path) -> int | None:
+    """A descriptor of the library ``path`` in the folder ``dir_fd``, ``None`` when there is
+    none yet; refused when it is a symbolic link, not a file, not this user's or writable by
+    group or others."""
+    fix = "delete it to rebuild"
+    try:
+        fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        try:
+            link = stat.S_ISLNK(os.stat(path.name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+        except OSError:
+            link = False
+        if link:
+            raise BuildError(f"the library {path} is a symbolic link: refused; {fix}") from None
+        raise BuildError(f"cannot open {path}: {err}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise BuildError(f"the library {path} is not a regular file: refused; {fix}")
+        _refuse_foreign(st, "the library", path, fix, fix)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _build(cc: str, dir_fd: int, target: Path) -> None:
+    """Compile into a private temporary folder, then copy into the cache folder ``dir_fd``
+    under a temporary name and rename it to ``target``'s name."""
     import fcntl
 
-    with open(target.with_suffix(".lock"), "w") as lock:
+    lock = os.open(target.with_suffix(".lock").name,
+                   os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                   dir_fd=dir_fd)
+    try:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one builder; the others wait, then find it built
-        if target.exists():
-            return
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
         try:
-            result = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"],
+            os.stat(target.name, dir_fd=dir_fd, follow_symlinks=False)
+            return  # built meanwhile (checked when opened)
+        except FileNotFoundError:
+            pass
+        with tempfile.TemporaryDirectory(prefix="sdp4bit-build-") as private:
+            out = os.path.join(private, target.name)
+            result = subprocess.run([cc, *CFLAGS, "-o", out, str(SOURCE), "-lm"],
                                     capture_output=True, text=True, timeout=300)
             if result.returncode != 0:
-                first = (result.stderr.strip().splitlines() or ["(no output)"])[0]
-                raise BuildError(f"{cc} failed to compile {SOURCE.name}: {first}")
-            os.replace(tmp, target)  # atomic: a reader sees no half-written library
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+                raise BuildError(f"{cc} failed to compile {SOURCE.name}: "
+                                 f"{_compiler_error(result.stderr or result.stdout)}")
+            with open(out, "rb") as f:
+                data = f.read()
+        tmp = f"tmp-{secrets.token_hex(8)}.so"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o700, dir_fd=dir_fd)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                os.fchmod(f.fileno(), 0o755)  # whatever the umask: not group/other-writable
+            # atomic: a reader sees no half-written library
+            os.replace(tmp, target.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=dir_fd)
+            except FileNotFoundError:
+                pass
+            raise
+    finally:
+        os.close(lock)
+
+
+def _load(fd: int, path: Path) -> ctypes.CDLL:
+    """Load the library open on ``fd`` (checked), by its descriptor where /proc allows."""
+    by_fd = f"/proc/self/fd/{fd}"
+    return ctypes.CDLL(by_fd if os.path.exists(by_fd) else str(path))
 
 
 @functools.lru_cache(maxsize=None)
@@ -142,14 +269,23 @@ def _library() -> ctypes.CDLL:
     """Build (once per machine) and load the library; raises :class:`BuildError`."""
     cc = _compiler()
     path = _library_path(cc)
-    if not path.exists():
-        try:
-            _build(cc, path)
-        except (OSError, subprocess.SubprocessError) as err:
-            raise BuildError(f"building {path} failed: {err}") from None
+    dir_fd = _open_cache_dir(path.parent)
     try:
-        lib = ctypes.CDLL(str(path))
+        fd = _open_library(dir_fd, path)
+        if fd is None:
+            try:
+                _build(cc, dir_fd, path)
+            except (OSError, subprocess.SubprocessError) as err:
+                raise BuildError(f"building {path} failed: {err}") from None
+            fd = _open_library(dir_fd, path)
+            if fd is None:
+                raise BuildError(f"{path} is missing right after its build")
+    finally:
+        os.close(dir_fd)
+    try:
+        lib = _load(fd, path)  # fd stays open for good: see [Note: the cache is private]
     except OSError as err:
+        os.close(fd)
         raise BuildError(f"cannot load {path}: {err}") from None
     if lib.sdp4bit_abi_version() != ABI_VERSION:
         raise BuildError(f"{path} is not ABI version {ABI_VERSION}: delete it to rebuild")
@@ -180,8 +316,12 @@ def available(*, warn: bool = True) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _warn_once(reason: str) -> None:
-    warnings.warn(f"SDP4Bit CPU kernels unavailable ({reason}); the slower torch references "
-                  "run instead", RuntimeWarning, stacklevel=3)
+    # Every rank that falls back says so (training.noise lets this warning through on the
+    # ranks it otherwise silences), naming its rank under torchrun.
+    rank = os.environ.get("RANK")
+    where = "" if rank is None else f" on rank {rank}"
+    warnings.warn(f"SDP4Bit CPU kernels unavailable{where} ({reason}); the slower torch "
+                  "references run instead", RuntimeWarning, stacklevel=3)
 
 
 def _call(name: str, *args) -> None:
@@ -200,6 +340,15 @@ def _dtype(t: torch.Tensor, name: str) -> int:
     if t.dtype not in _DTYPES:
         raise ValueError(f"{name} has dtype {t.dtype}: use float32, bfloat16 or float16")
     return _DTYPES[t.dtype]
+
+
+def convert(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """``dst.copy_(src)`` through the kernels' own element conversions (every operation's
+    loads and stores), for contiguous CPU tensors of float32, bfloat16 or float16."""
+    if src.numel() != dst.numel() or not (src.is_contiguous() and dst.is_contiguous()):
+        raise ValueError("convert takes two contiguous tensors of the same size")
+    _call("sdp4bit_convert", src.data_ptr(), _dtype(src, "src"), dst.data_ptr(),
+          _dtype(dst, "dst"), src.numel())
 
 
 def qwd_sender(main_shard: torch.Tensor, replica_shard: torch.Tensor | None, out: torch.Tensor,

@@ -27,7 +27,8 @@ provided ..." (0.19.2)                                 (inside ``sdp4bit_padding
 
 Every other warning still shows on rank 0, once per place it comes from (Python's default).
 On the other ranks Python warnings are off and megatron's loggers pass errors only, so a
-message that every rank would repeat appears once; an exception still prints on every rank.
+message that every rank would repeat appears once; an exception still prints on every rank,
+and so do the warnings of ``EVERY_RANK_WARNINGS`` (a rank that runs slower says so itself).
 A user's own ``-W`` / ``PYTHONWARNINGS`` choice is kept on every rank.
 """
 
@@ -50,6 +51,11 @@ NOISE_WARNINGS: tuple[tuple[str, str, type[Warning]], ...] = (
     (r"MimoModelConfig is experimental", r"megatron\.core", UserWarning),
     (r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
      r"torch\.distributed", FutureWarning),
+)
+# Python warnings every rank shows (message regex, category): each names a state of its own
+# process, such as the CPU kernels' fallback to the 20-50x slower references.
+EVERY_RANK_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
+    (r"SDP4Bit CPU kernels unavailable", RuntimeWarning),
 )
 # Patterns only one tested megatron-core release prints (-> that release); the others are
 # printed by both.
@@ -114,6 +120,8 @@ def quiet_megatron_core(rank: int | None = None, cuda: bool | None = None) -> No
     if rank != 0:
         if not sys.warnoptions:  # the user's -W / PYTHONWARNINGS wins
             warnings.simplefilter("ignore")
+            for message, category in EVERY_RANK_WARNINGS:  # inserted first: they win
+                warnings.filterwarnings("default", message=message, category=category)
         logging.getLogger("megatron").setLevel(logging.ERROR)
 
 

@@ -108,6 +108,31 @@ def test_other_ranks_speak_only_on_errors(clean_logging, caplog, monkeypatch):
     assert [r.getMessage() for r in caplog.records] == ["this rank failed"]
 
 
+def test_other_ranks_say_when_the_cpu_kernels_fall_back(clean_logging, monkeypatch):
+    """Each rank that runs the slow torch references instead of the CPU kernels says so,
+    once per process and naming its rank, though other warnings stay off on that rank."""
+    import torch
+
+    from megatron.sdp4bit.quantization import cpu_kernels
+    from megatron.sdp4bit.quantization.backend import KernelBackend, resolve_backend
+
+    monkeypatch.setattr(sys, "warnoptions", [])
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setattr(cpu_kernels, "unavailable_reason", lambda: "no C compiler found")
+    cpu_kernels._warn_once.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.resetwarnings()
+        warnings.simplefilter("default")
+        noise.quiet_megatron_core(rank=3, cuda=False)
+        for _ in range(3):
+            assert resolve_backend("auto", torch.empty(1)) is KernelBackend.TORCH
+        warnings.warn("a warning every rank would repeat", UserWarning)
+    cpu_kernels._warn_once.cache_clear()
+    assert [str(w.message) for w in caught] == [
+        "SDP4Bit CPU kernels unavailable on rank 3 (no C compiler found); the slower torch "
+        "references run instead"]
+
+
 def test_a_users_warning_options_win_on_other_ranks(clean_logging, monkeypatch):
     monkeypatch.setattr(sys, "warnoptions", ["always"])
     with warnings.catch_warnings(record=True) as caught:
