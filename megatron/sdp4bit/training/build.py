@@ -129,7 +129,22 @@ def run_settings(args: argparse.Namespace, sdp4bit_config: SDP4BitConfig,
         "position_embedding_type", "untie_embeddings_and_output_weights", "swiglu",
         "normalization", "add_bias_linear", "params_dtype")}
     model["padded_vocab_size"] = vocab
-    return {"layout": layout, "model": model, "sdp4bit": method_settings(sdp4bit_config)}
+    return {"layout": layout, "model": model, "data": data_settings(args),
+            "sdp4bit": method_settings(sdp4bit_config)}
+
+
+def data_settings(args: argparse.Namespace) -> dict:
+    """What decides which samples a run reads and in which order: the blend (absolute
+    prefixes and their weights), the split and the seed."""
+    if args.mock_data:
+        blend = "mock"
+    elif len(args.data_path) == 1:
+        blend = os.path.abspath(args.data_path[0])
+    else:
+        blend = " ".join(f"{float(w):g} {os.path.abspath(p)}"
+                         for w, p in zip(args.data_path[0::2], args.data_path[1::2]))
+    split = ",".join(f"{x:.6g}" for x in args.split_vector)  # '98,2,0' and '98, 2, 0' agree
+    return {"data_path": blend, "split": split, "seed": args.seed}
 
 
 def method_settings(config: SDP4BitConfig) -> dict:
@@ -230,7 +245,9 @@ def restore(args: argparse.Namespace, state: TrainState) -> None:
     iteration, consumed = checkpointing.load_checkpoint(
         args.load, state.model, state.optimizer, state.scheduler, state.settings,
         load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
-        allow_sdp4bit_change=args.allow_changed_sdp4bit_settings)
+        allow_sdp4bit_change=args.allow_changed_sdp4bit_settings,
+        allow_data_change=args.allow_changed_data,
+        allow_no_manifest=args.load_without_manifest)
     state.iteration, state.consumed_samples = iteration, consumed
     if dist.get_rank() == 0:
         print(f"loaded checkpoint from {args.load} at iteration {iteration}"
