@@ -19,7 +19,7 @@ from megatron.sdp4bit.training.observe.comm_counters import add_unquantized_iter
 from megatron.sdp4bit.training.data import batch_iterator
 from megatron.sdp4bit.training.observe.logging import MetricsWriter, format_eval_lines, format_train_line
 from megatron.sdp4bit.training.cli.megatron_flags import exit_duration_reached
-from megatron.sdp4bit.training.guards.replicas import check_replicas
+from megatron.sdp4bit.training.guards.replicas import check_replicas, gather_pending
 from megatron.sdp4bit.training.step import evaluate, has_loss_scaler, train_step
 from megatron.sdp4bit.training.observe.timers import Timers, format_timers, max_times
 
@@ -181,7 +181,8 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None) -> Tra
                     next(state.model[0].parameters()).view(-1)[0] += 1.0
             if args.check_replicas_interval and \
                     state.iteration % args.check_replicas_interval == 0:
-                check_replicas(state.model, state.iteration)
+                check_replicas(state.model, state.iteration, finish_gather=gather_pending(
+                    args.overlap_param_gather, state.sdp4bit.quantized_weights))
             saved = False
             if args.save and args.save_interval and state.iteration % args.save_interval == 0:
                 _save(args, state)
