@@ -189,7 +189,7 @@ def test_runs_do_not_clobber_each_others_checkpoints(tmp_path):
         f"--save {ckpt} already holds checkpoints up to iteration 4 of another run: resume it "
         f"with --load {ckpt}, choose another --save, or pass --overwrite-checkpoints to delete "
         "them")
-    from megatron.sdp4bit.training.checkpoint_files import SaveDirLock
+    from megatron.sdp4bit.training.checkpoint.files import SaveDirLock
 
     lock = SaveDirLock(ckpt)  # a live run holding the folder
     try:
