@@ -195,12 +195,11 @@ def _check_data(args: argparse.Namespace) -> None:
 def parse_split(text: str) -> list[float]:
     """``--split`` 'A,B,C' (or 'A/B/C') -> normalized train/valid/test fractions."""
     parts = [x.strip() for x in re.split(r"[,/]", text)]
-    try:
-        values = [float(x) for x in parts]
-    except ValueError:
-        values = []
-    if not 1 <= len(values) <= 3 or not all(math.isfinite(v) and v >= 0 for v in values) \
-            or sum(values) <= 0:
+    # Plain decimals only: megatron-core reads the numbers with the pattern [.0-9]+, so
+    # '-10' or '1e2' would silently mean something else there.
+    plain = all(re.fullmatch(r"[0-9]+(\.[0-9]*)?|\.[0-9]+", x) for x in parts)
+    values = [float(x) for x in parts] if plain else []
+    if not 1 <= len(values) <= 3 or sum(values) <= 0:
         _fail(f"--split {text!r} must be up to three non-negative numbers with a positive sum, "
               "e.g. 969,30,1 (train, valid, test)")
     values += [0.0] * (3 - len(values))

@@ -191,6 +191,9 @@ ERRORS = {
                    "with a positive sum, e.g. 969,30,1 (train, valid, test)"),
     "split-words": ("--split abc", "--split 'abc' must be up to three non-negative numbers "
                     "with a positive sum, e.g. 969,30,1 (train, valid, test)"),
+    "split-exponent": ("--split 1e2,1,1", "--split '1e2,1,1' must be up to three "
+                       "non-negative numbers with a positive sum, e.g. 969,30,1 (train, valid, "
+                       "test)"),
     "split-negative": ("--split 90,-10,20", "--split '90,-10,20' must be up to three "
                        "non-negative numbers with a positive sum, e.g. 969,30,1 (train, valid, "
                        "test)"),
