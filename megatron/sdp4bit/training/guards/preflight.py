@@ -13,8 +13,9 @@ every rank stops together with the same message (``pretrain_gpt.py`` prints it o
   documents and tokens; the token ids are integers from 0 to below the tokenizer's
   vocabulary; every split of ``--split`` with a non-zero share gets tokens of every prefix;
 * every dataset index cache megatron-core would open (``*.npy`` under ``--data-cache-path``,
-  else under ``<prefix>/cache/GPTDataset_indices``) is a plain numeric array: megatron-core loads them with
-  ``allow_pickle=True``, so a crafted cache would run code (it is refused, never opened).
+  else under ``<prefix>/cache/GPTDataset_indices``) is a plain numeric array: megatron-core
+  loads them with ``allow_pickle=True``, so a crafted cache would run code (it is refused,
+  never opened).
 
 Checkpoints are checked where they are read
 (:mod:`megatron.sdp4bit.training.checkpoint.checkpointing`).
