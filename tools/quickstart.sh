@@ -15,6 +15,9 @@
 # Environment: RUN_DIR [a new runs/quickstart/run-<date>-<time>], TRAIN_ITERS [60]. Extra
 # pretrain_gpt.py flags may follow on the command line (the last occurrence wins), e.g.
 #     bash tools/quickstart.sh --quantization-rounding nearest
+# They are recorded in RUN_DIR/flags.txt (one a line) and replayed when the run continues,
+# so a continued run trains on the same data with the same settings (flags given to the
+# continuing command come after them and win).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -48,6 +51,16 @@ elif [[ -e "$RUN_DIR/metrics.jsonl" ]]; then
     exit 2
 fi
 mkdir -p "$RUN_DIR"
+EXTRA=("$@")
+if [[ -n "$RESUME" && -f "$RUN_DIR/flags.txt" ]]; then
+    mapfile -t FIRST < "$RUN_DIR/flags.txt"
+    EXTRA=("${FIRST[@]}" "$@")
+elif [[ -z "$RESUME" ]]; then
+    for a in "$@"; do
+        [[ "$a" != *$'\n'* ]] || { echo "quickstart: a flag holds a line break: $a" >&2; exit 2; }
+    done
+    if (($#)); then printf '%s\n' "$@"; fi > "$RUN_DIR/flags.txt"
+fi
 if [[ "$RUN_DIR" == runs/quickstart/* ]]; then
     ln -sfn "$(basename "$RUN_DIR")" runs/quickstart/latest
 fi
@@ -71,16 +84,19 @@ ARGS=(
     --log-interval 5 --eval-interval "$TRAIN_ITERS" --eval-iters 8
     --metrics-jsonl "$RUN_DIR/metrics.jsonl" --tensorboard-dir "$RUN_DIR/tensorboard"
     --save "$RUN_DIR/checkpoints" --load "$RUN_DIR/checkpoints" --save-interval "$TRAIN_ITERS"
-    "$@"
+    "${EXTRA[@]}"
 )
 
 if [[ -n "$RESUME" ]]; then
     # A continued run keeps the checkpoint's learning-rate schedule (unless the command line
     # asks for the new one with --override-opt_param-scheduler).
-    if [[ " $* " != *" --override-opt_param-scheduler "* ]]; then
+    if [[ " ${EXTRA[*]} " != *" --override-opt_param-scheduler "* ]]; then
         ARGS+=(--use-checkpoint-opt_param-scheduler)
     fi
     phase 3 training "training: continuing $RUN_DIR from iteration $RESUME to $TRAIN_ITERS"
+    if ((${#EXTRA[@]} > $#)); then
+        echo "the first run's flags (from $RUN_DIR/flags.txt): ${EXTRA[*]:0:${#EXTRA[@]}-$#}"
+    fi
 else
     phase 3 training "training into $RUN_DIR: start-up (about 15 s), then a line every 5 iterations"
 fi

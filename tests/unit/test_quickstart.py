@@ -117,3 +117,30 @@ def test_a_folder_with_a_run_but_no_checkpoint_is_refused(repo):
         "choose another RUN_DIR (or leave RUN_DIR unset for a new folder)"]
     assert (crashed / "metrics.jsonl").read_text() == '{"iteration": 5, "lm_loss": 9.0}\n'
     assert not (repo / "torchrun.txt").exists()
+
+
+def test_a_continued_run_replays_the_first_runs_flags(repo):
+    """The printed 'continue it:' command must train on the first run's data: its flags are
+    recorded in the run folder and replayed (flags of the continuing command win)."""
+    own = ["--data-path", "data/my text/mytext_text_document", "--seed", "7"]
+    cmd = (f"source {repo / 'fake_torchrun.sh'} && bash {repo / 'tools' / 'quickstart.sh'} "
+           + " ".join(f"'{a}'" for a in own))
+    env = dict(os.environ, QS_RECORD=str(repo / "torchrun.txt"), RUN_DIR="runs/own")
+    res = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=300,
+                         env=env, cwd=repo)
+    assert res.returncode == 0, res.stderr
+    assert (repo / "runs" / "own" / "flags.txt").read_text().splitlines() == own
+    cont = quickstart(repo, RUN_DIR="runs/own", TRAIN_ITERS="120")
+    assert cont.returncode == 0, cont.stderr
+    assert ("the first run's flags (from runs/own/flags.txt): --data-path data/my text/"
+            "mytext_text_document --seed 7") in cont.stdout
+    last_call = (repo / "torchrun.txt").read_text().splitlines()[-1]
+    assert last_call.endswith("--save-interval 120 --data-path data/my text/mytext_text_document "
+                              "--seed 7 --use-checkpoint-opt_param-scheduler"), last_call
+    again = subprocess.run(["bash", "-c", cmd.replace("'--seed' '7'", "'--seed' '9'")],
+                           capture_output=True, text=True, timeout=300,
+                           env=dict(env, TRAIN_ITERS="180"), cwd=repo)
+    assert again.returncode == 0, again.stderr
+    last_call = (repo / "torchrun.txt").read_text().splitlines()[-1]
+    assert "--seed 7 --data-path data/my text/mytext_text_document --seed 9 " in last_call
+    assert (repo / "runs" / "own" / "flags.txt").read_text().splitlines() == own  # kept

@@ -130,7 +130,31 @@ def run_settings(args: argparse.Namespace, sdp4bit_config: SDP4BitConfig,
         "position_embedding_type", "untie_embeddings_and_output_weights", "swiglu",
         "normalization", "add_bias_linear", "params_dtype")}
     model["padded_vocab_size"] = vocab
-    return {"layout": layout, "model": model, "sdp4bit": method_settings(sdp4bit_config)}
+    return {"layout": layout, "model": model, "data": data_settings(args),
+            "sdp4bit": method_settings(sdp4bit_config)}
+
+
+def data_settings(args: argparse.Namespace) -> dict:
+    """What decides which samples a run reads and in which order: the blend (absolute
+    prefixes and their weights), the split and the seed."""
+    def blend(values: list[str] | None) -> str | None:
+        if not values:
+            return None
+        if len(values) == 1:
+            return os.path.abspath(values[0])
+        return " ".join(f"{float(w):g} {os.path.abspath(p)}"
+                        for w, p in zip(values[0::2], values[1::2]))
+
+    if args.mock_data:
+        data = {"data_path": "mock"}
+    elif args.data_path:
+        data = {"data_path": blend(args.data_path)}
+    else:  # --train-data-path, --valid-data-path, --test-data-path
+        data = {f"{s}_data_path": blend(getattr(args, f"{s}_data_path"))
+                for s in ("train", "valid", "test")}
+    if args.split_vector is not None:  # '98,2,0' and '98, 2, 0' agree
+        data["split"] = ",".join(f"{x:.6g}" for x in args.split_vector)
+    return {**data, "seed": args.seed}
 
 
 def method_settings(config: SDP4BitConfig) -> dict:
@@ -232,7 +256,9 @@ def restore(args: argparse.Namespace, state: TrainState) -> None:
     iteration, consumed = checkpointing.load_checkpoint(
         args.load, state.model, state.optimizer, state.scheduler, state.settings,
         load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
-        allow_sdp4bit_change=args.allow_changed_sdp4bit_settings)
+        allow_sdp4bit_change=args.allow_changed_sdp4bit_settings,
+        allow_data_change=args.allow_changed_data,
+        allow_no_manifest=args.load_without_manifest)
     state.iteration, state.consumed_samples = iteration, consumed
     if dist.get_rank() == 0:
         print(f"loaded checkpoint from {args.load} at iteration {iteration}"

@@ -19,7 +19,7 @@ from megatron.sdp4bit.training.observe.comm_counters import add_unquantized_iter
 from megatron.sdp4bit.training.data import batch_iterator
 from megatron.sdp4bit.training.observe.logging import MetricsWriter, format_eval_lines, format_train_line
 from megatron.sdp4bit.training.cli.megatron_flags import exit_duration_reached
-from megatron.sdp4bit.training.guards.replicas import check_replicas
+from megatron.sdp4bit.training.guards.replicas import check_replicas, gather_pending
 from megatron.sdp4bit.training.step import evaluate, has_loss_scaler, train_step
 from megatron.sdp4bit.training.observe.timers import Timers, format_timers, max_times
 
@@ -49,6 +49,12 @@ class TrainState:
     settings: dict = field(default_factory=dict)
     """The run's layout, model shape and SDP4Bit settings, recorded in every checkpoint."""
     skipped_in_a_row: int = 0
+    updated_steps: int = 0
+    """Steps of this run (since start or resume) that changed the weights."""
+    saved_iteration: int | None = None
+    """The last checkpoint this run saved, and the last one known healthy: a step after it
+    had finite gradients (weights blown up by a step look finite until the next forward)."""
+    healthy_iteration: int | None = None
 
 
 class TrainingStopped(RuntimeError):
@@ -69,13 +75,33 @@ def _is_logging_rank() -> bool:
 
 
 def _save(args, state: TrainState) -> None:
+    if state.skipped_in_a_row:  # diverging: keep the checkpoint from before the trouble
+        if _is_logging_rank():
+            kept = (f"iteration {state.saved_iteration}" if state.saved_iteration is not None
+                    else "the checkpoint it has")
+            print(f"not saving iteration {state.iteration}: the last {state.skipped_in_a_row} "
+                  f"iteration(s) were skipped (non-finite gradients); {args.save} keeps "
+                  f"{kept}", flush=True)
+        return
     if faults.active("nan-weight", state.iteration, dist.get_rank()):
         with torch.no_grad():
             next(state.model[0].parameters()).view(-1)[0] = float("nan")
     checkpointing.save_checkpoint(args.save, state.iteration, state.consumed_samples,
                                   state.model, state.optimizer, state.scheduler, state.settings)
+    state.saved_iteration = state.iteration
     if _is_logging_rank():
         print(f"saved checkpoint at iteration {state.iteration:7d} to {args.save}", flush=True)
+
+
+def _healthy_checkpoint(args, state: TrainState) -> str:
+    if state.healthy_iteration is not None:
+        return (f"resume from iteration {state.healthy_iteration} in {args.save} (the last "
+                "checkpoint followed by a finite step) with a lower --lr")
+    if state.saved_iteration is not None:
+        return (f"no checkpoint of this run is known healthy (iteration "
+                f"{state.saved_iteration} was followed by non-finite gradients): start again "
+                "with a lower --lr or check the data")
+    return "lower --lr or check the data"
 
 
 def _count_skip(args, state: TrainState, ok: bool) -> None:
@@ -84,10 +110,16 @@ def _count_skip(args, state: TrainState, ok: bool) -> None:
     calibrates: only those at --min-loss-scale count)."""
     if ok:
         state.skipped_in_a_row = 0
+        state.updated_steps += 1
+        if state.saved_iteration is not None and state.saved_iteration < state.iteration:
+            state.healthy_iteration = state.saved_iteration
         return
     dynamic = has_loss_scaler(state.optimizer) and not args.loss_scale
     scale = state.optimizer.get_loss_scale().item()
     if dynamic and scale > args.min_loss_scale:
+        if _is_logging_rank():  # how a dynamic scale calibrates; said, not counted
+            print(f"skipped iteration {state.iteration}: fp16 gradients overflowed; the loss "
+                  f"scale comes down (now {scale:g}); no weight changed", flush=True)
         return
     state.skipped_in_a_row += 1
     if _is_logging_rank():
@@ -97,9 +129,20 @@ def _count_skip(args, state: TrainState, ok: bool) -> None:
     if limit and state.skipped_in_a_row >= limit:
         raise TrainingStopped(
             f"stopping at iteration {state.iteration}: {state.skipped_in_a_row} iterations in "
-            "a row had non-finite gradients (loss scale "
-            f"{scale:g}); lower --lr, check the data, or resume from the last checkpoint "
-            "(--max-consecutive-skipped-iterations sets the limit)")
+            f"a row had non-finite gradients (loss scale {scale:g}); "
+            f"{_healthy_checkpoint(args, state)} (--max-consecutive-skipped-iterations sets "
+            "the limit)")
+
+
+def _check_progress(state: TrainState, start_iteration: int) -> None:
+    """A run none of whose steps changed the weights (e.g. a dynamic fp16 scale still far too
+    high at the end) failed, even if no limit was reached on the way."""
+    if state.iteration > start_iteration and state.updated_steps == 0:
+        raise TrainingStopped(
+            f"no iteration of this run updated the weights: all "
+            f"{state.iteration - start_iteration} were skipped for non-finite gradients "
+            f"(loss scale now {state.optimizer.get_loss_scale().item():g}); lower "
+            "--initial-loss-scale or --lr, or check the data")
 
 
 def train(args: argparse.Namespace, state: TrainState, on_iteration=None) -> TrainState:
@@ -182,7 +225,8 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None) -> Tra
                     next(state.model[0].parameters()).view(-1)[0] += 1.0
             if args.check_replicas_interval and \
                     state.iteration % args.check_replicas_interval == 0:
-                check_replicas(state.model, state.iteration)
+                check_replicas(state.model, state.iteration, finish_gather=gather_pending(
+                    args.overlap_param_gather, state.sdp4bit.quantized_weights))
             saved = False
             if args.save and args.save_interval and state.iteration % args.save_interval == 0:
                 _save(args, state)
@@ -203,6 +247,7 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None) -> Tra
         if (args.save and state.iteration > start_iteration
                 and not (args.save_interval and state.iteration % args.save_interval == 0)):
             _save(args, state)
+        _check_progress(state, start_iteration)
         if args.test_data_path:  # Megatron-LM evaluates the test set once, at the end
             test = evaluate(args, state, batch_iterator(state.datasets[2], 0, args))
             if test is not None:

@@ -146,25 +146,38 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
                               f"the last complete checkpoint in {root} stays current")
     rank = dist.get_rank()
     directory = files.iteration_dir(root, iteration)
-    os.makedirs(directory, exist_ok=True)
     name = f"rank_{rank:05d}.pt"
-    entry = files.save_file({"model": _model_state(model_chunks),
-                             "optimizer": _optimizer_state(optimizer), "rng": _rng_state()},
-                            os.path.join(directory, name))
+    entry, error = None, None
+    try:  # a full disk on one rank must stop every rank, not leave them waiting
+        files.make_dir(directory)
+        entry = files.save_file({"model": _model_state(model_chunks),
+                                 "optimizer": _optimizer_state(optimizer),
+                                 "rng": _rng_state()}, os.path.join(directory, name))
+    except CheckpointError as err:
+        error = str(err)
     if faults.active("die-saving", iteration, rank):
         os._exit(17)
-    entries: list[tuple[str, dict] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(entries, (name, entry))
+    entries: list[tuple[str, dict | None, str | None] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(entries, (name, entry, error))
+    first = next((e for _, _, e in entries if e is not None), None)
+    if first is not None:  # every rank holds the gathered errors: no second collective
+        raise CheckpointError(first)
     if rank == 0:
-        manifest = dict(entries)
-        manifest["common.pt"] = files.save_file(
-            {"iteration": iteration, "consumed_samples": consumed_samples,
-             "scheduler": scheduler.state_dict()}, os.path.join(directory, "common.pt"))
-        files.write_manifest(directory, iteration, manifest, settings)
-    dist.barrier()  # every file and the manifest are complete: now the tracker
+        manifest = {n: e for n, e, _ in entries}
+        try:
+            manifest["common.pt"] = files.save_file(
+                {"iteration": iteration, "consumed_samples": consumed_samples,
+                 "scheduler": scheduler.state_dict()}, os.path.join(directory, "common.pt"))
+            files.write_manifest(directory, iteration, manifest, settings)
+        except CheckpointError as err:
+            error = str(err)
+    _first_error(error)  # every file and the manifest are complete: now the tracker
     if rank == 0:
-        files.write_tracker(root, iteration)
-    dist.barrier()
+        try:
+            files.write_tracker(root, iteration)
+        except CheckpointError as err:
+            error = str(err)
+    _first_error(error)
     return directory
 
 
@@ -173,7 +186,7 @@ def _describe(values: dict[str, Any]) -> str:
 
 
 def _settings_problem(saved: dict[str, Any], current: dict[str, Any], directory: str,
-                      allow_sdp4bit_change: bool) -> str | None:
+                      allow_sdp4bit_change: bool, allow_data_change: bool = False) -> str | None:
     for part, fix in (("layout", "resume with the same layout (or start a new run)"),
                       ("model", "resume with the same model flags")):
         if saved.get(part) != current[part]:
@@ -183,6 +196,14 @@ def _settings_problem(saved: dict[str, Any], current: dict[str, Any], directory:
             now = {k: current[part].get(k) for k in sorted(diff)}
             return (f"checkpoint {directory} was saved with {part} {_describe(was)}; this run "
                     f"has {_describe(now)}: {fix}")
+    if "data" in current and saved.get("data") != current["data"] and not allow_data_change:
+        old, new = saved.get("data") or {}, current["data"]
+        diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        was = {k: old.get(k, "unrecorded") for k in diff}
+        now = {k: new.get(k) for k in diff}
+        return (f"checkpoint {directory} was trained with {_describe(was)}; this run has "
+                f"{_describe(now)}: resume with the checkpoint's --data-path, --split and "
+                "--seed, or pass --allow-changed-data to continue on other data")
     if saved.get("sdp4bit") != current["sdp4bit"] and not allow_sdp4bit_change:
         old, new = saved.get("sdp4bit", {}), current["sdp4bit"]
         diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
@@ -196,7 +217,8 @@ def _settings_problem(saved: dict[str, Any], current: dict[str, Any], directory:
     return None
 
 
-def _inspect(root: str, settings: dict[str, Any], allow_sdp4bit_change: bool
+def _inspect(root: str, settings: dict[str, Any], allow_sdp4bit_change: bool,
+             allow_data_change: bool = False, allow_no_manifest: bool = False,
              ) -> tuple[int | None, dict | None, str | None]:
     """Rank 0's checks: (iteration, manifest, problem)."""
     try:
@@ -210,9 +232,14 @@ def _inspect(root: str, settings: dict[str, Any], allow_sdp4bit_change: bool
                                 "folder was moved or pruned")
         manifest = files.read_manifest(directory)
         if manifest is None:
-            return iteration, None, None
+            if allow_no_manifest:
+                return iteration, None, None
+            return None, None, (f"checkpoint {directory} has no {files.MANIFEST}: nothing in it "
+                                "can be verified (checksums, layout, settings); restore the "
+                                "manifest, load an earlier checkpoint, or pass "
+                                "--load-without-manifest to load it unchecked")
         problem = _settings_problem(manifest["settings"], settings, directory,
-                                    allow_sdp4bit_change)
+                                    allow_sdp4bit_change, allow_data_change)
         expected = {f"rank_{r:05d}.pt" for r in range(dist.get_world_size())} | {"common.pt"}
         for name in sorted(expected - set(manifest["files"])):
             problem = problem or f"the manifest of {directory} does not list {name}"
@@ -244,12 +271,14 @@ def _check_schedule(scheduler, saved: dict[str, Any], directory: str) -> None:
 
 def load_checkpoint(root: str, model_chunks, optimizer, scheduler, settings: dict[str, Any], *,
                     load_optim: bool = True, load_rng: bool = True,
-                    allow_sdp4bit_change: bool = False) -> tuple[int, int]:
+                    allow_sdp4bit_change: bool = False, allow_data_change: bool = False,
+                    allow_no_manifest: bool = False) -> tuple[int, int]:
     """Collective: restore this rank's state from the latest checkpoint under ``root``;
     returns (iteration, consumed samples), (0, 0) when there is none."""
     verdict = [None, None, None]
     if dist.get_rank() == 0:
-        verdict = list(_inspect(root, settings, allow_sdp4bit_change))
+        verdict = list(_inspect(root, settings, allow_sdp4bit_change, allow_data_change,
+                                allow_no_manifest))
     dist.broadcast_object_list(verdict, src=0)
     iteration, manifest, problem = verdict
     if problem is not None:

@@ -54,11 +54,16 @@ class _HashingWriter:
         self._f = f
         self.sha256 = hashlib.sha256()
         self.size = 0
+        self.error: OSError | None = None  # torch.save reports a failed write as RuntimeError
 
     def write(self, data) -> int:
         self.sha256.update(data)
         self.size += len(data)
-        return self._f.write(data)
+        try:
+            return self._f.write(data)
+        except OSError as err:
+            self.error = err
+            raise
 
     def flush(self) -> None:
         self._f.flush()
@@ -66,13 +71,30 @@ class _HashingWriter:
 
 @contextlib.contextmanager
 def _atomic(path: str, mode: str):
-    """A file opened as ``<path>.tmp``, synced and renamed to ``path`` once written whole."""
+    """A file opened as ``<path>.tmp``, synced and renamed to ``path`` once written whole.
+    A failed write (a full disk, a lost mount) removes the temporary file and raises
+    :class:`CheckpointError` naming ``path``."""
     tmp = path + ".tmp"
-    with open(tmp, mode, encoding=None if "b" in mode else "utf-8") as f:
-        yield f
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, mode, encoding=None if "b" in mode else "utf-8") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise CheckpointError(f"cannot write {path} ({err.strerror or err}): free space or "
+                              "fix the folder; the last complete checkpoint stays current"
+                              ) from None
+
+
+def make_dir(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as err:
+        raise CheckpointError(f"cannot create {path} ({err.strerror}): free space or fix the "
+                              "folder; the last complete checkpoint stays current") from None
 
 
 def save_file(obj: Any, path: str) -> dict[str, Any]:
@@ -80,7 +102,12 @@ def save_file(obj: Any, path: str) -> dict[str, Any]:
     manifest entry ``{"sha256", "bytes"}``."""
     with _atomic(path, "wb") as f:
         writer = _HashingWriter(f)
-        torch.save(obj, writer)
+        try:
+            torch.save(obj, writer)
+        except RuntimeError:
+            if writer.error is not None:
+                raise writer.error from None  # the disk's error, named by _atomic
+            raise
     return {"sha256": writer.sha256.hexdigest(), "bytes": writer.size}
 
 
@@ -96,20 +123,33 @@ def write_manifest(directory: str, iteration: int, files: dict[str, dict],
         indent=1, sort_keys=True) + "\n")
 
 
+def _check_manifest(manifest: Any) -> None:
+    """Raise ValueError unless ``manifest`` has every part a load reads, of the right type."""
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ValueError("unknown format")
+    for key, kind in (("iteration", int), ("files", dict), ("settings", dict)):
+        if not isinstance(manifest.get(key), kind):
+            raise ValueError(f"no {key!r} {kind.__name__}")
+    for name, entry in manifest["files"].items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str)
+                and isinstance(entry.get("bytes"), int)):
+            raise ValueError(f"entry {name!r} lacks sha256/bytes")
+
+
 def read_manifest(directory: str) -> dict[str, Any] | None:
-    """The manifest, or None for a checkpoint written before manifests existed."""
+    """The manifest, or None when the folder has none (refused by the load unless asked
+    for: see :mod:`.checkpointing`)."""
     path = os.path.join(directory, MANIFEST)
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         return None
     try:
         with open(path, encoding="utf-8") as f:
             manifest = json.load(f)
-        files = manifest["files"]
-        if not isinstance(files, dict) or manifest.get("format") != FORMAT:
-            raise ValueError("unknown format")
+        _check_manifest(manifest)
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise CheckpointError(f"{path} is unreadable or not a checkpoint manifest ({err}): the "
-                              "checkpoint is damaged; load an earlier one") from None
+        reason = getattr(err, "strerror", None) or err
+        raise CheckpointError(f"{path} is unreadable or not a checkpoint manifest ({reason}): "
+                              "the checkpoint is damaged; load an earlier one") from None
     return manifest
 
 
@@ -119,8 +159,12 @@ def read_verified(path: str, entry: dict[str, Any] | None) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint is "
                               "incomplete or was written by a different number of ranks")
-    with open(path, "rb") as f:
-        data = f.read()
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as err:
+        raise CheckpointError(f"cannot read checkpoint file {path} ({err.strerror}): fix its "
+                              "permissions or load an earlier checkpoint") from None
     if entry is not None:
         if len(data) != entry["bytes"]:
             raise CheckpointError(f"checkpoint file {path} is {len(data)} bytes, the manifest "
@@ -137,13 +181,36 @@ def read_verified(path: str, entry: dict[str, Any] | None) -> dict[str, Any]:
                               ) from None
 
 
+def _iteration_folders(root: str) -> list[str]:
+    try:
+        return sorted(n for n in os.listdir(root) if n.startswith("iter_"))
+    except OSError:
+        return []
+
+
 def latest_iteration(root: str) -> int | None:
-    """The iteration named by the tracker file; None when ``root`` holds no checkpoint."""
+    """The iteration named by the tracker file; None when ``root`` holds no checkpoint.
+    ``iter_*`` folders without a tracker, or a tracker that is not a file, are refused: a
+    run would otherwise start from scratch and overwrite them."""
     tracker = os.path.join(root, TRACKER)
-    if not os.path.isfile(tracker):
+    if not os.path.lexists(tracker):
+        found = _iteration_folders(root)
+        if found:
+            raise CheckpointError(f"{root} holds checkpoint folders ({', '.join(found[-3:])}) "
+                                  f"but no {TRACKER}: write the iteration to resume into it "
+                                  "(e.g. the number of the last complete iter_* folder), or "
+                                  "choose another folder")
         return None
-    with open(tracker, encoding="utf-8", errors="replace") as f:
-        text = f.read().strip()
+    if not os.path.isfile(tracker):
+        raise CheckpointError(f"{tracker} is not a file: delete it and write the iteration to "
+                              "resume into it (the iter_* folders beside it hold the "
+                              "checkpoints)")
+    try:
+        with open(tracker, encoding="utf-8", errors="replace") as f:
+            text = f.read().strip()
+    except OSError as err:
+        raise CheckpointError(f"cannot read {tracker} ({err.strerror}): fix its "
+                              "permissions") from None
     if not text.isdigit():
         raise CheckpointError(f"{tracker} holds {text[:40]!r}, not an iteration number: fix or "
                               "delete it (the iter_* folders beside it hold the checkpoints)")
@@ -170,6 +237,11 @@ class SaveDirLock:
             self._f.close()
             raise CheckpointError(f"--save {root} is in use by another run ({holder}): wait "
                                   "for it to end or choose another --save") from None
+        except OSError as err:  # e.g. a file system without locks (some NFS mounts)
+            self._f.close()
+            raise CheckpointError(f"cannot lock {self.path} ({err.strerror}): --save {root} "
+                                  "must be on a file system with flock; choose another "
+                                  "--save") from None
         self._f.seek(0)
         self._f.truncate()
         self._f.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
@@ -197,7 +269,11 @@ def claim_save_dir(root: str, *, resuming_here: bool, overwrite: bool) -> SaveDi
             raise CheckpointError(f"--save {root} already holds {what} of another run: resume "
                                   f"it with --load {root}, choose another --save, or pass "
                                   "--overwrite-checkpoints to delete them")
-        os.remove(os.path.join(root, TRACKER))
+        tracker = os.path.join(root, TRACKER)
+        if os.path.isdir(tracker) and not os.path.islink(tracker):
+            shutil.rmtree(tracker, ignore_errors=True)
+        elif os.path.lexists(tracker):
+            os.remove(tracker)
         for name in os.listdir(root):
             if name.startswith("iter_"):
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)

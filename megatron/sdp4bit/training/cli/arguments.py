@@ -176,6 +176,12 @@ def _add_checkpoint_and_logging(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-changed-sdp4bit-settings", action="store_true",
                    help="resume a checkpoint trained with other SDP4Bit flags (changes the "
                    "method mid-run)")
+    g.add_argument("--allow-changed-data", action="store_true",
+                   help="resume a checkpoint trained on another --data-path blend, --split or "
+                   "--seed (the samples and their order change)")
+    g.add_argument("--load-without-manifest", action="store_true",
+                   help="load a checkpoint that has no manifest.json: nothing in it is verified "
+                   "(checksums, layout, settings)")
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--eval-interval", type=int, default=1000)

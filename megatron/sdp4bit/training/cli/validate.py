@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import re
 
 from megatron.sdp4bit.training.cli.errors import ArgumentsError
-from megatron.sdp4bit.training.cli.megatron_flags import check_megatron_flags
+from megatron.sdp4bit.training.cli.megatron_flags import check_megatron_flags, scheduler_steps
+from megatron.sdp4bit.training.guards import faults
 from megatron.sdp4bit.training.cli.sdp4bit_flags import sdp4bit_config_from_args
 
 FP32_TINY, FP32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38
+WEEK_SECONDS = 7 * 24 * 3600  # longest timeout accepted: beyond it a hang is never noticed
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
             "micro_batch_size", "train_iters", "lr")
 
@@ -34,10 +38,28 @@ def _check_required(args: argparse.Namespace) -> None:
     for dest in ("distributed_timeout_minutes",):
         if getattr(args, dest) < 1:
             _fail(f"{_flag(dest)}={getattr(args, dest)} must be >= 1")
+    if not math.isfinite(args.heartbeat_timeout_seconds):
+        _fail(f"--heartbeat-timeout-seconds={args.heartbeat_timeout_seconds} is not a number of "
+              "seconds: give one >= 2, or 0 = off")
     for dest in ("heartbeat_timeout_seconds", "max_consecutive_skipped_iterations",
                  "check_replicas_interval"):
         if getattr(args, dest) < 0:
             _fail(f"{_flag(dest)}={getattr(args, dest)} must be >= 0 (0 = off)")
+    for dest, seconds in (("heartbeat_timeout_seconds", args.heartbeat_timeout_seconds),
+                          ("distributed_timeout_minutes", args.distributed_timeout_minutes * 60)):
+        if seconds > WEEK_SECONDS:
+            _fail(f"{_flag(dest)}={getattr(args, dest):g} is longer than a week: a stopped rank "
+                  "would hold the job that long; use a shorter timeout")
+    if not 0 <= args.seed < 2 ** 32:
+        _fail(f"--seed={args.seed} must be in 0 .. 2**32 - 1 (NumPy's seed range)")
+    for dest in ("kv_channels", "ffn_hidden_size", "num_query_groups"):
+        value = getattr(args, dest)
+        if value is not None and value < 1:
+            _fail(f"{_flag(dest)}={value} must be >= 1")
+    try:
+        faults.parse_env()
+    except ValueError as err:
+        _fail(str(err))
     if 0 < args.heartbeat_timeout_seconds < 2:
         _fail(f"--heartbeat-timeout-seconds={args.heartbeat_timeout_seconds:g} is too short to "
               "tell a busy rank from a stopped one: use >= 2 (or 0 = off)")
@@ -60,6 +82,10 @@ def _check_model(args: argparse.Namespace) -> None:
               f"{args.max_position_embeddings}: raise --max-position-embeddings")
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 4 * args.hidden_size
+    if args.group_query_attention and args.num_attention_heads % args.num_query_groups:
+        _fail(f"--num-query-groups={args.num_query_groups} does not divide "
+              f"--num-attention-heads={args.num_attention_heads}: every group needs the same "
+              "number of heads")
     if args.recompute_activations:
         if args.recompute_granularity not in (None, "selective"):
             _fail("--recompute-activations means --recompute-granularity selective; "
@@ -78,6 +104,13 @@ def _check_parallel(args: argparse.Namespace) -> None:
     if args.pipeline_model_parallel_size > 1 and args.num_layers % args.pipeline_model_parallel_size:
         _fail(f"--num-layers={args.num_layers} is not divisible by "
               f"--pipeline-model-parallel-size={args.pipeline_model_parallel_size}")
+    tp = args.tensor_model_parallel_size
+    if args.num_attention_heads % tp:
+        _fail(f"--num-attention-heads={args.num_attention_heads} is not divisible by "
+              f"--tensor-model-parallel-size={tp}")
+    if args.group_query_attention and args.num_query_groups % tp:
+        _fail(f"--num-query-groups={args.num_query_groups} is not divisible by "
+              f"--tensor-model-parallel-size={tp}")
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         args.sequence_parallel = False  # Megatron-LM does the same: nothing to split
     per_step = args.micro_batch_size * args.data_parallel_size
@@ -120,6 +153,11 @@ def _check_optimizer(args: argparse.Namespace) -> None:
         _fail("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
               "contradict each other: pass one")
     args.params_dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    warmup, decay, _ = scheduler_steps(args)
+    if warmup >= decay:  # megatron-core's scheduler asserts it
+        _fail(f"the learning-rate warm-up ({warmup} samples) is not shorter than the decay "
+              f"({decay} samples, --lr-decay-iters or --train-iters x global batch): lower "
+              "--lr-warmup-iters/--lr-warmup-samples/--lr-warmup-fraction")
 
 
 PER_SPLIT_FLAGS = ("--train-data-path", "--valid-data-path", "--test-data-path")
@@ -132,10 +170,13 @@ def _check_blend(flag: str, values: list[str]) -> None:
             _fail(f"weighted {flag} needs pairs 'WEIGHT PREFIX ...'; got an odd count")
         for weight in values[0::2]:
             try:
-                float(weight)
+                value = float(weight)
             except ValueError:
                 _fail(f"{flag}: {weight!r} is not a weight; use 'WEIGHT PREFIX' pairs "
                       "or a single PREFIX")
+            if not (math.isfinite(value) and value > 0):
+                _fail(f"{flag}: weight {weight} must be a positive number (drop a prefix "
+                      "instead of weighting it 0)")
 
 
 def _check_data(args: argparse.Namespace) -> None:
@@ -156,12 +197,14 @@ def _check_data(args: argparse.Namespace) -> None:
                   "with --train-data-path")
         for flag in per_split:
             _check_blend(flag, getattr(args, flag[2:].replace("-", "_")))
+        args.split_vector = None  # each split has its own files
     else:
         if not args.mock_data and not args.data_path:
             _fail("pass --data-path PREFIX [PREFIX ...] (preprocessed .bin/.idx), "
                   "--train-data-path (with --valid-data-path/--test-data-path) or --mock-data")
         if args.split is None:
             args.split = "969, 30, 1"
+        args.split_vector = parse_split(args.split)
         if args.data_path and not args.mock_data:
             _check_blend("--data-path", args.data_path)
     if args.tokenizer_type is None:
@@ -178,6 +221,35 @@ def _check_data(args: argparse.Namespace) -> None:
             args.vocab_size = 1024 if args.mock_data else None
         if args.vocab_size is None or args.vocab_size < 2:
             _fail("--tokenizer-type NullTokenizer needs --vocab-size N (N >= 2)")
+
+
+def parse_split(text: str) -> list[float]:
+    """``--split`` 'A,B,C' (or 'A/B/C') -> normalized train/valid/test fractions."""
+    parts = [x.strip() for x in re.split(r"[,/]", text)]
+    # Plain decimals only: megatron-core reads the numbers with the pattern [.0-9]+, so
+    # '-10' or '1e2' would silently mean something else there.
+    plain = all(re.fullmatch(r"[0-9]+(\.[0-9]*)?|\.[0-9]+", x) for x in parts)
+    values = [float(x) for x in parts] if plain else []
+    if not 1 <= len(values) <= 3 or sum(values) <= 0:
+        _fail(f"--split {text!r} must be up to three non-negative numbers with a positive sum, "
+              "e.g. 969,30,1 (train, valid, test)")
+    values += [0.0] * (3 - len(values))
+    return [v / sum(values) for v in values]
+
+
+def _check_memory(args: argparse.Namespace) -> None:
+    """Refuse a model whose 16-bit weights alone (before gradients and optimizer state)
+    exceed this machine's memory: it could never be built."""
+    need = _parameters_per_rank(args) * (2 if args.params_dtype != "fp32" else 4)
+    try:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if need > have:
+        _fail(f"the model's weights alone need {need / 2**30:,.0f} GiB per rank (--hidden-size "
+              f"{args.hidden_size}, --num-layers {args.num_layers}, --ffn-hidden-size "
+              f"{args.ffn_hidden_size}), more than this machine's {have / 2**30:,.0f} GiB: "
+              "choose a smaller model or more model parallelism")
 
 
 def _check_sdp4bit(args: argparse.Namespace) -> None:
@@ -252,5 +324,6 @@ def validate_args(args: argparse.Namespace) -> None:
     _check_parallel(args)
     _check_optimizer(args)
     _check_data(args)
+    _check_memory(args)
     _check_sdp4bit(args)
     _check_logging(args)

@@ -16,13 +16,15 @@ misbehave at ITERATION, so that tests can prove what a real fault does to a run
 
 from __future__ import annotations
 
+import functools
 import os
 
 ENV = "SDP4BIT_FAULT"
 KINDS = ("nan-grad", "die-saving", "nan-weight", "flip-replica")
 
 
-def _parse(spec: str) -> set[tuple[str, int, int]]:
+@functools.lru_cache(maxsize=8)
+def _parse(spec: str) -> frozenset[tuple[str, int, int]]:
     faults = set()
     for item in filter(None, (s.strip() for s in spec.split(","))):
         try:
@@ -34,12 +36,15 @@ def _parse(spec: str) -> set[tuple[str, int, int]]:
                              f"{', '.join(KINDS)}") from None
         if kind not in KINDS:
             raise ValueError(f"{ENV}: unknown fault {kind!r}; use one of {', '.join(KINDS)}")
-    return faults
+    return frozenset(faults)
 
 
-_FAULTS = _parse(os.environ.get(ENV, ""))
+def parse_env() -> frozenset[tuple[str, int, int]]:
+    """The faults ``$SDP4BIT_FAULT`` asks for; ValueError (one line) for a bad spec. The
+    command-line check calls it, so a typo is reported before anything starts."""
+    return _parse(os.environ.get(ENV, ""))
 
 
 def active(kind: str, iteration: int, rank: int) -> bool:
     """Whether fault ``kind`` is requested for ``rank`` at ``iteration``."""
-    return (kind, iteration, rank) in _FAULTS
+    return (kind, iteration, rank) in parse_env()

@@ -10,11 +10,13 @@ every rank stops together with the same message (``pretrain_gpt.py`` prints it o
 * the tokenizer files load (``--vocab-file``/``--merge-file``, ``--tokenizer-model``);
 * every data prefix (``--data-path``, ``--train-data-path``, ...) has a ``.bin`` and an
   ``.idx``; the ``.idx`` has megatron-core's magic, version and a known token type; its
-  sizes agree with the ``.bin``'s length; it holds documents; the token ids are below the
-  tokenizer's vocabulary;
-* every dataset index cache megatron-core would open (``*.npy`` under ``--data-cache-path``
-  or a prefix's ``cache/`` folder) is a plain numeric array: megatron-core loads them with
-  ``allow_pickle=True``, so a crafted cache would run code (it is refused, never opened).
+  sizes agree with the ``.bin``'s length; it holds documents and tokens; the token ids are
+  integers from 0 to below the tokenizer's vocabulary; every split of ``--split`` with a
+  non-zero share gets tokens of every prefix;
+* every dataset index cache megatron-core would open (``*.npy`` under ``--data-cache-path``,
+  else under ``<prefix>/cache/GPTDataset_indices``) is a plain numeric array: megatron-core
+  loads them with ``allow_pickle=True``, so a crafted cache would run code (it is refused,
+  never opened).
 
 Checkpoints are checked where they are read
 (:mod:`megatron.sdp4bit.training.checkpoint.checkpointing`).
@@ -103,14 +105,25 @@ def data_sources(args: argparse.Namespace) -> list[tuple[str, str]]:
             for prefix in data_prefixes(getattr(args, flag[2:].replace("-", "_"), None))]
 
 
-def check_indexed_dataset(prefix: str, vocab_size: int, flag: str = "--data-path") -> None:
+def check_indexed_dataset(prefix: str, vocab_size: int, flag: str = "--data-path",
+                          split: tuple[str, list[float]] | None = None) -> None:
     """``prefix.idx``/``prefix.bin`` (given with ``flag``) are a consistent, non-empty
-    megatron-core dataset whose token ids are below ``vocab_size``."""
+    megatron-core dataset whose token ids are integers in ``[0, vocab_size)``; with ``split``
+    (``--split`` as typed and its fractions), every split of non-zero weight gets tokens."""
     idx, bin_ = prefix + ".idx", prefix + ".bin"
     for path in (idx, bin_):
         if not os.path.isfile(path):
             raise InputError(f"{flag} {prefix}: {path} does not exist: give the prefix "
                              "of a .bin/.idx pair written by tools/preprocess_data.py")
+    try:
+        _check_pair(prefix, idx, bin_, vocab_size, split, flag)
+    except OSError as err:
+        raise InputError(f"{flag} {prefix}: cannot read {err.filename or prefix} "
+                         f"({err.strerror}): fix its permissions") from None
+
+
+def _check_pair(prefix: str, idx: str, bin_: str, vocab_size: int,
+                split: tuple[str, list[float]] | None, flag: str) -> None:
     size = os.path.getsize(idx)
     with open(idx, "rb") as f:
         head = f.read(IDX_HEADER)
@@ -145,14 +158,26 @@ def check_indexed_dataset(prefix: str, vocab_size: int, flag: str = "--data-path
                          f"{tokens} tokens of {itemsize} bytes ({tokens * itemsize} bytes): "
                          "the pair does not match or one is truncated; rebuild both with "
                          "tools/preprocess_data.py")
-    largest = _max_token(bin_, TOKEN_DTYPES[code], tokens)
+    if tokens == 0:  # numpy cannot even map an empty .bin
+        raise InputError(f"{flag} {prefix} holds documents but no tokens: check the input "
+                         "of tools/preprocess_data.py")
+    smallest, largest, fractional = _token_range(bin_, TOKEN_DTYPES[code], tokens)
+    if fractional:
+        raise InputError(f"{bin_} holds token id {fractional} (not an integer): the file is "
+                         "corrupt; rebuild it with tools/preprocess_data.py")
+    if smallest < 0:
+        raise InputError(f"{bin_} holds token id {smallest} (negative): the file is corrupt or "
+                         "was written with the wrong token type; rebuild it")
     if largest >= vocab_size:
         raise InputError(f"{bin_} holds token id {largest} but the tokenizer has "
                          f"{vocab_size} tokens: the data was made with another tokenizer; "
                          "pass the --tokenizer-type/--vocab-file it was made with")
+    if split is not None:
+        _check_split(prefix, split, lengths, docs)
 
 
-def _max_token(path: str, dtype, count: int) -> int:
+def _token_range(path: str, dtype, count: int) -> tuple[int, int, float | None]:
+    """(smallest, largest, a non-integer value or None) of the token ids in ``path``."""
     tokens = numpy.memmap(path, mode="r", dtype=dtype, shape=(count,))
     itemsize = numpy.dtype(dtype).itemsize
     step = _CHUNK // itemsize
@@ -160,14 +185,47 @@ def _max_token(path: str, dtype, count: int) -> int:
     if count * itemsize > FULL_SCAN_BYTES:  # evenly spread chunks, FULL_SCAN_BYTES in all
         n = FULL_SCAN_BYTES // _CHUNK
         starts = [int(i * (count - step) / (n - 1)) for i in range(n)]
-    return max(int(tokens[s:s + step].max()) for s in starts)
+    lo, hi, fractional = None, None, None
+    for start in starts:
+        chunk = tokens[start:start + step]
+        if fractional is None and chunk.dtype.kind == "f":
+            bad = chunk[~numpy.isfinite(chunk) | (chunk != numpy.floor(chunk))]
+            fractional = float(bad[0]) if bad.size else None
+        c_lo, c_hi = chunk.min(), chunk.max()
+        lo = c_lo if lo is None else min(lo, c_lo)
+        hi = c_hi if hi is None else max(hi, c_hi)
+    if fractional is not None:
+        return 0, 0, fractional
+    return int(lo), int(hi), None
+
+
+def _check_split(prefix: str, split: tuple[str, list[float]], lengths, docs) -> None:
+    """megatron-core gives split k the documents ``[round(a_k N), round(b_k N))`` of a
+    prefix's N; a split of non-zero weight left without tokens makes its sample loop spin
+    forever (no error, no end), so it is refused here."""
+    text, fractions = split
+    count = len(docs) - 1
+    bounds = numpy.cumsum([0.0, *fractions])
+    for name, weight, a, b in zip(("train", "validation", "test"), fractions, bounds,
+                                  bounds[1:]):
+        if weight <= 0:
+            continue  # megatron-core builds no dataset for this split
+        lo, hi = int(round(a * count)), int(round(b * count))
+        tokens = int(lengths[docs[lo]:docs[hi]].sum(dtype=numpy.int64)) if hi > lo else 0
+        if tokens == 0:
+            raise InputError(f"--split {text} gives the {name} split of --data-path {prefix} "
+                             f"{hi - lo} of its {count} documents ({tokens} tokens), and "
+                             "megatron-core would wait forever for its samples: give that "
+                             "split a larger share or 0, or use more data")
 
 
 def index_cache_dirs(args: argparse.Namespace) -> list[str]:
     """Where megatron-core reads (and writes) its dataset index caches for this run."""
     if args.data_cache_path:
         return [args.data_cache_path]
-    return [os.path.join(os.path.dirname(os.path.abspath(p)), "cache", "GPTDataset_indices")
+    # megatron-core (0.16 and 0.19, GPTDataset._build_document_sample_shuffle_indices) reads
+    # <prefix>/cache/GPTDataset_indices: a folder named after the prefix itself, not beside it.
+    return [os.path.join(os.path.abspath(p), "cache", "GPTDataset_indices")
             for _, p in data_sources(args)]
 
 
@@ -200,8 +258,10 @@ def check_inputs(args: argparse.Namespace,
     """All checks above, in the order a run needs the inputs; raises :class:`InputError`."""
     check_outputs(args)
     tokenizer = check_tokenizer(args, build_tokenizer)
+    fractions = getattr(args, "split_vector", None)
+    split = (args.split, fractions) if fractions is not None else None
     for flag, prefix in data_sources(args):
-        check_indexed_dataset(prefix, tokenizer.vocab_size, flag)
+        check_indexed_dataset(prefix, tokenizer.vocab_size, flag, split)
     for folder in index_cache_dirs(args):
         for path in sorted(glob.glob(os.path.join(folder, "*.npy"))):
             check_index_cache(path)

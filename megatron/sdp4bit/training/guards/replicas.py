@@ -45,8 +45,23 @@ def _buckets(model_chunks) -> list[tuple[object, str]]:
     return out
 
 
-def check_replicas(model_chunks, iteration: int) -> None:
-    """Collective over the data-parallel group; raises :class:`ReplicaMismatch`."""
+def gather_pending(overlap_param_gather: bool, quantized_weights: bool) -> bool:
+    """Whether the parameter all-gather of the last step is still to come when the step
+    returns. With ``--overlap-param-gather`` megatron-core's optimizer writes each rank's
+    own shard into the replica and leaves the all-gather to the next forward pass: until
+    then the replicas differ by design. qWD's optimizer leaves the replica alone (its
+    all-gather applies the weight difference), so there it stays identical meanwhile, and
+    forcing an extra quantized gather would change the run's numerics."""
+    return overlap_param_gather and not quantized_weights
+
+
+def check_replicas(model_chunks, iteration: int, *, finish_gather: bool = False) -> None:
+    """Collective over the data-parallel group; raises :class:`ReplicaMismatch`.
+    ``finish_gather`` (see :func:`gather_pending`) first completes the parameter all-gather
+    of the step, as megatron-core does before a checkpoint."""
+    if finish_gather:
+        for chunk in model_chunks:
+            chunk.start_param_sync(force_sync=True)
     group = parallel_state.get_data_parallel_group()
     buckets = _buckets(model_chunks)
     if not buckets:

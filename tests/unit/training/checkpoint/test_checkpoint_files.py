@@ -116,3 +116,100 @@ def test_another_runs_checkpoints_are_refused_unless_resumed_or_overwritten(tmp_
     cf.claim_save_dir(root, resuming_here=False, overwrite=True).release()
     assert cf.latest_iteration(root) is None
     assert not os.path.exists(cf.iteration_dir(root, 20))
+
+
+def test_iteration_folders_without_a_tracker_are_not_overwritten(tmp_path):
+    root = str(tmp_path)
+    os.makedirs(cf.iteration_dir(root, 20))
+    with pytest.raises(cf.CheckpointError) as err:
+        cf.latest_iteration(root)
+    assert str(err.value) == (f"{root} holds checkpoint folders (iter_0000020) but no "
+                              f"{cf.TRACKER}: write the iteration to resume into it (e.g. the "
+                              "number of the last complete iter_* folder), or choose another "
+                              "folder")
+    with pytest.raises(cf.CheckpointError, match="already holds checkpoints of another run"):
+        cf.claim_save_dir(root, resuming_here=False, overwrite=False)
+    assert os.path.isdir(cf.iteration_dir(root, 20))
+    cf.claim_save_dir(root, resuming_here=False, overwrite=True).release()
+    assert cf.latest_iteration(root) is None
+
+
+def test_a_tracker_that_is_a_folder_is_refused(tmp_path):
+    root = str(tmp_path)
+    os.makedirs(os.path.join(root, cf.TRACKER))
+    with pytest.raises(cf.CheckpointError) as err:
+        cf.latest_iteration(root)
+    assert str(err.value) == (f"{root}/{cf.TRACKER} is not a file: delete it and write the "
+                              "iteration to resume into it (the iter_* folders beside it hold "
+                              "the checkpoints)")
+    with pytest.raises(cf.CheckpointError, match="already holds checkpoints of another run"):
+        cf.claim_save_dir(root, resuming_here=False, overwrite=False)
+    cf.claim_save_dir(root, resuming_here=False, overwrite=True).release()
+    assert cf.latest_iteration(root) is None
+
+
+@pytest.mark.parametrize("drop", ["settings", "files", "iteration"])
+def test_a_manifest_missing_a_part_is_one_line(tmp_path, drop):
+    d = str(tmp_path)
+    cf.write_manifest(d, 5, {"a.pt": {"sha256": "0" * 64, "bytes": 1}}, {"layout": {}})
+    manifest = json.loads((tmp_path / cf.MANIFEST).read_text())
+    del manifest[drop]
+    (tmp_path / cf.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(cf.CheckpointError) as err:
+        cf.read_manifest(d)
+    assert str(err.value) == (f"{d}/{cf.MANIFEST} is unreadable or not a checkpoint manifest "
+                              f"(no {drop!r} {'int' if drop == 'iteration' else 'dict'}): the "
+                              "checkpoint is damaged; load an earlier one")
+
+
+def test_a_full_disk_leaves_no_temporary_file(tmp_path, monkeypatch):
+    import errno
+
+    class Full:
+        def write(self, data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    write = cf._HashingWriter.write
+
+    def fill_up(self, data):  # the disk fills after the first bytes
+        if self.size > 100:
+            self._f = Full()
+        return write(self, data)
+
+    monkeypatch.setattr(cf._HashingWriter, "write", fill_up)
+    path = str(tmp_path / "rank_00000.pt")
+    with pytest.raises(cf.CheckpointError) as err:
+        cf.save_file({"w": torch.zeros(1000)}, path)
+    assert str(err.value) == (f"cannot write {path} (No space left on device): free space or "
+                              "fix the folder; the last complete checkpoint stays current")
+    assert os.listdir(tmp_path) == []
+
+
+def test_unreadable_files_and_unlockable_folders_are_one_line(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    path, entry = _saved(tmp_path)
+    real_open = open
+
+    def no_permission(p, *a, **k):
+        if p == path:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), p)
+        return real_open(p, *a, **k)
+
+    monkeypatch.setattr("builtins.open", no_permission)
+    with pytest.raises(cf.CheckpointError) as err:
+        cf.read_verified(path, entry)
+    assert str(err.value) == (f"cannot read checkpoint file {path} (Permission denied): fix its "
+                              "permissions or load an earlier checkpoint")
+    monkeypatch.undo()
+
+    def no_locks(f, how):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.raises(cf.CheckpointError) as err:
+        cf.SaveDirLock(str(tmp_path))
+    assert str(err.value) == (f"cannot lock {tmp_path}/.lock (No locks available): --save "
+                              f"{tmp_path} must be on a file system with flock; choose another "
+                              "--save")

@@ -160,6 +160,43 @@ ERRORS = {
                         "short to tell a busy rank from a stopped one: use >= 2 (or 0 = off)"),
     "replicas-negative": ("--check-replicas-interval -1",
                           "--check-replicas-interval=-1 must be >= 0 (0 = off)"),
+    # megatron-core's scheduler would assert: 5 x 8 samples of warm-up, 3 x 8 of decay
+    "warmup-longer-than-decay": ("--train-iters 3 --lr-warmup-iters 5",
+                                 "the learning-rate warm-up (40 samples) is not shorter than "
+                                 "the decay (24 samples, --lr-decay-iters or --train-iters x "
+                                 "global batch): lower --lr-warmup-iters/--lr-warmup-samples/"
+                                 "--lr-warmup-fraction"),
+    "kv-channels-0": ("--kv-channels 0", "--kv-channels=0 must be >= 1"),
+    "ffn-negative": ("--ffn-hidden-size -5", "--ffn-hidden-size=-5 must be >= 1"),
+    "gqa-groups": ("--group-query-attention --num-query-groups 3",
+                   "--num-query-groups=3 does not divide --num-attention-heads=4: every group "
+                   "needs the same number of heads"),
+    "gqa-tp": ("--group-query-attention --num-query-groups 1 --tensor-model-parallel-size 2",
+               "--num-query-groups=1 is not divisible by --tensor-model-parallel-size=2"),
+    "heads-tp": ("--hidden-size 66 --num-attention-heads 3 --tensor-model-parallel-size 2",
+                 "--num-attention-heads=3 is not divisible by --tensor-model-parallel-size=2"),
+    "seed-negative": ("--seed -1", "--seed=-1 must be in 0 .. 2**32 - 1 (NumPy's seed range)"),
+    "heartbeat-nan": ("--heartbeat-timeout-seconds nan", "--heartbeat-timeout-seconds=nan is "
+                      "not a number of seconds: give one >= 2, or 0 = off"),
+    "heartbeat-inf": ("--heartbeat-timeout-seconds inf", "--heartbeat-timeout-seconds=inf is "
+                      "not a number of seconds: give one >= 2, or 0 = off"),
+    "heartbeat-huge": ("--heartbeat-timeout-seconds 1e12", "--heartbeat-timeout-seconds=1e+12 "
+                       "is longer than a week: a stopped rank would hold the job that long; "
+                       "use a shorter timeout"),
+    "distributed-timeout-huge": ("--distributed-timeout-minutes 100000000000",
+                                 "--distributed-timeout-minutes=1e+11 is longer than a week: a "
+                                 "stopped rank would hold the job that long; use a shorter "
+                                 "timeout"),
+    "split-zero": ("--split 0,0,0", "--split '0,0,0' must be up to three non-negative numbers "
+                   "with a positive sum, e.g. 969,30,1 (train, valid, test)"),
+    "split-words": ("--split abc", "--split 'abc' must be up to three non-negative numbers "
+                    "with a positive sum, e.g. 969,30,1 (train, valid, test)"),
+    "split-exponent": ("--split 1e2,1,1", "--split '1e2,1,1' must be up to three "
+                       "non-negative numbers with a positive sum, e.g. 969,30,1 (train, valid, "
+                       "test)"),
+    "split-negative": ("--split 90,-10,20", "--split '90,-10,20' must be up to three "
+                       "non-negative numbers with a positive sum, e.g. 969,30,1 (train, valid, "
+                       "test)"),
 }
 
 
@@ -220,6 +257,37 @@ def test_per_split_data_paths():
     with pytest.raises(ArgumentsError) as err:
         parse("--train-data-path a")
     assert str(err.value) == "--mock-data makes up its data: drop it or drop --train-data-path"
+
+
+def test_blend_weights_must_be_positive():
+    no_data = [a for a in BASE if a != "--mock-data"] + "--vocab-file v --merge-file m".split()
+    for weight in ("0", "-1", "nan", "inf"):
+        with pytest.raises(ArgumentsError) as info:
+            parse_args(no_data + ["--data-path", weight, "a", "1", "b"], world_size=1)
+        assert str(info.value) == (f"--data-path: weight {weight} must be a positive number "
+                                   "(drop a prefix instead of weighting it 0)")
+
+
+def test_a_model_that_cannot_fit_in_memory_is_refused():
+    with pytest.raises(ArgumentsError) as info:
+        parse("--hidden-size 1000000000 --num-attention-heads 1")
+    assert re.fullmatch(r"the model's weights alone need [\d,]+ GiB per rank \(--hidden-size "
+                        r"1000000000, --num-layers 2, --ffn-hidden-size 4000000000\), more "
+                        r"than this machine's [\d,]+ GiB: choose a smaller model or more "
+                        r"model parallelism", str(info.value)), str(info.value)
+
+
+def test_a_bad_fault_spec_is_a_parse_error(monkeypatch):
+    monkeypatch.setenv("SDP4BIT_FAULT", "bogus")
+    with pytest.raises(ArgumentsError) as info:
+        parse()
+    assert str(info.value) == ("SDP4BIT_FAULT='bogus': use KIND@ITERATION:RANK, KIND one of "
+                               "nan-grad, die-saving, nan-weight, flip-replica")
+
+
+def test_split_spellings_agree():
+    spaced = parse_args(BASE + ["--split", "98, 2, 0"], world_size=4)
+    assert parse("--split 98,2,0").split_vector == spaced.split_vector == [0.98, 0.02, 0.0]
 
 
 def test_abbreviations_are_refused():

@@ -186,3 +186,110 @@ def test_caches_of_the_run_are_checked(tmp_path):
     (cache / "h-GPTDataset-train-shuffle_index.npy").write_bytes(b"\x80\x04not numpy")
     with pytest.raises(pf.InputError, match="shuffle_index.npy is not a NumPy array file"):
         pf.check_inputs(_args(tmp_path, data_cache_path=str(cache)), build_tokenizer)
+
+
+# ----------------------------------------------------- token values, splits, unreadable files
+
+
+@pytest.mark.parametrize("dtype", [numpy.int8, numpy.int16, numpy.int32])
+def test_negative_token_ids_are_refused(tmp_path, dtype):
+    prefix = _dataset(tmp_path, docs=((1, 2, 3), (4, -3)), dtype=dtype)
+    with pytest.raises(pf.InputError) as err:
+        pf.check_indexed_dataset(prefix, 512)
+    assert str(err.value) == (f"{prefix}.bin holds token id -3 (negative): the file is corrupt "
+                              "or was written with the wrong token type; rebuild it")
+
+
+def test_fractional_token_ids_are_refused(tmp_path):
+    prefix = _dataset(tmp_path, docs=((1.0, 2.5), (4.0,)), dtype=numpy.float32)
+    with pytest.raises(pf.InputError) as err:
+        pf.check_indexed_dataset(prefix, 512)
+    assert str(err.value) == (f"{prefix}.bin holds token id 2.5 (not an integer): the file is "
+                              "corrupt; rebuild it with tools/preprocess_data.py")
+
+
+def test_documents_without_tokens(tmp_path):
+    prefix = _dataset(tmp_path, docs=((), ()))
+    assert os.path.getsize(prefix + ".bin") == 0  # numpy.memmap would raise on it
+    with pytest.raises(pf.InputError) as err:
+        pf.check_indexed_dataset(prefix, 512)
+    assert str(err.value) == (f"--data-path {prefix} holds documents but no tokens: check the "
+                              "input of tools/preprocess_data.py")
+
+
+def test_an_unreadable_index_is_one_line(tmp_path, monkeypatch):
+    import builtins
+    import errno
+
+    prefix = _dataset(tmp_path)
+    real_open = builtins.open
+
+    def guarded(path, *a, **k):
+        if str(path).endswith(".idx"):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", guarded)
+    with pytest.raises(pf.InputError) as err:
+        pf.check_indexed_dataset(prefix, 512)
+    assert str(err.value) == (f"--data-path {prefix}: cannot read {prefix}.idx (Permission "
+                              "denied): fix its permissions")
+
+
+def test_a_split_without_documents_is_refused_before_megatron_core_spins(tmp_path):
+    """20 documents and --split 949,50,1: megatron-core gives the test split documents
+    [round(0.999 x 20), round(1.0 x 20)) = [20, 20), none; its sample loop never ends."""
+    prefix = _dataset(tmp_path, docs=[(1, 2, 3)] * 20)
+    from megatron.sdp4bit.training.cli.validate import parse_split
+
+    with pytest.raises(pf.InputError) as err:
+        pf.check_indexed_dataset(prefix, 512, split=("949,50,1", parse_split("949,50,1")))
+    assert str(err.value) == (f"--split 949,50,1 gives the test split of --data-path {prefix} "
+                              "0 of its 20 documents (0 tokens), and megatron-core would wait "
+                              "forever for its samples: give that split a larger share or 0, "
+                              "or use more data")
+    pf.check_indexed_dataset(prefix, 512, split=("949,50,0", parse_split("949,50,0")))  # no test
+    pf.check_indexed_dataset(prefix, 512, split=("90,5,5", parse_split("90,5,5")))  # 18, 1, 1
+
+
+def test_every_blend_component_split_is_checked(tmp_path):
+    big = _dataset(tmp_path, docs=[(1, 2)] * 1000)  # its test split: document 999
+    (tmp_path / "small").mkdir()
+    small = _dataset(tmp_path / "small", docs=[(3,)] * 20)
+    args = _args(tmp_path, mock_data=False, data_path=["0.5", big, "0.5", small],
+                 split="949,50,1", split_vector=[0.949, 0.05, 0.001])
+    with pytest.raises(pf.InputError, match=f"the test split of --data-path {small} 0 of its "
+                                            "20 documents"):
+        pf.check_inputs(args, build_tokenizer)
+
+
+def test_the_cache_folder_megatron_core_reads_is_checked(tmp_path, monkeypatch):
+    """Without --data-cache-path megatron-core reads <prefix>/cache/GPTDataset_indices of
+    every blend component (not a cache/ folder beside the prefix); with it, only that
+    folder."""
+    from megatron.core.datasets import gpt_dataset
+
+    monkeypatch.setenv("SDP4BIT_TEST_MARKER", str(tmp_path / "code-ran"))
+    first = _dataset(tmp_path)
+    (tmp_path / "b").mkdir()
+    second = _dataset(tmp_path / "b")
+    args = _args(tmp_path, mock_data=False, data_path=["1", first, "2", second])
+    assert pf.index_cache_dirs(args) == [f"{p}/cache/GPTDataset_indices" for p in (first, second)]
+    # the folder megatron-core itself names, read from its source
+    assert 'self.dataset.path_prefix, "cache", f"{type(self).__name__}_indices"' in \
+        open(gpt_dataset.__file__).read()
+    evil = os.path.join(second, "cache", "GPTDataset_indices", "h-GPTDataset-train-"
+                        "document_index.npy")
+    os.makedirs(os.path.dirname(evil))
+    with open(evil, "wb") as f:
+        f.write(pickle.dumps(_RunsCode()))
+    with pytest.raises(pf.InputError, match=f"dataset index cache {evil} is not a NumPy array"):
+        pf.check_inputs(args, build_tokenizer)
+    own = tmp_path / "own-cache"
+    args.data_cache_path = str(own)
+    assert pf.index_cache_dirs(args) == [str(own)]
+    pf.check_inputs(args, build_tokenizer)  # megatron-core will not read the other folder
+    (own / "h-GPTDataset-valid-sample_index.npy").write_bytes(pickle.dumps(_RunsCode()))
+    with pytest.raises(pf.InputError, match="valid-sample_index.npy is not a NumPy array"):
+        pf.check_inputs(args, build_tokenizer)
+    assert not (tmp_path / "code-ran").exists()

@@ -1,0 +1,65 @@
+"""What a resume must agree with (rank 0's checks of checkpointing.py, without processes):
+the data blend, split and seed, and a manifest to check at all."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+
+from megatron.sdp4bit.training.checkpoint import checkpointing
+from megatron.sdp4bit.training.checkpoint import files as cf
+
+
+def _data(path="data/a_text_document", split="98,2,0", seed=1234, mock=False) -> dict:
+    from megatron.sdp4bit.training.build import data_settings
+    from megatron.sdp4bit.training.cli.validate import parse_split
+
+    args = argparse.Namespace(mock_data=mock, data_path=path.split(), split=split, seed=seed,
+                              split_vector=parse_split(split))
+    return data_settings(args)
+
+
+def _settings(**data) -> dict:
+    return {"layout": {"dp": 4}, "model": {"hidden_size": 64}, "data": _data(**data),
+            "sdp4bit": {"quantized_weights": True}}
+
+
+def test_the_data_blend_is_recorded_in_a_comparable_form(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert _data() == {"data_path": f"{tmp_path}/data/a_text_document", "split": "0.98,0.02,0",
+                       "seed": 1234}
+    assert _data(split="98, 2, 0") == _data(split="49,1,0") == _data()
+    assert _data(path="0.3 a 0.7 b")["data_path"] == f"0.3 {tmp_path}/a 0.7 {tmp_path}/b"
+    assert _data(mock=True)["data_path"] == "mock"
+
+
+@pytest.mark.parametrize("change,said", [
+    ({"path": "data/default_text_document"}, "data_path {cwd}/data/a_text_document; this run "
+     "has data_path {cwd}/data/default_text_document"),
+    ({"seed": 7}, "seed 1234; this run has seed 7"),
+    ({"split": "90,10,0"}, "split 0.98,0.02,0; this run has split 0.9,0.1,0"),
+])
+def test_a_resume_on_other_data_is_refused_unless_asked(change, said):
+    saved, now = _settings(), _settings(**change)
+    problem = checkpointing._settings_problem(saved, now, "D", False)
+    assert problem == (f"checkpoint D was trained with {said.format(cwd=os.getcwd())}: resume "
+                       "with the checkpoint's --data-path, --split and --seed, or pass "
+                       "--allow-changed-data to continue on other data")
+    assert checkpointing._settings_problem(saved, now, "D", False, allow_data_change=True) is None
+    assert checkpointing._settings_problem(saved, _settings(), "D", False) is None
+
+
+def test_a_checkpoint_without_manifest_is_refused_unless_asked(tmp_path):
+    root = str(tmp_path)
+    os.makedirs(cf.iteration_dir(root, 8))
+    cf.write_tracker(root, 8)
+    iteration, manifest, problem = checkpointing._inspect(root, _settings(), False)
+    assert (iteration, manifest) == (None, None)
+    assert problem == (f"checkpoint {root}/iter_0000008 has no manifest.json: nothing in it "
+                       "can be verified (checksums, layout, settings); restore the manifest, "
+                       "load an earlier checkpoint, or pass --load-without-manifest to load it "
+                       "unchecked")
+    assert checkpointing._inspect(root, _settings(), False, allow_no_manifest=True) == (
+        8, None, None)
