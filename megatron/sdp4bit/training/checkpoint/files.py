@@ -73,6 +73,16 @@ def _atomic(path: str, mode: str):
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+def fsync_dir(directory: str) -> None:
+    """Sync a folder's entries, so that a rename in it survives a power loss."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def save_file(obj: Any, path: str) -> dict[str, Any]:
