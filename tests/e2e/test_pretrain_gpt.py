@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from megatron.sdp4bit.training.logging import parse_log_line
+from megatron.sdp4bit.training.observe.logging import parse_log_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
