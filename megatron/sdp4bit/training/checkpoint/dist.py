@@ -252,6 +252,24 @@ def _verify(directory: str, manifest: dict[str, Any]) -> str | None:
     return next((p for p in problems if p is not None), None)
 
 
+def _tolerate_missing_step(opt) -> None:
+    """For the load only: the fully_reshardable load hands megatron-core's state setter no
+    ``step`` (it is kept in the param groups), and the setter, on the torch-Adam path, copies
+    every key the Adam state has, ``step`` included. Pass the current step through; the
+    checkpoint's is set afterwards by :func:`_restore_steps`."""
+    original = opt._set_main_param_and_optimizer_states
+
+    def set_states(model_param, tensors):
+        group, order = opt.model_param_group_index_map[model_param]
+        main = opt.optimizer.param_groups[group]["params"][order]
+        step = opt.optimizer.state[main].get("step")
+        if step is not None and "step" not in tensors:
+            tensors = {**tensors, "step": step.clone()}
+        original(model_param, tensors)
+
+    opt._set_main_param_and_optimizer_states = set_states
+
+
 def _restore_steps(optimizer, loaded: dict[str, Any]) -> None:
     """Give every parameter's Adam state its own ``step``, the checkpoint's.
 
@@ -316,7 +334,14 @@ def load_checkpoint(directory: str, manifest: dict[str, Any] | None, model_chunk
     for key, chunk in zip(keys, model_chunks):
         _unwrap(chunk).load_state_dict(loaded[key], strict=True)
     if load_optim:
-        optimizer.load_state_dict(loaded["optimizer"])
+        opts = per_rank._inner_optimizers(optimizer)
+        for opt in opts:
+            _tolerate_missing_step(opt)
+        try:
+            optimizer.load_state_dict(loaded["optimizer"])
+        finally:
+            for opt in opts:
+                opt.__dict__.pop("_set_main_param_and_optimizer_states", None)
         _restore_steps(optimizer, loaded["optimizer"])
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     else:
