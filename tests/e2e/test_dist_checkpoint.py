@@ -117,6 +117,9 @@ def _compare_logits(rank: int, world: int, ckpt_dir: str, hf_dir: str) -> None:
     from tests.distributed._tiny_gpt import init_parallel
 
     init_parallel()
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.model_parallel_cuda_manual_seed(1)  # the attention's RNG tracker
     m = files.read_manifest(ckpt_dir)["settings"]["model"]
     config = TransformerConfig(
         num_layers=m["num_layers"], hidden_size=m["hidden_size"],

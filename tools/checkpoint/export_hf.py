@@ -62,6 +62,7 @@ def gpt2_config(model: dict) -> dict:
     if wrong:
         raise ExportError("the model does not map to a Hugging Face architecture this tool "
                           "writes (GPT2LMHeadModel): " + "; ".join(wrong))
+    eod = 50256 if model["padded_vocab_size"] > 50256 else None
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
             "vocab_size": model["padded_vocab_size"], "n_positions":
             model["max_position_embeddings"], "n_embd": hidden, "n_layer": model["num_layers"],
@@ -69,7 +70,8 @@ def gpt2_config(model: dict) -> dict:
             "activation_function": "gelu",  # megatron-core's GeLU is the exact (erf) one
             "layer_norm_epsilon": 1e-5, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
             "attn_pdrop": 0.0, "tie_word_embeddings": True, "torch_dtype": "float32",
-            "bos_token_id": 50256, "eos_token_id": 50256}
+            # GPT-2's <|endoftext|>, when the vocabulary is GPT-2's
+            "bos_token_id": eod, "eos_token_id": eod}
 
 
 def read_model_tensors(directory: str) -> dict[str, torch.Tensor]:
