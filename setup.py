@@ -26,10 +26,12 @@ setup(
         "numpy>=1.26",
         "tokenizers>=0.19",
         "sentencepiece>=0.2",
+        "psutil>=5.9",  # megatron-core's torch_dist checkpoint writer
     ],
     extras_require={
         "test": ["pytest>=8"],
         "logging": ["tensorboard>=2.16"],
         "plot": ["matplotlib>=3.8"],  # tools/plot_metrics.py, tools/loss_compare.py
+        "export": ["transformers>=4.40", "safetensors>=0.4"],  # tools/checkpoint/export_hf.py
     },
 )

@@ -117,4 +117,11 @@ echo "picture:      $RUN_DIR/metrics.png (tools/plot_metrics.py: loss, bytes per
 echo "TensorBoard:  tensorboard --logdir $RUN_DIR/tensorboard"
 echo "checkpoint:   $RUN_DIR/checkpoints"
 echo "continue it:  RUN_DIR=$RUN_DIR TRAIN_ITERS=$((TRAIN_ITERS * 2)) bash tools/quickstart.sh"
+# The tokenizer files are the dataset's (--vocab-file/--merge-file among its flags).
+TOK=()
+for ((i = 0; i + 1 < ${#DATA_ARGS[@]}; i++)); do
+    case "${DATA_ARGS[i]}" in --vocab-file|--merge-file) TOK+=("${DATA_ARGS[i]}" "${DATA_ARGS[i+1]}");; esac
+done
+echo "export it:    python tools/checkpoint/export_hf.py --load $RUN_DIR/checkpoints --output $RUN_DIR/hf ${TOK[*]}" \
+    "(a transformers GPT2LMHeadModel; needs pip install -e '.[export]')"
 echo "time:         $((SECONDS - T0)) s in all: $(IFS=','; echo "${PHASES[*]}" | sed 's/,/, /g')"

@@ -20,7 +20,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.sdp4bit.comm.topology import node_id
 from megatron.sdp4bit.config import SDP4BitConfig
 from megatron.sdp4bit.integration import sdp4bit_padding
-from megatron.sdp4bit.training.checkpoint import checkpointing
+from megatron.sdp4bit.training.checkpoint import formats as checkpoint_formats
 from megatron.sdp4bit.training.checkpoint import files as checkpoint_files
 from megatron.sdp4bit.training.checkpoint.files import CheckpointError, SaveDirLock
 from megatron.sdp4bit.training.data import build_datasets, describe_data
@@ -253,12 +253,8 @@ def restore(args: argparse.Namespace, state: TrainState) -> None:
     """``--load``: continue from the latest checkpoint there (a fresh start if it has none)."""
     if not args.load:
         return
-    iteration, consumed = checkpointing.load_checkpoint(
-        args.load, state.model, state.optimizer, state.scheduler, state.settings,
-        load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
-        allow_sdp4bit_change=args.allow_changed_sdp4bit_settings,
-        allow_data_change=args.allow_changed_data,
-        allow_no_manifest=args.load_without_manifest)
+    iteration, consumed = checkpoint_formats.load(
+        args, state.model, state.optimizer, state.scheduler, state.settings)
     state.iteration, state.consumed_samples = iteration, consumed
     if dist.get_rank() == 0:
         print(f"loaded checkpoint from {args.load} at iteration {iteration}"

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from megatron.sdp4bit.comm.stats import CommStats
 from megatron.sdp4bit.config import SDP4BitConfig
-from megatron.sdp4bit.training.checkpoint import checkpointing
+from megatron.sdp4bit.training.checkpoint import formats as checkpoint_formats
 from megatron.sdp4bit.training.guards import faults
 from megatron.sdp4bit.training.observe.comm_counters import add_unquantized_iteration, snapshot_fields
 from megatron.sdp4bit.training.data import batch_iterator
@@ -86,8 +86,8 @@ def _save(args, state: TrainState) -> None:
     if faults.active("nan-weight", state.iteration, dist.get_rank()):
         with torch.no_grad():
             next(state.model[0].parameters()).view(-1)[0] = float("nan")
-    checkpointing.save_checkpoint(args.save, state.iteration, state.consumed_samples,
-                                  state.model, state.optimizer, state.scheduler, state.settings)
+    checkpoint_formats.save(args, state.iteration, state.consumed_samples, state.model,
+                            state.optimizer, state.scheduler, state.settings)
     state.saved_iteration = state.iteration
     if _is_logging_rank():
         print(f"saved checkpoint at iteration {state.iteration:7d} to {args.save}", flush=True)

@@ -81,12 +81,22 @@ def _atomic(path: str, mode: str):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(os.path.dirname(path) or ".")
     except OSError as err:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise CheckpointError(f"cannot write {path} ({err.strerror or err}): free space or "
                               "fix the folder; the last complete checkpoint stays current"
                               ) from None
+
+
+def fsync_dir(directory: str) -> None:
+    """Sync a folder's entries, so that a rename in it survives a power loss."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def make_dir(path: str) -> None:

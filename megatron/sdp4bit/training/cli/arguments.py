@@ -173,6 +173,21 @@ def _add_checkpoint_and_logging(p: argparse.ArgumentParser) -> None:
                    "--use-checkpoint-opt-param-scheduler",
                    dest="use_checkpoint_opt_param_scheduler", action="store_true",
                    help="on resume, keep the checkpoint's schedule whatever the command line says")
+    g.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist",
+                   help="torch_dist: megatron-core's distributed checkpoint (the model once, "
+                   "resumable on another data-parallel size); torch: one file per rank, "
+                   "resumable on the same layout only (docs/checkpoints.md)")
+    g.add_argument("--auto-detect-ckpt-format", action="store_true",
+                   help="load a checkpoint of either format (saves still use --ckpt-format): "
+                   "the way to convert a checkpoint")
+    g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
+                   help="torch_dist: save the optimizer state per parameter, so that TP and PP "
+                   "may change on resume too (gathers the state on each DP group's rank 0)")
+    g.add_argument("--ckpt-fully-parallel-save", action="store_true",
+                   help="torch_dist: spread the writing of replicated tensors over the "
+                   "data-parallel ranks")
+    g.add_argument("--ckpt-fully-parallel-load", action="store_true",
+                   help="torch_dist: every data-parallel rank reads a share and they exchange")
     g.add_argument("--allow-changed-sdp4bit-settings", action="store_true",
                    help="resume a checkpoint trained with other SDP4Bit flags (changes the "
                    "method mid-run)")

@@ -95,11 +95,10 @@ REFUSED_FLAGS: dict[str, tuple[int | str, str]] = {
                       "uninterrupted one only with them"),
     "--finetune": (0, "start a fine-tuning run from a checkpoint's weights outside this trainer"),
     "--use-checkpoint-args": (0, "pass the model flags on the command line"),
-    "--ckpt-format": (1, "checkpoints are this trainer's own per-rank files "
-                      "(training/checkpoint/checkpointing.py)"),
-    "--use-dist-ckpt": (0, "checkpoints are this trainer's own per-rank files "
-                        "(training/checkpoint/checkpointing.py)"),
-    "--async-save": (0, "checkpoints are saved synchronously"),
+    "--use-dist-ckpt": (0, "it is Megatron-LM's removed name: --ckpt-format torch_dist is "
+                        "the default"),
+    "--async-save": (0, "checkpoints are saved synchronously (megatron-core's background "
+                     "writer needs CUDA and forked writer processes; docs/checkpoints.md)"),
     "--skip-train": (0, "evaluation runs every --eval-interval during training"),
     "--log-params-norm": (0, "the parameter norm is not computed; the gradient norm is logged"),
     "--log-num-zeros-in-grad": (0, "zeros in the gradient are not counted"),

@@ -1,0 +1,354 @@
+"""``--ckpt-format torch_dist``: checkpoints through ``megatron.core.dist_checkpointing``.
+
+The tensors are megatron-core's: the model's ``sharded_state_dict()`` and the distributed
+optimizer's ``sharded_state_dict(..., metadata={"distrib_optim_sharding_type": ...})``,
+written by megatron-core's ``torch_dist`` strategy (PyTorch Distributed Checkpoint files).
+Replicas are written once (megatron-core keeps only the main replica), and a load reads
+only the slices this rank needs, so the data-parallel size may change on resume
+(``dp_reshardable``), and TP/PP too with ``fully_reshardable``. What this module adds on
+top is what the per-rank format (:mod:`.checkpointing`) has: the settings recorded and
+checked, a SHA-256 manifest, no non-finite checkpoint, and a folder that becomes visible
+(renamed, synced) only when complete. See docs/checkpoints.md.
+
+[Note: the writer on CPU]
+megatron-core's ``torch_dist`` save prepares the write plan, then hands the writing to
+forked processes fed through a ``spawn`` multiprocessing manager, after a
+``torch.cuda.synchronize()``. Without CUDA the synchronize raises, and the spawned manager
+hangs under torchrun. :class:`_InProcessSaveStrategy` keeps megatron-core's plan,
+metadata and file layout but writes the buckets in this process, one after another, with
+megatron-core's own per-bucket writer (``FileSystemWriterAsync.write_preloaded_data``,
+fsync included). It is used on CPU and on GPU alike: saves are synchronous here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import shutil
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+)
+from megatron.core.dist_checkpointing.strategies.state_dict_saver import (
+    save_state_dict_async_finalize,
+)
+from megatron.core.dist_checkpointing.strategies.torch import (
+    TorchDistLoadShardedStrategy,
+    TorchDistSaveShardedStrategy,
+)
+
+from megatron.sdp4bit.training.checkpoint import checkpointing as per_rank
+from megatron.sdp4bit.training.checkpoint import files
+from megatron.sdp4bit.training.checkpoint.files import CheckpointError
+from megatron.sdp4bit.training.guards import faults
+
+FORMAT_NAME = "torch_dist"
+SHARDING_TYPES = ("dp_reshardable", "fully_reshardable")
+# Layout entries a checkpoint of each sharding type may change on resume.
+RESHARDABLE = {"dp_reshardable": {"world_size", "dp"},
+               "fully_reshardable": {"world_size", "dp", "tp", "pp", "ddp_bucket_size"}}
+
+
+class _InProcessSaveStrategy(TorchDistSaveShardedStrategy):
+    """megatron-core's torch_dist save with the buckets written in this process
+    (see [Note: the writer on CPU])."""
+
+    def _get_save_and_finalize_callbacks(self, writer, save_state_dict_ret) -> AsyncRequest:
+        transforms = [writer.transforms] if hasattr(writer, "transforms") else []
+
+        def write() -> None:
+            results: dict[int, list] = {}
+            buckets = FileSystemWriterAsync.preload_tensors(writer.write_buckets or [],
+                                                            non_blocking=False)
+            for i, bucket in enumerate(buckets):
+                done, count = queue.Queue(), queue.Queue()
+                count.put(i)
+                FileSystemWriterAsync.write_preloaded_data(transforms, i, bucket, done, count,
+                                                           True)
+                _, result = done.get()
+                if isinstance(result, Exception):
+                    raise result
+                results[i] = result
+            writer.results_queue = queue.Queue()
+            writer.results_queue.put(results)
+
+        def finalize() -> None:
+            save_state_dict_async_finalize(*save_state_dict_ret)
+
+        return AsyncRequest(write, (), [finalize])
+
+
+def _avoid_spawned_manager() -> None:
+    # FileSystemWriterAsync asks a module-level getter for its results queue, which starts a
+    # spawn-context manager process the first time; our writer replaces the queue anyway.
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
+def is_dist_checkpoint(directory: str) -> bool:
+    """Whether ``directory`` holds a megatron-core distributed checkpoint."""
+    return os.path.isfile(os.path.join(directory, "metadata.json"))
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def _rng_object() -> ShardedObject:
+    # One entry per (PP, TP, DP) rank, as Megatron-LM's fully parallel save stores it.
+    pp, tp = (parallel_state.get_pipeline_model_parallel_rank(),
+              parallel_state.get_tensor_model_parallel_rank())
+    dp = parallel_state.get_data_parallel_rank()
+    shape = (parallel_state.get_pipeline_model_parallel_world_size(),
+             parallel_state.get_tensor_model_parallel_world_size(),
+             parallel_state.get_data_parallel_world_size())
+    return ShardedObject("rng_state", per_rank._rng_state(), shape, (pp, tp, dp), replica_id=0)
+
+
+def _model_state(model_chunks) -> dict[str, Any]:
+    if len(model_chunks) == 1:
+        return {"model": _unwrap(model_chunks[0]).sharded_state_dict()}
+    return {f"model{i}": _unwrap(m).sharded_state_dict() for i, m in enumerate(model_chunks)}
+
+
+def _sharded_state(model_chunks, optimizer, sharding_type: str, *, is_loading: bool,
+                   with_optimizer: bool, with_rng: bool) -> dict[str, Any]:
+    state = _model_state(model_chunks)
+    if with_optimizer:
+        model_sd = {k: v for part in state.values() for k, v in part.items()}
+        state["optimizer"] = optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading,
+            metadata={"distrib_optim_sharding_type": sharding_type})
+    if with_rng:
+        state["rng_state"] = _rng_object()
+    return state
+
+
+def _hash(path: str) -> dict[str, Any]:
+    """SHA-256 and size of a file, read in blocks; the file is fsync'ed on the way."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+            size += len(block)
+        os.fsync(f.fileno())
+    return {"sha256": digest.hexdigest(), "bytes": size}
+
+
+def _shared_listing(directory: str) -> list[str]:
+    names: list = [sorted(os.listdir(directory)) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(names, src=0)
+    return names[0]
+
+
+def _hash_shares(directory: str, names: list[str]) -> dict[str, dict]:
+    """Collective: every rank hashes every world-size-th file; all ranks get all entries."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {n: _hash(os.path.join(directory, n)) for n in names[rank::world]}
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, mine)
+    return {k: v for part in gathered for k, v in part.items()}
+
+
+def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chunks, optimizer,
+                    scheduler, settings: dict[str, Any], *, sharding_type: str,
+                    fully_parallel: bool = False) -> str:
+    """Collective: write this iteration's torch_dist checkpoint; returns its folder."""
+    if not per_rank._weights_finite(model_chunks, optimizer):
+        raise CheckpointError(f"not saving iteration {iteration}: the weights hold NaN or Inf; "
+                              f"the last complete checkpoint in {root} stays current")
+    final = files.iteration_dir(root, iteration)
+    partial = final + ".partial"
+    if dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+    dist.barrier()
+    _avoid_spawned_manager()
+    state = _sharded_state(model_chunks, optimizer, sharding_type, is_loading=False,
+                           with_optimizer=True, with_rng=True)
+    state.update(iteration=iteration, consumed_samples=consumed_samples,
+                 opt_param_scheduler=scheduler.state_dict(), checkpoint_version=3.0)
+    strategy = _InProcessSaveStrategy("torch_dist", 1, thread_count=1)
+    if fully_parallel:
+        strategy = FullyParallelSaveStrategyWrapper(
+            strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
+    dist_checkpointing.save(state, partial, sharded_strategy=strategy,
+                            validate_access_integrity=True)
+    if faults.active("die-saving", iteration, dist.get_rank()):
+        os._exit(17)
+    dist.barrier()
+    entries = _hash_shares(partial, _shared_listing(partial))
+    if dist.get_rank() == 0:
+        files.write_manifest(partial, iteration, entries,
+                             {**settings, "ckpt_format": FORMAT_NAME,
+                              "optim_sharding": sharding_type})
+        old = final + ".old"
+        if os.path.isdir(final):  # the same iteration saved again: keep it until replaced
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(partial, final)
+        files.fsync_dir(root)
+        shutil.rmtree(old, ignore_errors=True)
+        files.write_tracker(root, iteration)
+    dist.barrier()
+    return final
+
+
+def settings_problem(saved: dict[str, Any], current: dict[str, Any], directory: str,
+                     allow_sdp4bit_change: bool, allow_data_change: bool = False) -> str | None:
+    """What forbids resuming a torch_dist checkpoint with this run's settings (None: nothing).
+    The layout entries its optimizer sharding can change are left out of the comparison."""
+    sharding = saved.get("optim_sharding", "dp_reshardable")
+    free = RESHARDABLE.get(sharding, set())
+    # dp_reshardable keeps the optimizer's buckets: with bucketing on, their size must stay.
+    strip = lambda s: {**s, "layout": {k: v for k, v in s.get("layout", {}).items()  # noqa: E731
+                                       if k not in free}}
+    problem = per_rank._settings_problem(strip(saved), strip(current), directory,
+                                         allow_sdp4bit_change, allow_data_change)
+    if problem is not None and sharding == "dp_reshardable" and (
+            saved.get("layout", {}).get("tp") != current["layout"]["tp"]
+            or saved.get("layout", {}).get("pp") != current["layout"]["pp"]):
+        problem += ("; a TP or PP change needs a checkpoint saved with "
+                    "--dist-ckpt-optim-fully-reshardable")
+    return problem
+
+
+def _verify(directory: str, manifest: dict[str, Any]) -> str | None:
+    """Collective: every file of the manifest is present with its size and SHA-256 (each
+    rank reads every world-size-th file); returns the first problem, on every rank."""
+    names = sorted(manifest["files"])
+    problem = None
+    for name in names[dist.get_rank()::dist.get_world_size()]:
+        path = os.path.join(directory, name)
+        entry = manifest["files"][name]
+        if not os.path.isfile(path):
+            problem = (f"checkpoint file {path} is missing: the checkpoint is incomplete; "
+                       "load an earlier one")
+        else:
+            got = _hash(path)
+            if got["bytes"] != entry["bytes"]:
+                problem = (f"checkpoint file {path} is {got['bytes']} bytes, the manifest says "
+                           f"{entry['bytes']}: it is truncated or was replaced")
+            elif got["sha256"] != entry["sha256"]:
+                problem = (f"checkpoint file {path} does not match its SHA-256 in the "
+                           "manifest: it changed after it was written (disk or copy error); "
+                           "load an earlier checkpoint")
+        if problem:
+            break
+    problems: list = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    return next((p for p in problems if p is not None), None)
+
+
+def _tolerate_missing_step(opt) -> None:
+    """For the load only: the fully_reshardable load hands megatron-core's state setter no
+    ``step`` (it is kept in the param groups), and the setter, on the torch-Adam path, copies
+    every key the Adam state has, ``step`` included. Pass the current step through; the
+    checkpoint's is set afterwards by :func:`_restore_steps`."""
+    original = opt._set_main_param_and_optimizer_states
+
+    def set_states(model_param, tensors):
+        group, order = opt.model_param_group_index_map[model_param]
+        main = opt.optimizer.param_groups[group]["params"][order]
+        step = opt.optimizer.state[main].get("step")
+        if step is not None and "step" not in tensors:
+            tensors = {**tensors, "step": step.clone()}
+        original(model_param, tensors)
+
+    opt._set_main_param_and_optimizer_states = set_states
+
+
+def _restore_steps(optimizer, loaded: dict[str, Any]) -> None:
+    """Give every parameter's Adam state its own ``step``, the checkpoint's.
+
+    On megatron-core's torch-Adam path (no Apex or Transformer Engine: CPU runs) two things go
+    wrong after ``DistributedOptimizer.load_state_dict``: every parameter's state gets one
+    shared step tensor (torch's Adam increments each in place, so it would advance once per
+    parameter per step), and the dp_reshardable load then copies into it the step the state
+    held *before* the load (kept in the load dict as a non-persistent object). Either makes
+    the bias correction of the next steps wrong.
+    """
+    opts = per_rank._inner_optimizers(optimizer)
+    parts = [loaded] if len(opts) == 1 else [loaded[i] for i in range(len(opts))]
+    for opt, part in zip(opts, parts):
+        steps = {g["step"] for g in part["optimizer"]["param_groups"] if "step" in g}
+        if len(steps) != 1:
+            continue  # Apex/TE optimizers keep the step in their param groups
+        step = float(steps.pop())
+        for state in opt.optimizer.state.values():
+            if "step" in state:
+                state["step"] = torch.tensor(step, dtype=torch.float32)
+
+
+def load_checkpoint(directory: str, manifest: dict[str, Any] | None, model_chunks, optimizer,
+                    scheduler, settings: dict[str, Any], *, load_optim: bool = True,
+                    load_rng: bool = True, allow_sdp4bit_change: bool = False,
+                    allow_data_change: bool = False,
+                    fully_parallel: bool = False) -> tuple[int, int]:
+    """Collective: restore a torch_dist checkpoint folder (already named by the tracker);
+    returns (iteration, consumed samples)."""
+    if manifest is None:
+        raise CheckpointError(f"{directory} holds a distributed checkpoint without "
+                              f"{files.MANIFEST}: it was not written by this trainer or its "
+                              "save did not finish; load an earlier one")
+    saved = manifest["settings"]
+    problem = settings_problem(saved, settings, directory, allow_sdp4bit_change,
+                               allow_data_change)
+    if problem is not None:
+        raise CheckpointError(problem)
+    problem = _verify(directory, manifest)
+    if problem is not None:
+        raise CheckpointError(problem)
+    same_layout = saved["layout"] == settings["layout"]
+    common = dist_checkpointing.load_common_state_dict(directory)
+    if load_optim:
+        per_rank._check_schedule(scheduler, common["opt_param_scheduler"], directory)
+    if load_optim:
+        # The optimizer's sharded_state_dict() reads the step count of the Adam state, which
+        # exists only after a first step: take one with zero gradients, as megatron-core does
+        # for its FSDP format; the load overwrites every value it made.
+        for opt in per_rank._inner_optimizers(optimizer):
+            if not opt.optimizer.state:
+                opt._init_optimizer_states_with_dummy_values()
+    # RNG streams belong to ranks: they are restored only when every rank is where it was.
+    with_rng = load_rng and same_layout
+    state = _sharded_state(model_chunks, optimizer, saved.get("optim_sharding",
+                                                              "dp_reshardable"),
+                           is_loading=True, with_optimizer=load_optim, with_rng=with_rng)
+    strategy = TorchDistLoadShardedStrategy()
+    if fully_parallel:
+        strategy = FullyParallelLoadStrategyWrapper(
+            strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
+    loaded = dist_checkpointing.load(state, directory, sharded_strategy=strategy)
+    keys = ["model"] if len(model_chunks) == 1 else [f"model{i}" for i in range(len(model_chunks))]
+    for key, chunk in zip(keys, model_chunks):
+        _unwrap(chunk).load_state_dict(loaded[key], strict=True)
+    if load_optim:
+        opts = per_rank._inner_optimizers(optimizer)
+        for opt in opts:
+            _tolerate_missing_step(opt)
+        try:
+            optimizer.load_state_dict(loaded["optimizer"])
+        finally:
+            for opt in opts:
+                opt.__dict__.pop("_set_main_param_and_optimizer_states", None)
+        _restore_steps(optimizer, loaded["optimizer"])
+        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    else:
+        for opt in per_rank._inner_optimizers(optimizer):
+            opt.reload_model_params()
+    if with_rng:
+        per_rank._set_rng_state(loaded["rng_state"])
+    return loaded["iteration"], loaded["consumed_samples"]

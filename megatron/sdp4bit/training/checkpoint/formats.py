@@ -1,0 +1,80 @@
+"""``--ckpt-format``: which format a save writes and which a load accepts.
+
+``torch_dist`` (the default, :mod:`.dist`) and ``torch`` (one file per rank,
+:mod:`.checkpointing`). A load finds the format of the folder the tracker names; one that
+is not ``--ckpt-format`` is refused unless ``--auto-detect-ckpt-format``, which is also how
+a checkpoint is converted: load it with that flag and save with the other format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+import torch.distributed as dist
+
+from megatron.sdp4bit.training.checkpoint import checkpointing, dist as dist_ckpt, files
+from megatron.sdp4bit.training.checkpoint.files import CheckpointError
+
+
+def sharding_type(args: argparse.Namespace) -> str:
+    return "fully_reshardable" if args.dist_ckpt_optim_fully_reshardable else "dp_reshardable"
+
+
+def save(args: argparse.Namespace, iteration: int, consumed_samples: int, model_chunks,
+         optimizer, scheduler, settings: dict[str, Any]) -> str:
+    """Collective: save in ``--ckpt-format``; returns the folder."""
+    if args.ckpt_format == "torch_dist":
+        return dist_ckpt.save_checkpoint(
+            args.save, iteration, consumed_samples, model_chunks, optimizer, scheduler,
+            settings, sharding_type=sharding_type(args),
+            fully_parallel=args.ckpt_fully_parallel_save)
+    return checkpointing.save_checkpoint(args.save, iteration, consumed_samples, model_chunks,
+                                         optimizer, scheduler, settings)
+
+
+def _probe(root: str) -> tuple[str | None, dict | None, str | None]:
+    """Rank 0: (format of the tracker's folder or None, its manifest, problem)."""
+    try:
+        iteration = files.latest_iteration(root)
+        if iteration is None:
+            return None, None, None
+        directory = files.iteration_dir(root, iteration)
+        if not os.path.isdir(directory):
+            return None, None, None  # the per-rank loader names this problem
+        if dist_ckpt.is_dist_checkpoint(directory):
+            return "torch_dist", files.read_manifest(directory), None
+        return "torch", None, None
+    except CheckpointError as err:
+        return None, None, str(err)
+
+
+def load(args: argparse.Namespace, model_chunks, optimizer, scheduler,
+         settings: dict[str, Any]) -> tuple[int, int]:
+    """Collective: restore from the latest checkpoint under ``--load``; returns (iteration,
+    consumed samples), (0, 0) when there is none."""
+    verdict: list = [None, None, None]
+    if dist.get_rank() == 0:
+        verdict = list(_probe(args.load))
+    dist.broadcast_object_list(verdict, src=0)
+    found, manifest, problem = verdict
+    if problem is not None:
+        raise CheckpointError(problem)
+    if found is not None and found != args.ckpt_format and not args.auto_detect_ckpt_format:
+        raise CheckpointError(
+            f"the checkpoint in {args.load} is in format {found}, this run's --ckpt-format is "
+            f"{args.ckpt_format}: pass --ckpt-format {found}, or --auto-detect-ckpt-format to "
+            f"load it and save in {args.ckpt_format} (which converts it)")
+    options = dict(load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
+                   allow_sdp4bit_change=args.allow_changed_sdp4bit_settings,
+                   allow_data_change=args.allow_changed_data)
+    if found == "torch_dist":
+        directory = files.iteration_dir(args.load, files.latest_iteration(args.load))
+        return dist_ckpt.load_checkpoint(directory, manifest, model_chunks, optimizer,
+                                         scheduler, settings,
+                                         fully_parallel=args.ckpt_fully_parallel_load,
+                                         **options)
+    return checkpointing.load_checkpoint(args.load, model_chunks, optimizer, scheduler,
+                                         settings, allow_no_manifest=args.load_without_manifest,
+                                         **options)

@@ -1,0 +1,43 @@
+"""What a torch_dist checkpoint may change on resume (training/checkpoint/dist.py)."""
+
+from __future__ import annotations
+
+from megatron.sdp4bit.training.checkpoint.dist import settings_problem
+
+LAYOUT = {"world_size": 4, "tp": 1, "pp": 1, "dp": 4, "ddp_bucket_size": None}
+MODEL = {"num_layers": 2, "hidden_size": 64}
+METHOD = {"quantized_weights": True, "quantized_gradients": True}
+
+
+def saved(sharding: str, **layout) -> dict:
+    return {"layout": {**LAYOUT, **layout}, "model": MODEL, "sdp4bit": METHOD,
+            "ckpt_format": "torch_dist", "optim_sharding": sharding}
+
+
+def run(**layout) -> dict:
+    return {"layout": {**LAYOUT, **layout}, "model": MODEL, "sdp4bit": METHOD}
+
+
+def test_data_parallel_size_may_change():
+    for world in (2, 8):
+        assert settings_problem(saved("dp_reshardable"), run(world_size=world, dp=world),
+                                "D", False) is None
+
+
+def test_tp_change_needs_the_fully_reshardable_format():
+    now = run(tp=2, dp=2)
+    assert settings_problem(saved("dp_reshardable"), now, "D", False) == (
+        "checkpoint D was saved with layout tp 1; this run has tp 2: resume with the same "
+        "layout (or start a new run); a TP or PP change needs a checkpoint saved with "
+        "--dist-ckpt-optim-fully-reshardable")
+    assert settings_problem(saved("fully_reshardable"), now, "D", False) is None
+
+
+def test_bucket_size_and_model_stay_checked():
+    assert settings_problem(saved("dp_reshardable"), run(ddp_bucket_size=1000), "D", False) == (
+        "checkpoint D was saved with layout ddp_bucket_size None; this run has ddp_bucket_size "
+        "1000: resume with the same layout (or start a new run)")
+    other = {**run(), "model": {**MODEL, "hidden_size": 128}}
+    assert settings_problem(saved("fully_reshardable"), other, "D", False) == (
+        "checkpoint D was saved with model hidden_size 64; this run has hidden_size 128: "
+        "resume with the same model flags")
