@@ -14,23 +14,38 @@ from __future__ import annotations
 
 import os
 import sys
+import time
+from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron.sdp4bit.integration.cuda_dryrun import CudaDryRunError, enable_cuda_dryrun  # noqa: E402
+from megatron.sdp4bit.integration import cuda_dryrun  # noqa: E402
 
 
-def run(argv: list[str] | None = None) -> int:
-    """Switch this process to the dry run, then run the trainer's ``main``."""
-    enable_cuda_dryrun()
+def run(argv: list[str] | None = None, before_main: Callable[[], None] | None = None) -> int:
+    """Switch this process to the dry run, then run the trainer's ``main``. ``before_main``
+    runs in between (the tests plant bugs with it)."""
+    cuda_dryrun.enable_cuda_dryrun()
     import pretrain_gpt
 
+    rank = os.environ.get("RANK", "0")
+    if rank == "0":
+        print("cuda dry run: torch.cuda.is_available() is True; every collective is checked "
+              "against NCCL's rules, gloo carries it", flush=True)
+    if before_main is not None:
+        before_main()
     try:
-        return pretrain_gpt.main(argv)
-    except CudaDryRunError as err:
-        print(f"cuda_dryrun.py: error: {err}", file=sys.stderr, flush=True)
+        code = pretrain_gpt.main(argv)
+    except cuda_dryrun.CudaDryRunError as err:
+        if rank != "0":  # rank 0 first, as the trainer's own errors (pretrain_gpt._fail)
+            time.sleep(3)
+        print(f"cuda_dryrun.py: error: rank {rank}: {err}", file=sys.stderr, flush=True)
         return 3
+    if rank == "0" and code == 0:
+        print(f"cuda dry run: done, {cuda_dryrun.CHECKED_CALLS[0]} collectives on rank 0 "
+              "passed NCCL's rules", flush=True)
+    return code
 
 
 if __name__ == "__main__":
