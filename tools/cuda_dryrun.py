@@ -13,22 +13,33 @@ what it does not see: docs/cuda_dryrun.md. Refused on a machine with a GPU.
 from __future__ import annotations
 
 import os
+import runpy
 import sys
 import time
 from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+TRAINER = os.path.join(ROOT, "pretrain_gpt.py")
 
 from megatron.sdp4bit.integration import cuda_dryrun  # noqa: E402
 
 
-def run(argv: list[str] | None = None, before_main: Callable[[], None] | None = None) -> int:
-    """Switch this process to the dry run, then run the trainer's ``main``. ``before_main``
-    runs in between (the tests plant bugs with it)."""
-    cuda_dryrun.enable_cuda_dryrun()
-    import pretrain_gpt
+def _run_trainer(argv: list[str]) -> int:
+    """pretrain_gpt.py as torchrun runs it: as ``__main__``, with ``argv`` as its command line."""
+    sys.argv = [TRAINER, *argv]
+    try:
+        runpy.run_path(TRAINER, run_name="__main__")
+    except SystemExit as done:
+        return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    return 0
 
+
+def run(argv: list[str] | None = None, before_main: Callable[[], None] | None = None) -> int:
+    """Switch this process to the dry run, then run pretrain_gpt.py. ``before_main`` runs
+    in between (the tests plant bugs with it)."""
+    cuda_dryrun.enable_cuda_dryrun()
+    argv = sys.argv[1:] if argv is None else argv
     rank = os.environ.get("RANK", "0")
     if rank == "0":
         print("cuda dry run: torch.cuda.is_available() is True; every collective is checked "
@@ -36,7 +47,7 @@ def run(argv: list[str] | None = None, before_main: Callable[[], None] | None = 
     if before_main is not None:
         before_main()
     try:
-        code = pretrain_gpt.main(argv)
+        code = _run_trainer(argv)
     except cuda_dryrun.CudaDryRunError as err:
         if rank != "0":  # rank 0 first, as the trainer's own errors (pretrain_gpt._fail)
             time.sleep(3)
