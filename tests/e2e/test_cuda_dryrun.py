@@ -35,9 +35,13 @@ def _free_port() -> int:
 def _launch(script: list[str], args: list[str], nproc: int) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(_free_port()), *script, *TINY, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    for _ in range(3):  # the free port may be taken before torchrun binds it: try another
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", str(_free_port()), *script, *TINY, *args]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+        if "EADDRINUSE" not in res.stderr:
+            break
+    return res
 
 
 def _dryrun(args: list[str], nproc: int = 2) -> subprocess.CompletedProcess:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import sys
 import threading
@@ -155,9 +156,12 @@ class _DryRunMode(TorchFunctionMode):
                 if len(rest) > 1 or kw:  # a dtype as well
                     with torch._C.DisableTorchFunctionSubclass():
                         cast = torch.Tensor.to(moved, *rest[1:], **kw)
-                    return moved if cast is moved else _retag(cast, type(moved))
+                    side = HostTensor if is_host(moved) else DeviceTensor
+                    return moved if cast is moved else _retag(cast, side)
                 return moved
-        if func == torch.Tensor.data.__set__:  # a new method-wrapper each time: ==  # module.cuda(): param.data = <device copy>
+        # module.cuda() sets param.data = <device copy>: the parameter moves with it
+        # (a new method-wrapper object each time, hence ==)
+        if func == torch.Tensor.data.__set__:
             with torch._C.DisableTorchFunctionSubclass():
                 func(*args)
             if isinstance(args[0], (DeviceTensor, HostTensor)) or type(args[0]) is torch.Tensor:
@@ -262,12 +266,13 @@ class _Call:
                       f"{small[1].numel()} elements of {_tensor_text(*small)}")
 
 
-def _arguments(fn: Callable, args: tuple, kwargs: dict) -> dict:
-    import inspect
+@functools.lru_cache(maxsize=None)
+def _signature(fn: Callable) -> inspect.Signature:
+    return inspect.signature(fn)
 
-    sig = inspect.signature(fn)
-    bound = sig.bind_partial(*args, **kwargs)
-    return dict(bound.arguments)
+
+def _arguments(fn: Callable, args: tuple, kwargs: dict) -> dict:
+    return dict(_signature(fn).bind_partial(*args, **kwargs).arguments)
 
 
 def _check_call(op: str, a: dict) -> None:
