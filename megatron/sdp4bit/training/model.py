@@ -9,6 +9,7 @@ distributed optimizer with ``--use-distributed-optimizer``).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -72,7 +73,11 @@ def transformer_config_from_args(args: argparse.Namespace, timers=None) -> Trans
         recompute_num_layers=args.recompute_num_layers,
         # CPU mode builds weights on the host; fused CUDA kernels do not exist there.
         use_cpu_initialization=not cuda,
-        masked_softmax_fusion=cuda,
+        # megatron-core's fused softmax imports Megatron-LM's/Apex's compiled extension
+        # (scaled_masked_softmax_cuda), which pip's megatron-core does not ship: without it
+        # the first forward on a GPU would stop with ModuleNotFoundError.
+        masked_softmax_fusion=cuda and importlib.util.find_spec("scaled_masked_softmax_cuda")
+        is not None,
         bias_activation_fusion=cuda and not args.swiglu,
         bias_dropout_fusion=cuda,
         gradient_accumulation_fusion=False,

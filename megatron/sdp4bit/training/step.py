@@ -51,11 +51,15 @@ def _forward_step(data_iterator, model, timers=None, nan: bool = False):
 
 
 def mean_loss(losses: list[dict], group) -> float:
-    """Mean of the micro-batch losses over the DP group; NaN-preserving."""
+    """Mean of the micro-batch losses over the DP group; NaN-preserving.
+
+    The sum stays on the device: on a GPU run the DP group is NCCL, which refuses host
+    tensors (the CUDA dry run, integration/cuda_dryrun.py, checks it on CPU)."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     if losses:
-        value = torch.stack([d["lm loss"].float() for d in losses]).mean().reshape(1).cpu()
+        value = torch.stack([d["lm loss"].float() for d in losses]).mean().reshape(1).to(device)
     else:  # not the last pipeline stage: contributes nothing
-        value = torch.zeros(1)
+        value = torch.zeros(1, device=device)
     dist.all_reduce(value, group=group)
     return value.item() / dist.get_world_size(group)
 

@@ -366,9 +366,11 @@ def exit_duration_reached(args: argparse.Namespace) -> bool:
     import torch.distributed as dist
 
     minutes = (time.time() - args.start_time) / 60.0
-    done = torch.tensor([int(minutes > args.exit_duration_in_mins)], dtype=torch.int32)
+    # On the device whenever there is one (NCCL refuses host tensors), not only when the
+    # default group's backend is called "nccl".
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    done = torch.tensor([int(minutes > args.exit_duration_in_mins)], dtype=torch.int32,
+                        device=device)
     if dist.is_initialized():
-        if dist.get_backend() == "nccl":
-            done = done.cuda()
         dist.all_reduce(done, op=dist.ReduceOp.MAX)
     return bool(done.item())

@@ -1,0 +1,538 @@
+"""CUDA dry run on CPU: run the CUDA branch of the trainer, with NCCL's rules, on gloo.
+
+Every test runs in CPU mode, where every tensor is a host tensor, so a host tensor handed
+to a collective that is NCCL on a GPU run (NCCL refuses it) goes unseen. The dry run makes
+one process behave, as far as Python code can tell, like a rank of a CUDA run:
+
+1. ``torch.cuda.is_available()`` is True, so the trainer takes its CUDA branch
+   (``torch.cuda.set_device``, ``backend="nccl"``, ``model.cuda()``, ``non_blocking`` copies,
+   the "CUDA" RNG, timers that synchronize, megatron-core's GPU allocations). The runtime
+   calls are stubs (streams and events do nothing: CPU work is synchronous).
+2. Every tensor is a CPU tensor underneath, computing for real, but carries what it would
+   be on a GPU run as its Python class: :class:`DeviceTensor` (allocated on or moved to
+   ``cuda``; reports ``device == cuda:N`` and ``is_cuda``) or :class:`HostTensor` (a factory
+   without a device or with ``"cpu"``, ``.cpu()``, ``.to("cpu")``, ``torch.load`` with
+   ``map_location="cpu"``). A :class:`~torch.overrides.TorchFunctionMode` assigns the class
+   of every result: host only when every tensor input is host, as CUDA ops do. Plain
+   tensors are those made in C++ (autograd's gradients): on a GPU run they sit on the
+   device of their inputs, so they count as device tensors.
+3. ``init_process_group("nccl")`` and ``new_group(backend="nccl")`` get gloo, and every
+   tensor collective of ``torch.distributed`` is wrapped by a check of NCCL's rules before
+   gloo runs it: a host tensor, a non-contiguous tensor, mixed dtypes, or sizes that do not
+   fit the group (all-gather, reduce-scatter, all-to-all) raise :class:`CudaDryRunError`
+   with one line naming the collective, the group and the tensor. Object collectives
+   (``all_gather_object``...) are exempt: torch moves their bytes to the device itself.
+
+Only :func:`enable_cuda_dryrun` switches it on (``tools/cuda_dryrun.py`` calls it before
+importing the trainer); nothing else imports this module. Limits: docs/cuda_dryrun.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import os
+import sys
+import threading
+import types
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+__all__ = ["CudaDryRunError", "DeviceTensor", "HostTensor", "enable_cuda_dryrun",
+           "cuda_dryrun_active", "is_host"]
+
+
+class CudaDryRunError(RuntimeError):
+    """A collective that NCCL would refuse on a GPU run (one line: collective, group, tensor)."""
+
+
+_DEVICE_INDEX = [0]  # what torch.cuda.set_device chose
+
+
+class DeviceTensor(torch.Tensor):
+    """A CPU tensor that a GPU run would hold on the current CUDA device."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", _DEVICE_INDEX[0])
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+    def __reduce_ex__(self, protocol):  # checkpoints hold plain tensors
+        return torch.Tensor.as_subclass(self, torch.Tensor).__reduce_ex__(protocol)
+
+
+class HostTensor(torch.Tensor):
+    """A CPU tensor that a GPU run would also hold in host memory."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __reduce_ex__(self, protocol):
+        return torch.Tensor.as_subclass(self, torch.Tensor).__reduce_ex__(protocol)
+
+
+def is_host(t: torch.Tensor) -> bool:
+    """Whether a GPU run would hold ``t`` in host memory (see the module docstring)."""
+    return isinstance(t, HostTensor)
+
+
+def _names_cuda(device: Any) -> bool:
+    if isinstance(device, bool):
+        return False
+    if isinstance(device, int):
+        return True  # a bare ordinal is a CUDA device for every torch factory
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and (device == "cuda" or device.startswith("cuda:"))
+
+
+def _names_cpu(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cpu"
+    return isinstance(device, str) and device.split(":")[0] == "cpu"
+
+
+_CPU = torch.device("cpu")
+
+
+def _tag(t: torch.Tensor, cls: type) -> torch.Tensor:
+    # The object's class changes in place: no alias is made, so identity, ``_base`` and
+    # views stay what megatron-core expects.
+    t.__class__ = cls
+    return t
+
+
+def _retag(out: Any, cls: type) -> Any:
+    """``out`` with its plain tensors tagged ``cls`` (Parameters and tagged tensors stay)."""
+    for t in pytree.tree_leaves(out) if not isinstance(out, torch.Size) else ():
+        if type(t) is torch.Tensor:
+            _tag(t, cls)
+    return out
+
+
+def _plain_copy(t: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    with torch._C.DisableTorchFunctionSubclass():
+        kwargs.pop("non_blocking", None)
+        kwargs.pop("copy", None)
+        kwargs.pop("memory_format", None)
+        return t.to(_CPU, copy=True, **kwargs)
+
+
+def _to_target(args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
+    """Tensor.to's target device, and its arguments without it."""
+    kwargs = dict(kwargs)
+    if "device" in kwargs:
+        return kwargs.pop("device"), args, kwargs
+    if len(args) >= 2 and (isinstance(args[1], (str, int, torch.device))
+                           and not isinstance(args[1], bool)):
+        return args[1], (args[0], *args[2:]), kwargs
+    return None, args, kwargs
+
+
+class _DryRunMode(TorchFunctionMode):
+    """Runs every torch call on the CPU and tags its results (module docstring, item 2)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.as_subclass:
+            return func(*args, **kwargs)
+        if func is torch.Tensor.cuda:
+            return self._move(args[0], device=True, kwargs={})
+        if func is torch.Tensor.cpu:
+            return self._move(args[0], device=False, kwargs={})
+        if func is torch.Tensor.to:
+            target, rest, kw = _to_target(args, kwargs)
+            if target is not None and (_names_cuda(target) or _names_cpu(target)):
+                moved = self._move(rest[0], device=_names_cuda(target), kwargs=kw)
+                if len(rest) > 1 or kw:  # a dtype as well
+                    with torch._C.DisableTorchFunctionSubclass():
+                        cast = torch.Tensor.to(moved, *rest[1:], **kw)
+                    side = HostTensor if is_host(moved) else DeviceTensor
+                    return moved if cast is moved else _retag(cast, side)
+                return moved
+        # module.cuda() sets param.data = <device copy>: the parameter moves with it
+        # (a new method-wrapper object each time, hence ==)
+        if func == torch.Tensor.data.__set__:
+            with torch._C.DisableTorchFunctionSubclass():
+                func(*args)
+            if isinstance(args[0], (DeviceTensor, HostTensor)) or type(args[0]) is torch.Tensor:
+                _tag(args[0], HostTensor if is_host(args[1]) else DeviceTensor)
+            return None
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            with torch._C.DisableTorchFunctionSubclass():
+                name = func(*args)
+            # megatron-core's optimizers recognise 16-bit parameters by the CUDA type name
+            return name.replace("torch.", "torch.cuda.", 1) if not is_host(args[0]) else name
+        cls = None
+        if "device" in kwargs and kwargs["device"] is not None:
+            if _names_cuda(kwargs["device"]):
+                cls = DeviceTensor
+            elif _names_cpu(kwargs["device"]):
+                cls = HostTensor
+            kwargs["device"] = _CPU if cls is not None else kwargs["device"]
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if any(out is t for t in inputs):
+            return out  # in place, or returns an input: keeps its class
+        if cls is None:
+            if inputs:
+                cls = HostTensor if all(is_host(t) for t in inputs) else DeviceTensor
+            else:  # a factory without a device: the host, as on a GPU run
+                cls = HostTensor
+        return _retag(out, cls)
+
+    @staticmethod
+    def _move(t: torch.Tensor, device: bool, kwargs: dict) -> torch.Tensor:
+        """``.cuda()`` / ``.cpu()`` / ``.to(device)``: a copy when the side changes, as on a
+        GPU (so that writing the copy never changes the original), else the tensor itself."""
+        if device != is_host(t):
+            return t
+        copy = _plain_copy(t, **kwargs)  # differentiable, as .to() is
+        return _tag(copy, DeviceTensor if device else HostTensor)
+
+
+# --- collectives with NCCL's rules ------------------------------------------------------
+
+_exempt = threading.local()  # inside an object collective or an already-checked call
+
+
+@contextlib.contextmanager
+def _unchecked():
+    depth = getattr(_exempt, "depth", 0)
+    _exempt.depth = depth + 1
+    try:
+        yield
+    finally:
+        _exempt.depth = depth
+
+
+def _group_text(group: Any) -> str:
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        ranks = dist.get_process_group_ranks(pg)
+    except (RuntimeError, ValueError):
+        ranks = "?"
+    desc = getattr(pg, "group_desc", "") or ""
+    desc = "" if desc in ("undefined", "default_pg") else f" {desc}"
+    return f"group{desc} (global ranks {ranks})" if group is not None else \
+        f"the default group (global ranks {ranks})"
+
+
+def _tensor_text(name: str, t: torch.Tensor) -> str:
+    return f"'{name}' ({str(t.dtype).replace('torch.', '')} {list(t.shape)})"
+
+
+class _Call:
+    """One collective call being checked."""
+
+    def __init__(self, op: str, group: Any) -> None:
+        self.op, self.group = op, group
+
+    def world(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def fail(self, what: str) -> None:
+        raise CudaDryRunError(f"CUDA dry run: {self.op} on {_group_text(self.group)}: {what}")
+
+    def device(self, name: str, t: Any) -> None:
+        if not isinstance(t, torch.Tensor):
+            return
+        if is_host(t):
+            self.fail(f"tensor {_tensor_text(name, t)} is in host memory on a GPU run, and "
+                      "NCCL refuses it: allocate it on the CUDA device "
+                      "(torch.cuda.current_device())")
+        if not t.is_contiguous():
+            self.fail(f"tensor {_tensor_text(name, t)} is not contiguous; NCCL needs "
+                      "contiguous tensors")
+
+    def same_dtype(self, a: tuple[str, torch.Tensor], b: tuple[str, torch.Tensor]) -> None:
+        if a[1].dtype != b[1].dtype:
+            self.fail(f"{_tensor_text(*a)} and {_tensor_text(*b)} differ in dtype")
+
+    def sizes(self, big: tuple[str, torch.Tensor], small: tuple[str, torch.Tensor]) -> None:
+        w = self.world()
+        if big[1].numel() != w * small[1].numel():
+            self.fail(f"{_tensor_text(*big)} must hold group size {w} x the "
+                      f"{small[1].numel()} elements of {_tensor_text(*small)}")
+
+
+@functools.lru_cache(maxsize=None)
+def _signature(fn: Callable) -> inspect.Signature:
+    return inspect.signature(fn)
+
+
+def _arguments(fn: Callable, args: tuple, kwargs: dict) -> dict:
+    return dict(_signature(fn).bind_partial(*args, **kwargs).arguments)
+
+
+def _check_call(op: str, a: dict) -> None:
+    call = _Call(op, a.get("group"))
+    if op in ("all_reduce", "broadcast", "reduce", "send", "recv", "isend", "irecv"):
+        call.device("tensor", a.get("tensor"))
+    elif op in ("all_gather_into_tensor", "all_gather_single", "_all_gather_base"):
+        out, inp = ("output_tensor", a["output_tensor"]), ("input_tensor", a["input_tensor"])
+        call.device(*out), call.device(*inp)
+        call.same_dtype(out, inp), call.sizes(out, inp)
+    elif op in ("reduce_scatter_tensor", "_reduce_scatter_base"):
+        out, inp = ("output", a["output"]), ("input", a["input"])
+        call.device(*out), call.device(*inp)
+        call.same_dtype(out, inp), call.sizes(inp, out)
+    elif op == "all_to_all_single":
+        out, inp = ("output", a["output"]), ("input", a["input"])
+        call.device(*out), call.device(*inp), call.same_dtype(out, inp)
+        w = call.world()
+        for (name, t), splits in ((out, a.get("output_split_sizes")),
+                                  (inp, a.get("input_split_sizes"))):
+            rows = t.shape[0] if t.dim() else 1
+            if not splits and rows % w:
+                call.fail(f"dim 0 of {_tensor_text(name, t)} does not divide into group "
+                          f"size {w}")
+            if splits and (len(splits) != w or sum(splits) != rows):
+                call.fail(f"split sizes {list(splits)} of {_tensor_text(name, t)} do not "
+                          f"give {w} pieces summing to dim 0 ({rows})")
+    elif op == "all_gather":
+        inp = ("tensor", a["tensor"])
+        call.device(*inp)
+        outs = a["tensor_list"]
+        if len(outs) != call.world():
+            call.fail(f"'tensor_list' has {len(outs)} tensors for group size {call.world()}")
+        for i, t in enumerate(outs):
+            call.device(f"tensor_list[{i}]", t)
+            call.same_dtype((f"tensor_list[{i}]", t), inp)
+            if t.numel() != inp[1].numel():
+                call.fail(f"{_tensor_text(f'tensor_list[{i}]', t)} differs in size from "
+                          f"{_tensor_text(*inp)}")
+    elif op in ("reduce_scatter", "all_to_all", "gather", "scatter", "all_reduce_coalesced"):
+        for name, value in a.items():
+            for i, t in enumerate(value if isinstance(value, (list, tuple)) else [value]):
+                call.device(f"{name}[{i}]" if isinstance(value, (list, tuple)) else name, t)
+    elif op == "batch_isend_irecv":
+        for i, p2p in enumerate(a["p2p_op_list"]):
+            _Call(f"batch_isend_irecv[{i}] {getattr(p2p.op, '__name__', '?')}",
+                  p2p.group).device("tensor", p2p.tensor)
+
+
+_CHECKED = ("all_reduce", "broadcast", "reduce", "send", "recv", "isend", "irecv",
+            "all_gather", "all_gather_into_tensor", "all_gather_single", "_all_gather_base",
+            "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base",
+            "all_to_all", "all_to_all_single", "gather", "scatter", "batch_isend_irecv")
+_OBJECT = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+           "send_object_list", "recv_object_list", "barrier", "monitored_barrier")
+
+
+CHECKED_CALLS = [0]  # tensor collectives checked in this process (the tool reports it)
+
+
+def _checked(op: str, fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if getattr(_exempt, "depth", 0) == 0:
+            _check_call(op, _arguments(fn, args, kwargs))
+            CHECKED_CALLS[0] += 1
+        with _unchecked():
+            return fn(*args, **kwargs)
+    wrapper._sdp4bit_dryrun_original = fn
+    return wrapper
+
+
+def _exempted(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _unchecked():
+            return fn(*args, **kwargs)
+    wrapper._sdp4bit_dryrun_original = fn
+    return wrapper
+
+
+def _gloo_for_nccl(fn: Callable, position: int) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        args = list(args)
+        if len(args) > position and args[position] in ("nccl", dist.Backend.NCCL):
+            args[position] = "gloo"
+        if kwargs.get("backend") in ("nccl", dist.Backend.NCCL):
+            kwargs["backend"] = "gloo"
+        kwargs.pop("pg_options", None)  # NCCL's options mean nothing to gloo
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+_replaced: dict[int, Callable] = {}  # id(original) -> wrapper
+
+
+def _wrap_collectives() -> None:
+    from torch.distributed import distributed_c10d as c10d
+
+    for names, make in ((_CHECKED, _checked), (_OBJECT, None)):
+        for name in names:
+            original = getattr(c10d, name, None)
+            if original is None:
+                continue
+            wrapper = _checked(name, original) if make else _exempted(original)
+            _replaced[id(original)] = wrapper
+            for module in (c10d, dist):
+                if getattr(module, name, None) is original:
+                    setattr(module, name, wrapper)
+    dist.init_process_group = c10d.init_process_group = _gloo_for_nccl(c10d.init_process_group, 0)
+    dist.new_group = c10d.new_group = _gloo_for_nccl(c10d.new_group, 2)
+
+
+def rebind_captured_collectives() -> None:
+    """Point module globals that captured a collective before the wrap (megatron-core's
+    ``dist_all_gather_func = torch.distributed.all_gather_into_tensor``) at the check."""
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("megatron") or not isinstance(module, types.ModuleType):
+            continue
+        for attr, value in list(vars(module).items()):
+            if callable(value) and id(value) in _replaced:
+                setattr(module, attr, _replaced[id(value)])
+
+
+# --- the CUDA runtime, stubbed ------------------------------------------------------------
+
+class _Event:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        import time
+
+        self._time, self._clock = None, time.perf_counter
+
+    def record(self, stream: Any = None) -> None:
+        self._time = self._clock()
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: "_Event") -> float:
+        return ((end._time or 0.0) - (self._time or 0.0)) * 1e3
+
+
+class _Stream:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _Event:
+        event = event or _Event()
+        event.record()
+        return event
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_STREAM = _Stream()
+
+
+def _set_device(device: Any) -> None:
+    _DEVICE_INDEX[0] = device.index or 0 if isinstance(device, torch.device) else int(
+        str(device).split(":")[-1]) if not isinstance(device, int) else device
+
+
+def _stub_cuda_runtime() -> None:
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    cuda = torch.cuda
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    stubs: dict[str, Any] = dict(
+        is_available=lambda: True,
+        is_initialized=lambda: True,
+        device_count=lambda: max(local_world, 1),
+        set_device=_set_device,
+        current_device=lambda: _DEVICE_INDEX[0],
+        synchronize=lambda device=None: None,
+        Event=_Event,
+        Stream=_Stream,
+        current_stream=lambda device=None: _STREAM,
+        default_stream=lambda device=None: _STREAM,
+        stream=lambda s=None: contextlib.nullcontext(),
+        get_rng_state=lambda device="cuda": torch.get_rng_state(),
+        set_rng_state=lambda state, device="cuda": torch.set_rng_state(state),
+        # "the CUDA generator" is the CPU one (as in CPU mode); torch.manual_seed seeds it
+        # and then calls manual_seed_all, which has nothing left to do
+        manual_seed=lambda seed: torch.default_generator.manual_seed(int(seed)),
+        manual_seed_all=lambda seed: None,
+        empty_cache=lambda: None,
+        memory_allocated=lambda device=None: 0,
+        max_memory_allocated=lambda device=None: 0,
+        memory_reserved=lambda device=None: 0,
+        max_memory_reserved=lambda device=None: 0,
+        reset_peak_memory_stats=lambda device=None: None,
+        get_device_capability=lambda device=None: (9, 0),
+        get_device_name=lambda device=None: "CUDA dry run (CPU)",
+    )
+    for name, stub in stubs.items():
+        setattr(cuda, name, stub)
+    cuda.random.get_rng_state = stubs["get_rng_state"]
+    cuda.random.set_rng_state = stubs["set_rng_state"]
+    cuda.random.manual_seed = stubs["manual_seed"]
+    cuda.nvtx.range_push = lambda *a, **k: None
+    cuda.nvtx.range_pop = lambda *a, **k: None
+    mcore_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: \
+        torch.set_rng_state(new_state)
+
+
+def _host_load(load: Callable) -> Callable:
+    @functools.wraps(load)
+    def wrapper(*args, **kwargs):
+        out = load(*args, **kwargs)
+        location = kwargs.get("map_location", args[1] if len(args) > 1 else None)
+        if location is not None and _names_cpu(location):
+            return _retag(out, HostTensor)
+        return _retag(out, DeviceTensor)  # loaded where it was saved: on the device
+    return wrapper
+
+
+_mode: _DryRunMode | None = None
+
+
+def cuda_dryrun_active() -> bool:
+    return _mode is not None
+
+
+def enable_cuda_dryrun() -> None:
+    """Switch this process to the CUDA dry run (module docstring). Idempotent; refused
+    when a real GPU is present (run on it instead)."""
+    global _mode
+    if _mode is not None:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("the CUDA dry run emulates CUDA on the CPU; this machine has a GPU: "
+                           "run pretrain_gpt.py on it instead")
+    # Triton cannot run here: the quantization kernels use their torch references.
+    os.environ["SDP4BIT_KERNEL_BACKEND"] = "torch"
+    # torch.compile'd fusions (megatron-core's jit_fuser: bias-dropout-add, bias-GeLU) run
+    # eagerly: inductor would compile them for the real (CPU) device, not for CUDA.
+    import torch._dynamo as dynamo
+
+    dynamo.config.disable = True
+    _wrap_collectives()
+    _stub_cuda_runtime()
+    rebind_captured_collectives()
+    torch.load = _host_load(torch.load)
+    mode = _DryRunMode()
+    mode.__enter__()
+    _mode = mode

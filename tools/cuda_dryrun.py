@@ -1,0 +1,63 @@
+#!/usr/bin/env python
+"""Run pretrain_gpt.py's CUDA branch on a CPU-only machine, with NCCL's rules on collectives.
+
+    torchrun --nproc-per-node 2 tools/cuda_dryrun.py <pretrain_gpt.py flags>
+
+Every rank believes it has a GPU (``torch.cuda.is_available()`` is True), computes on the
+CPU for real, and talks gloo underneath; a collective that NCCL would refuse on a GPU run
+(a host tensor, a non-contiguous one, sizes that do not fit the group) stops the run with
+one line naming the collective, the group and the tensor (exit status 3). How it works and
+what it does not see: docs/cuda_dryrun.md. Refused on a machine with a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import time
+from typing import Callable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+TRAINER = os.path.join(ROOT, "pretrain_gpt.py")
+
+from megatron.sdp4bit.integration import cuda_dryrun  # noqa: E402
+
+
+def _run_trainer(argv: list[str]) -> int:
+    """pretrain_gpt.py as torchrun runs it: as ``__main__``, with ``argv`` as its command line."""
+    sys.argv = [TRAINER, *argv]
+    try:
+        runpy.run_path(TRAINER, run_name="__main__")
+    except SystemExit as done:
+        return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    return 0
+
+
+def run(argv: list[str] | None = None, before_main: Callable[[], None] | None = None) -> int:
+    """Switch this process to the dry run, then run pretrain_gpt.py. ``before_main`` runs
+    in between (the tests plant bugs with it)."""
+    cuda_dryrun.enable_cuda_dryrun()
+    argv = sys.argv[1:] if argv is None else argv
+    rank = os.environ.get("RANK", "0")
+    if rank == "0":
+        print("cuda dry run: torch.cuda.is_available() is True; every collective is checked "
+              "against NCCL's rules, gloo carries it", flush=True)
+    if before_main is not None:
+        before_main()
+    try:
+        code = _run_trainer(argv)
+    except cuda_dryrun.CudaDryRunError as err:
+        if rank != "0":  # rank 0 first, as the trainer's own errors (pretrain_gpt._fail)
+            time.sleep(3)
+        print(f"cuda_dryrun.py: error: rank {rank}: {err}", file=sys.stderr, flush=True)
+        return 3
+    if rank == "0" and code == 0:
+        print(f"cuda dry run: done, {cuda_dryrun.CHECKED_CALLS[0]} collectives on rank 0 "
+              "passed NCCL's rules", flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(run())
