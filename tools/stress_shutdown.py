@@ -27,7 +27,7 @@ TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32
         "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 16 "
         "--lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 1 --bf16 "
         "--use-distributed-optimizer --log-interval 1 --eval-interval 100 --eval-iters 1 "
-        "--split 90,10,0 --seed 7 --save-interval 2 --quantized-weights "
+        "--split 90,10,0 --seed 7 --train-iters 4 --save-interval 2 --quantized-weights "
         "--quantized-gradients --hadamard-transform").split()
 
 
@@ -45,7 +45,8 @@ def _launch(flags: list[str], timeout: int) -> tuple[bool, str]:
                          cwd=ROOT)
     text = res.stdout + res.stderr
     ok = res.returncode == 0 and "terminate called" not in text
-    return ok, "" if ok else f"rc {res.returncode}: " + text[-1500:]
+    errors = [x for x in text.splitlines() if "error:" in x or "terminate called" in x]
+    return ok, "" if ok else f"rc {res.returncode}: " + " | ".join(errors[:5] or [text[-800:]])
 
 
 def main() -> int:
@@ -63,8 +64,8 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as d:
             save = ["--save", os.path.join(d, "ckpt"), "--data-cache-path",
                     os.path.join(d, "cache")]
-            for label, extra in (("save", ["--train-iters", "2", "--dp-ranks-per-node", "2"]),
-                                 ("resume", ["--train-iters", "4", "--dp-ranks-per-node", "4",
+            for label, extra in (("save", ["--exit-interval", "2", "--dp-ranks-per-node", "2"]),
+                                 ("resume", ["--dp-ranks-per-node", "4",
                                              "--load", os.path.join(d, "ckpt")])):
                 ok, why = _launch(common + save + extra, args.timeout)
                 if not ok:

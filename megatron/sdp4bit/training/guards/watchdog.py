@@ -16,8 +16,9 @@ silent rank; ``torchrun`` then ends the job (it stops the rest of that node's wo
 the other nodes' watchers see rank 0 fall silent). Bound: a stopped rank ends the job within
 ``timeout + interval`` seconds, plus ``torchrun``'s own shutdown.
 
-Rank 0 reads all counters in one request (``multi_get``) once every key exists, so a sweep
-costs one round trip whatever the world size (docs/reliability.md has the figures).
+Rank 0 reads the counters with ``multi_get`` in batches of ``_BATCH`` keys once every key
+exists, so a sweep costs world/256 round trips instead of two per rank
+(docs/reliability.md has the figures).
 
 [Note: bounded store calls]
 A store request whose peer vanished (a network partition, a stopped agent) can block in
@@ -54,6 +55,10 @@ _PREFIX = "sdp4bit-heartbeat/"
 _NONE = b""  # a counter rank 0 created and its rank has not written yet
 _DONE = b"done"  # written by a rank whose watchdog was stopped: it finished, not froze
 _STORE_ERRORS = (RuntimeError, dist.DistError, OSError)
+# Keys per multi_get/multi_set/check request. The store's time per request grows faster
+# than its key count (16,384 keys in one multi_get: tens of seconds on loopback), so a
+# sweep sends batches: 256 keys cost about what one key does (docs/reliability.md).
+_BATCH = 256
 
 
 def _stop(message: str) -> None:
@@ -155,7 +160,8 @@ class Watchdog:
         # Every counter exists from the start, so that one multi_get reads them all (a
         # multi_get of a missing key waits for it). A rank's beat this overwrites is
         # rewritten at its next beat.
-        self._store.multi_set([_key(r) for r in self._watched], [_NONE] * len(self._watched))
+        for batch in _batches(self._watched):
+            self._store.multi_set([_key(r) for r in batch], [_NONE] * len(batch))
         self._seen.update(self._watched)
 
     def _round(self) -> None:
@@ -165,10 +171,12 @@ class Watchdog:
 
     def _check(self) -> None:
         missing = [r for r in self._last if r not in self._seen]
-        if missing and self._store.check([_key(r) for r in missing]):
-            self._seen.update(missing)
+        for batch in _batches(missing):
+            if self._store.check([_key(r) for r in batch]):
+                self._seen.update(batch)
         watched = [r for r in self._last if r in self._seen]
-        values = self._store.multi_get([_key(r) for r in watched]) if watched else []
+        values = [v for batch in _batches(watched)
+                  for v in self._store.multi_get([_key(r) for r in batch])]
         now = time.monotonic()
         for r, value in zip(watched, values):
             if value == _DONE:
@@ -183,6 +191,10 @@ class Watchdog:
                 _stop(f"rank {r} {state} for {now - since:.0f} s (stopped, frozen or "
                       f"unreachable; --heartbeat-timeout-seconds {self._timeout:g}): ending "
                       "the job")
+
+
+def _batches(ranks: list[int]) -> list[list[int]]:
+    return [ranks[i:i + _BATCH] for i in range(0, len(ranks), _BATCH)]
 
 
 def launcher_store(timeout_s: float) -> dist.Store | None:
