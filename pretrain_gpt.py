@@ -24,8 +24,9 @@ from megatron.sdp4bit.training.cli.arguments import ArgumentsError, parse_args, 
 
 
 def _fail(message: str, code: int, debug: bool = False) -> int:
-    """One line from rank 0; the other ranks wait a moment so that torchrun, which stops
-    the job when the first worker exits, does not cut rank 0 off before it prints."""
+    """A parse error, the same on every rank: one line from rank 0; the other ranks wait a
+    moment so that torchrun, which stops the job when the first worker exits, does not cut
+    rank 0 off before it prints."""
     if debug:
         traceback.print_exc()
     if os.environ.get("RANK", "0") == "0":
@@ -33,6 +34,20 @@ def _fail(message: str, code: int, debug: bool = False) -> int:
     else:
         time.sleep(3)
     return code
+
+
+def _report(err: BaseException, debug: bool, lost_peer: bool = False) -> int:
+    """A run's error: printed once per job, by rank 0 when every rank has it, else by the
+    rank that has it (training/guards/errors.py)."""
+    from megatron.sdp4bit.training.guards import errors
+
+    if debug:
+        traceback.print_exc()
+    message = str(err).splitlines()[0] if str(err) else type(err).__name__
+    if lost_peer:
+        message = f"lost the connection to another rank ({message}); its error is above"
+    errors.report(message, int(os.environ.get("RANK", "0")), lost_peer=lost_peer)
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,11 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.sdp4bit.training import build, loop, sdp4bit_setup, tokenizers
     from megatron.sdp4bit.training.guards import preflight
 
-    lock = None
+    lock = watchdog = None
     try:
         announce(f"initializing torch.distributed: {args.world_size} process(es)")
         build.init_distributed(args)
-        build.start_watchdog(args)
+        watchdog = build.start_watchdog(args)
         preflight.verify_inputs(args, tokenizers.build_tokenizer)
         ranks_per_node = sdp4bit_config.dp_ranks_per_node or build.detect_dp_ranks_per_node()
         sdp4bit_config = sdp4bit_config.replace(dp_ranks_per_node=ranks_per_node)
@@ -66,11 +81,18 @@ def main(argv: list[str] | None = None) -> int:
         sdp4bit_setup.uninstall(args, state, handle)
         sdp4bit_setup.print_summary(args, state, handle)
     except build.USER_ERRORS as err:
-        return _fail(str(err).splitlines()[0], 1, args.debug)
+        return _report(err, args.debug)
+    except (RuntimeError, OSError) as err:
+        from megatron.sdp4bit.training.guards.errors import is_lost_peer
+
+        if not is_lost_peer(err):
+            raise
+        # A peer failed (its own error is printed once) or vanished: no traceback here.
+        return _report(err, args.debug, lost_peer=True)
     finally:
         if lock is not None:
             lock.release()
-        build.teardown()
+        build.teardown(watchdog)
     return 0
 
 

@@ -86,16 +86,20 @@ def init_distributed(args: argparse.Namespace) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def start_watchdog(args: argparse.Namespace) -> None:
+def start_watchdog(args: argparse.Namespace) -> Watchdog | None:
     """Heartbeats through torchrun's store, so that a stopped rank or a killed agent ends
-    the job (training/guards/watchdog.py); nothing for a world of one or a timeout of 0."""
+    the job (training/guards/watchdog.py); None for a world of one or a timeout of 0.
+    Give the watchdog to :func:`teardown`, which stops it before the process exits."""
     if args.heartbeat_timeout_seconds <= 0 or dist.get_world_size() == 1:
-        return
-    store = launcher_store(args.heartbeat_timeout_seconds)
-    if store is not None:
-        interval = min(5.0, args.heartbeat_timeout_seconds / 4)
-        Watchdog(store, dist.get_rank(), dist.get_world_size(),
-                 timeout=args.heartbeat_timeout_seconds, interval=interval).start()
+        return None
+    timeout = args.heartbeat_timeout_seconds
+    store = launcher_store(timeout)
+    if store is None:
+        return None
+    dog = Watchdog(store, dist.get_rank(), dist.get_world_size(), timeout=timeout,
+                   interval=min(5.0, timeout / 4), connect=lambda: launcher_store(timeout))
+    dog.start()
+    return dog
 
 
 def claim_save_dir(args: argparse.Namespace) -> SaveDirLock | None:
@@ -199,7 +203,12 @@ def print_topology(args: argparse.Namespace, ranks_per_node: int) -> None:
               f"per step)", flush=True)
 
 
-def teardown() -> None:
+def teardown(watchdog: Watchdog | None = None) -> None:
+    """Shut down in order: the watchdog's threads first (a thread left inside a store call
+    at interpreter exit aborts the process, [Note: watchdog shutdown]), then megatron-core's
+    groups, then the default group."""
+    if watchdog is not None:
+        watchdog.stop()
     if dist.is_initialized():
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
