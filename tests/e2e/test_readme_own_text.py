@@ -72,6 +72,7 @@ def corpus() -> list[str]:
     return [" ".join(TEXT[(i + k) % len(TEXT)] for k in range(3 + i % 4)) for i in range(100)]
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_readme_own_text_commands_run_as_written(tmp_path):
     block = readme_block()

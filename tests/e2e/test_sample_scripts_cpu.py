@@ -30,6 +30,7 @@ TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32
         "--log-interval 1 --eval-iters 1")
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_accuracy_script_trains_on_cpu_with_selective_recompute(tmp_path):
     vocab, merges = write_gpt2_vocab(tmp_path / "gpt2")
