@@ -3,6 +3,16 @@
 # method flags once, and the launcher. Each script ends with its own
 #     sdp4bit_launch "$SDP4BIT_HOME/pretrain_gpt.py" "${ARGS[@]}"
 #
+# The Python environment with torch and this project must be active in the shell that runs
+# sbatch (e.g. source .venv/bin/activate): sbatch copies that shell's environment into the
+# job (its default --export=ALL; not with --export=NONE or SBATCH_EXPORT=NONE) and srun passes
+# it on to every node, so torchrun and python resolve there as they did at submission.
+# sdp4bit_launch stops with a message when torchrun is not on PATH.
+#
+# Every batch script's header sets --time, --output=logs/%x-%j.out (relative to the submit
+# directory, the repository root; logs/ is part of the repository, and SLURM does not create
+# a missing folder) and, commented out, --partition and --account for clusters that need them.
+#
 # Environment (all optional; defaults in brackets):
 #   SDP4BIT_HOME    repository root [the directory above sample_scripts/; when sbatch runs a
 #                   spooled copy of a script: $SLURM_SUBMIT_DIR, so submit from the root]
@@ -177,6 +187,12 @@ sdp4bit_launch() {
         --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"
         --rdzv-id "${SLURM_JOB_ID:-sdp4bit-$RUN_NAME}"
     )
+    if ! command -v torchrun >/dev/null 2>&1; then
+        echo "sample_scripts: torchrun is not on PATH: activate the Python environment" \
+             "(e.g. source .venv/bin/activate) before sbatch or bash; a job runs with the" \
+             "environment of the shell that submitted it" >&2
+        exit 2
+    fi
     mkdir -p "$RUN_DIR"
     echo "[sample_scripts] $RUN_NAME: $NNODES node(s) x $GPUS_PER_NODE GPU(s), logs in $RUN_DIR" >&2
     case "$launcher" in

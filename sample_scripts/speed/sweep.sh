@@ -7,6 +7,7 @@
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$here/../.."  # jobs are submitted from the repository root (SLURM_SUBMIT_DIR)
+mkdir -p logs     # each job's --output=logs/%x-%j.out: SLURM does not create the folder
 for nodes in ${NODE_COUNTS:-4 8 16}; do
     for model in ${MODELS:-1.3B 2.7B 6.7B 13B 18B}; do
         for method in ${METHODS:-baseline sdp4bit}; do

@@ -5,12 +5,14 @@ Each script is checked with ``bash -n``, then run with fake ``torchrun``/``srun`
 its own and runs the rest of its command line. The recorded ``pretrain_gpt.py`` arguments go
 through ``megatron.sdp4bit.training.cli.arguments.parse_args`` (full validation, no process group)
 and the result is compared with the paper's model cards and methods (README: Reproducing
-the paper).
+the paper). The batch scripts' ``#SBATCH`` headers are read as sbatch reads them.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import stat
 import subprocess
 from pathlib import Path
@@ -138,6 +140,99 @@ def test_every_script_is_valid_bash_and_executable():
             assert "pretrain_gpt.py" in script.read_text() or script.name == "sweep.sh"
 
 
+def batch_scripts() -> list[Path]:
+    return ([accuracy_script(m, k) for m in ACCURACY_MODELS for k in METHODS]
+            + [speed_script(m, k) for m in SPEED_MODELS for k in ("baseline", "sdp4bit")])
+
+
+def sbatch_header(script: Path) -> list[str]:
+    """The lines sbatch reads for options: those before the first line that is neither blank
+    nor a comment (sbatch ignores any ``#SBATCH`` after it)."""
+    lines = script.read_text().splitlines()
+    assert lines[0] == "#!/usr/bin/env bash", script
+    header = []
+    for line in lines[1:]:
+        if line.strip() and not line.startswith("#"):
+            break
+        header.append(line)
+    return header
+
+
+def sbatch_options(header: list[str]) -> dict[str, str]:
+    """``#SBATCH --name=value`` lines as {name: value}; each option once."""
+    options = {}
+    for line in header:
+        if line.startswith("#SBATCH "):
+            m = re.fullmatch(r"#SBATCH (--[a-z-]+)(?:=(\S+))?", line)
+            assert m, f"malformed directive {line!r}"
+            assert m[1] not in options, f"{m[1]} given twice"
+            options[m[1]] = m[2] or ""
+    return options
+
+
+def slurm_minutes(value: str) -> float:
+    """SLURM's [days-]hours:minutes:seconds (the form the scripts use) in minutes."""
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+):(\d{2}):(\d{2})", value)
+    assert m, f"--time={value} is not [days-]HH:MM:SS"
+    days, hours, minutes, seconds = (int(x or 0) for x in m.groups())
+    assert minutes < 60 and seconds < 60, value
+    return days * 1440 + hours * 60 + minutes + seconds / 60
+
+
+def test_batch_script_headers_give_time_output_partition_account_and_environment():
+    scripts = batch_scripts()
+    assert len(scripts) == len(ACCURACY_MODELS) * len(METHODS) + 2 * len(SPEED_MODELS)
+    for script in scripts:
+        header = sbatch_header(script)
+        # every directive sits in the header, where sbatch reads it
+        directives = [line for line in script.read_text().splitlines() if line.startswith("#SBATCH")]
+        assert directives == [line for line in header if line.startswith("#SBATCH")], script
+        options = sbatch_options(header)
+        kind = script.relative_to(SCRIPTS).parts[0]
+        model = script.relative_to(SCRIPTS).parts[1]
+        method = script.parent.name if kind == "accuracy" else script.stem
+        short = "acc" if kind == "accuracy" else "speed"
+        assert options["--job-name"] == f"sdp4bit-{short}-{model}-{method}", script
+        # accuracy: a day per job (80k iterations resume across jobs); speed: 30 iterations
+        assert slurm_minutes(options["--time"]) == (24 * 60 if kind == "accuracy" else 30), script
+        assert options["--output"] == "logs/%x-%j.out", script
+        # disabled (two '#'), ready to be switched on: sbatch must not read them as given
+        assert "--partition" not in options and "--account" not in options, script
+        assert "##SBATCH --partition=" in header and "##SBATCH --account=" in header, script
+        comments = " ".join(line.lstrip("# ") for line in header if not line.startswith("#SBATCH"))
+        assert "Python environment active" in comments, script
+        assert "sbatch copies the submitting shell's environment" in comments, script
+        if kind == "accuracy":  # how to get past the time limit
+            assert "--exit-duration-in-mins 1380" in comments, script
+    # --output is relative to the submit directory, the repository root: the folder must be
+    # there in every clone (SLURM does not create it), and its contents stay out of git
+    assert (REPO / "logs").is_dir()
+    assert (REPO / "logs" / ".gitignore").read_text().splitlines()[-2:] == ["*", "!.gitignore"]
+
+
+def test_launch_without_torchrun_says_to_activate_the_environment(fake_bin, tmp_path):
+    """sbatch from a shell without the environment: the job has no torchrun; it must say so
+    instead of failing on every node with 'command not found'."""
+    system = "/usr/bin:/bin"
+    if shutil.which("torchrun", path=system):
+        pytest.skip("this machine has a torchrun outside any environment")
+    no_torchrun = tmp_path / "bin"
+    no_torchrun.mkdir()
+    for name in ("srun", "scontrol"):
+        shutil.copy(fake_bin / name, no_torchrun / name)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(PATH=f"{no_torchrun}{os.pathsep}{system}", RECORD_DIR=str(tmp_path),
+               RUN_ROOT=str(tmp_path / "runs"))
+    for extra in ({"NNODES": "2", "GPUS_PER_NODE": "4"},  # torchrun launcher
+                  {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2", "SLURM_GPUS_ON_NODE": "4",
+                   "SLURM_JOB_NODELIST": "gpu-node-[07-08]"}):  # srun launcher
+        result = subprocess.run(["bash", str(accuracy_script("125M", "baseline"))],
+                                env={**env, **extra}, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2, result.stderr
+        assert "torchrun is not on PATH: activate the Python environment" in result.stderr
+        assert not (tmp_path / "srun").exists()  # stopped before launching anything
+
+
 def check_method(args, method: str) -> None:
     cfg = sdp4bit_config_from_args(args)
     assert args.use_distributed_optimizer
@@ -243,8 +338,12 @@ def test_speed_script_refuses_a_world_size_the_model_parallelism_does_not_divide
 
 
 def test_sweep_submits_every_speed_script_per_node_count(fake_bin, tmp_path):
-    rec = run_script(SCRIPTS / "speed" / "sweep.sh", fake_bin, tmp_path,
+    # a copy of sample_scripts/ stands in for the repository, to see the sweep create logs/
+    root = tmp_path / "repo"
+    shutil.copytree(SCRIPTS, root / "sample_scripts")
+    rec = run_script(root / "sample_scripts" / "speed" / "sweep.sh", fake_bin, tmp_path,
                      NODE_COUNTS="4 16", SBATCH_ARGS="--partition gpu")
+    assert (root / "logs").is_dir()  # the jobs' --output folder, made before submitting
     jobs = [line.split("\t") for line in rec["sbatch"].splitlines()]
     submitted = sorted((j[1], j[-1]) for j in jobs)
     expected = sorted((n, f"sample_scripts/speed/{m}/{k}.sbatch")

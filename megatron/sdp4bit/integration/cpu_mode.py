@@ -37,6 +37,17 @@ What it changes (all in this process, in the thread that calls it, until exit):
    whose ``wait_event`` / ``wait_stream`` do nothing: CPU work is synchronous). megatron-core
    0.19.2's ``start_grad_sync`` reads it on every call (to wait on CUDA-graph events, which
    a CPU run never has); 0.16.1 does not call it on these paths.
+6. megatron-core's causal attention mask, ``transformer.utils.get_default_causal_mask(sq)``,
+   is replaced by one that builds the same boolean mask on the CPU, in ``transformer.utils``
+   and in ``fusions.fused_softmax`` (which imported the name and is its only caller). The
+   function is the same in 0.16.1 and 0.19.2: ``torch.triu(torch.ones(sq, sq,
+   device="cuda"), diagonal=1).bool()``. The mode of item 2 rewrites that call in the
+   forward pass, but activation recompute (``--recompute-granularity selective`` recomputes
+   ``core_attn``, ``full`` whole layers) runs the attention again inside the backward pass,
+   which never sees the mode: ``torch.autograd.backward`` is itself a torch function, and a
+   ``TorchFunctionMode`` is off while it handles one, so the whole backward pass runs
+   without it. ``get_sliding_window_causal_mask`` has the same CUDA call
+   but is only reached with sliding-window attention, which the trainer does not configure.
 
 What it needs from the caller, through ordinary megatron-core options (no patch):
 ``TransformerConfig(use_cpu_initialization=True)``, ``get_gpt_layer_local_spec()``
@@ -45,8 +56,11 @@ What it needs from the caller, through ordinary megatron-core options (no patch)
 default process group on gloo.
 
 Limits: the mode stack is thread-local, so only the calling thread (the training thread;
-megatron-core runs its Python on one thread) sees the rewrite. There is no ``disable``:
-a process either runs megatron-core on CPU or not.
+megatron-core runs its Python on one thread) sees the rewrite, and not inside the backward
+pass (item 6): the Python that runs there (recomputed layers, custom autograd functions'
+``backward``, gradient hooks) gets the patched functions of items 1, 4, 5 and 6 but no
+rewrite of ``device=`` arguments, so a CUDA-only call there needs a patch of its own.
+There is no ``disable``: a process either runs megatron-core on CPU or not.
 """
 
 from __future__ import annotations
@@ -115,6 +129,10 @@ def _current_stream_cpu(device: Any = None) -> torch.cpu.Stream:
     return torch.cpu.current_stream()
 
 
+def _default_causal_mask_cpu(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
 def cpu_mode_active() -> bool:
     """Whether :func:`enable_cpu_mode` has switched this process to CPU mode."""
     return _mode is not None
@@ -136,13 +154,17 @@ def enable_cpu_mode(*, force: bool = False) -> None:
             "unchanged. Run on the GPU without CPU mode, hide the GPUs "
             "(CUDA_VISIBLE_DEVICES=''), or pass force=True to debug on the CPU anyway."
         )
+    from megatron.core.fusions import fused_softmax as mcore_fused_softmax
     from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer import utils as mcore_transformer_utils
 
     torch.cuda.current_device = _current_device_cpu
     torch.cuda.current_stream = _current_stream_cpu
     torch.cuda.get_rng_state = torch.cuda.random.get_rng_state = _cuda_get_rng_state_cpu
     torch.cuda.manual_seed = torch.cuda.random.manual_seed = _cuda_manual_seed_cpu
     mcore_random._set_cuda_rng_state = _megatron_set_rng_state_cpu
+    mcore_transformer_utils.get_default_causal_mask = _default_causal_mask_cpu
+    mcore_fused_softmax.get_default_causal_mask = _default_causal_mask_cpu
     mode = _CudaToCpuMode()
     mode.__enter__()
     _mode = mode

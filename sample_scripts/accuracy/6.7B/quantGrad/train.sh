@@ -4,6 +4,19 @@
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=4
 #SBATCH --exclusive
+#SBATCH --time=24:00:00
+#SBATCH --output=logs/%x-%j.out
+# Your cluster's partition and account, if it needs them: delete one '#' and fill in.
+##SBATCH --partition=
+##SBATCH --account=
+# Submit from the repository root, with the Python environment active (e.g. source
+# .venv/bin/activate): sbatch copies the submitting shell's environment into the job
+# (its default --export=ALL) and srun passes it on to every node. The job's output goes to
+# logs/<job name>-<job id>.out in the repository (the folder must exist: SLURM does not
+# create it, and a job whose output file cannot be opened fails without a word).
+# 24 h, a common limit: 80,000 iterations can need more than one job. Submitting the script
+# again continues from the last checkpoint (saved every 5000 iterations);
+# EXTRA_ARGS="--exit-duration-in-mins 1380" also saves one an hour before the limit.
 # Paper Table 1, GPT-6.7B, TLq-HS: TLq with Hadamard smoothing of the gradients.
 #   sbatch [--nodes N] sample_scripts/accuracy/6.7B/quantGrad/train.sh
 #   or on every node, without SLURM: NNODES=.. MASTER_ADDR=.. bash sample_scripts/accuracy/6.7B/quantGrad/train.sh
