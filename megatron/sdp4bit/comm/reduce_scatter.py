@@ -41,6 +41,7 @@ iteration, bucket), so every call draws fresh, reproducible noise.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -77,23 +78,62 @@ def _validate(output: torch.Tensor, input: torch.Tensor, topology: DPTopology,
     check_padded(input.numel(), divisor, "the reduce-scatter input")
 
 
+@dataclass(frozen=True)
+class Hop:
+    """One hop's all-to-alls of one call, as the collective sizes its wire buffers."""
+
+    name: str
+    """'intra' (the node's ranks) or 'inter' (the ranks with this local index)."""
+    peers: int
+    """Ranks in each all-to-all, this one included (one message per rank)."""
+    collectives: int
+    """All-to-alls per call: the pipeline slices P on the two-hop path, else 1."""
+    message_numel: int
+    """Values in one message."""
+    message_nbytes: int
+    """Bytes of one message (fp32 scales + packed codes)."""
+
+    @property
+    def buffer_nbytes(self) -> int:
+        """Bytes of the send buffer of all the hop's all-to-alls (the receive buffer is as big)."""
+        return self.collectives * self.peers * self.message_nbytes
+
+    @property
+    def sent_nbytes(self) -> int:
+        """Bytes this rank sends to other ranks on this hop per call."""
+        return self.collectives * (self.peers - 1) * self.message_nbytes
+
+
+def hops(ranks_per_node: int, nodes: int, shard: int, config: GradientQuantConfig
+         ) -> tuple[Hop, ...]:
+    """The hops of one call with ``shard`` output elements on N x M DP ranks: two when both N
+    and M exceed 1, else the single one (intra when M == 1, so also for W == 1). The one
+    place that sizes the messages and wire buffers (see [Note: the two-hop schedule])."""
+    n, m, p = ranks_per_node, nodes, config.pipeline_slices
+    if n > 1 and m > 1:
+        c = shard // p
+        return (
+            Hop("intra", n, p, m * c,
+                message_nbytes(m * c, config.intra_bits, config.intra_group_size)),
+            Hop("inter", m, p, c, message_nbytes(c, config.inter_bits, config.inter_group_size)),
+        )
+    if m == 1:  # one node (or one rank): the single hop is intra-node
+        return (Hop("intra", n, 1, shard,
+                    message_nbytes(shard, config.intra_bits, config.intra_group_size)),)
+    return (Hop("inter", m, 1, shard,
+                message_nbytes(shard, config.inter_bits, config.inter_group_size)),)
+
+
 def _record(stats: CommStats | None, topo: DPTopology, config: GradientQuantConfig,
             shard: int, elem: int) -> None:
     if stats is None:
         return
-    n, m, p = topo.ranks_per_node, topo.nodes, config.pipeline_slices
-    c = shard // p
-    if n > 1 and m > 1:
-        stats.grad_intra_bytes += (n - 1) * p * message_nbytes(
-            m * c, config.intra_bits, config.intra_group_size)
-        stats.grad_inter_bytes += (m - 1) * p * message_nbytes(
-            c, config.inter_bits, config.inter_group_size)
-    elif n > 1:  # one node: the single hop is intra-node
-        stats.grad_intra_bytes += (n - 1) * message_nbytes(
-            shard, config.intra_bits, config.intra_group_size)
-    elif m > 1:  # one rank per node: the single hop is inter-node
-        stats.grad_inter_bytes += (m - 1) * message_nbytes(
-            shard, config.inter_bits, config.inter_group_size)
+    n, m = topo.ranks_per_node, topo.nodes
+    for hop in hops(n, m, shard, config):
+        if hop.name == "intra":
+            stats.grad_intra_bytes += hop.sent_nbytes
+        else:
+            stats.grad_inter_bytes += hop.sent_nbytes
     stats.grad_intra_bytes_baseline += (n - 1) * m * shard * elem
     stats.grad_inter_bytes_baseline += (m - 1) * shard * elem
 
@@ -138,7 +178,8 @@ def _one_hop(out: torch.Tensor, inp: torch.Tensor, topo: DPTopology,
     else:
         group, bits, gsize = topo.inter_group, config.inter_bits, config.inter_group_size
     w = topo.world
-    send = torch.empty(w * message_nbytes(out.numel(), bits, gsize), dtype=torch.uint8,
+    (hop,) = hops(topo.ranks_per_node, topo.nodes, out.numel(), config)
+    send = torch.empty(hop.buffer_nbytes, dtype=torch.uint8,
                        device=inp.device)  # 1D uint8: W messages of S values, by destination
     with timed(stats, "grads-quantize", inp.device):
         ops.tlq_sender(inp, send, num_dests=w, blocks_per_dest=1, slices=1, bits=bits,
@@ -171,8 +212,9 @@ def _two_hops(out: torch.Tensor, inp: torch.Tensor, topo: DPTopology,
     (finish, advance) for :class:`CollectiveWork`."""
     n, m, p = topo.ranks_per_node, topo.nodes, config.pipeline_slices
     c = out.numel() // p
-    intra_bytes = n * message_nbytes(m * c, config.intra_bits, config.intra_group_size)
-    inter_bytes = m * message_nbytes(c, config.inter_bits, config.inter_group_size)
+    intra, inter = hops(n, m, out.numel(), config)
+    intra_bytes = intra.peers * intra.message_nbytes  # one slice's N messages
+    inter_bytes = inter.peers * inter.message_nbytes  # one slice's M messages
     send1 = torch.empty(p * intra_bytes, dtype=torch.uint8, device=inp.device)  # [P][N msgs]
     with timed(stats, "grads-quantize", inp.device):
         ops.tlq_sender(inp, send1, num_dests=n, blocks_per_dest=m, slices=p,
