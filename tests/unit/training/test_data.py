@@ -68,5 +68,9 @@ def test_a_split_without_files_has_no_dataset(corpora):
 def test_data_path_is_divided_by_split(corpora):
     args = parse_args(MODEL + ["--data-path", corpora["b"]], world_size=1)
     assert describe_data(args) == f"--data-path {corpora['b']} (split 969, 30, 1)"
-    train, _, _ = build_datasets(args, build_tokenizer(args))
-    assert _tokens(train) - {build_tokenizer(args).eod} <= set(range(20, 30))
+    # 12 documents: 969,30,1 would leave the test split none (the preflight refuses that
+    # before megatron-core's sample loop spins); 10,1,1 gives 10, 1 and 1.
+    args = parse_args(MODEL + ["--data-path", corpora["b"], "--split", "10,1,1"], world_size=1)
+    datasets = build_datasets(args, build_tokenizer(args))
+    for dataset in datasets:
+        assert _tokens(dataset) - {build_tokenizer(args).eod} <= set(range(20, 30))
