@@ -28,8 +28,8 @@ def _run(monkeypatch, capsys, outcomes, *, scale=None, save_interval=1, limit=4)
                             vocab_size=0)
     saved = []
     monkeypatch.setattr(loop, "_is_logging_rank", lambda: True)
-    monkeypatch.setattr(loop.checkpointing, "save_checkpoint",
-                        lambda root, it, *a: saved.append(it))
+    monkeypatch.setattr(loop.checkpoint_formats, "save",
+                        lambda args, it, *a: saved.append(it))
     monkeypatch.setattr(loop.faults, "active", lambda *a: False)
     monkeypatch.setattr(loop.dist, "get_rank", lambda: 0)
     error = None

@@ -63,7 +63,10 @@ class _InProcessSaveStrategy(TorchDistSaveShardedStrategy):
     """megatron-core's torch_dist save with the buckets written in this process
     (see [Note: the writer on CPU])."""
 
-    def _get_save_and_finalize_callbacks(self, writer, save_state_dict_ret) -> AsyncRequest:
+    def _get_save_and_finalize_callbacks(self, writer, save_state_dict_ret,
+                                         *_async_strategy) -> AsyncRequest:
+        # megatron-core 0.19 passes its async strategy's name too; the write below is
+        # in-process whatever it names.
         transforms = [writer.transforms] if hasattr(writer, "transforms") else []
 
         def write() -> None:
