@@ -122,6 +122,7 @@ TOK=()
 for ((i = 0; i + 1 < ${#DATA_ARGS[@]}; i++)); do
     case "${DATA_ARGS[i]}" in --vocab-file|--merge-file) TOK+=("${DATA_ARGS[i]}" "${DATA_ARGS[i+1]}");; esac
 done
-echo "export it:    python tools/checkpoint/export_hf.py --load $RUN_DIR/checkpoints --output $RUN_DIR/hf ${TOK[*]}" \
-    "(a transformers GPT2LMHeadModel; needs pip install -e '.[export]')"
+# The command alone on its line, so that it can be copied and run as printed.
+echo "export it:    python tools/checkpoint/export_hf.py --load $RUN_DIR/checkpoints --output $RUN_DIR/hf ${TOK[*]}"
+echo "              (writes a Hugging Face transformers GPT2LMHeadModel into $RUN_DIR/hf)"
 echo "time:         $((SECONDS - T0)) s in all: $(IFS=','; echo "${PHASES[*]}" | sed 's/,/, /g')"
