@@ -75,7 +75,9 @@ __all__ = ["enable_cpu_mode", "cpu_mode_active"]
 _mode: "_CudaToCpuMode | None" = None
 
 
-def _names_cuda(device: Any) -> bool:
+def names_cuda(device: Any) -> bool:
+    """Whether a torch ``device=`` argument names a CUDA device (an ordinal, "cuda", "cuda:N",
+    a CUDA ``torch.device``)."""
     if isinstance(device, bool):
         return False
     if isinstance(device, int):
@@ -95,11 +97,11 @@ class _CudaToCpuMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if "device" in kwargs and _names_cuda(kwargs["device"]):
+        if "device" in kwargs and names_cuda(kwargs["device"]):
             kwargs = {**kwargs, "device": _CPU}
         if func is torch.Tensor.cuda:
             return torch.Tensor.to(args[0], _CPU, non_blocking=kwargs.get("non_blocking", False))
-        if func is torch.Tensor.to and len(args) >= 2 and _names_cuda(args[1]):
+        if func is torch.Tensor.to and len(args) >= 2 and names_cuda(args[1]):
             args = (args[0], _CPU, *args[2:])
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)

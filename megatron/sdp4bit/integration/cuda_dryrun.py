@@ -43,6 +43,8 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from megatron.sdp4bit.integration.cpu_mode import names_cuda
+
 __all__ = ["CudaDryRunError", "DeviceTensor", "HostTensor", "enable_cuda_dryrun",
            "cuda_dryrun_active", "is_host"]
 
@@ -83,16 +85,6 @@ class HostTensor(torch.Tensor):
 def is_host(t: torch.Tensor) -> bool:
     """Whether a GPU run would hold ``t`` in host memory (see the module docstring)."""
     return isinstance(t, HostTensor)
-
-
-def _names_cuda(device: Any) -> bool:
-    if isinstance(device, bool):
-        return False
-    if isinstance(device, int):
-        return True  # a bare ordinal is a CUDA device for every torch factory
-    if isinstance(device, torch.device):
-        return device.type == "cuda"
-    return isinstance(device, str) and (device == "cuda" or device.startswith("cuda:"))
 
 
 def _names_cpu(device: Any) -> bool:
@@ -151,8 +143,8 @@ class _DryRunMode(TorchFunctionMode):
             return self._move(args[0], device=False, kwargs={})
         if func is torch.Tensor.to:
             target, rest, kw = _to_target(args, kwargs)
-            if target is not None and (_names_cuda(target) or _names_cpu(target)):
-                moved = self._move(rest[0], device=_names_cuda(target), kwargs=kw)
+            if target is not None and (names_cuda(target) or _names_cpu(target)):
+                moved = self._move(rest[0], device=names_cuda(target), kwargs=kw)
                 if len(rest) > 1 or kw:  # a dtype as well
                     with torch._C.DisableTorchFunctionSubclass():
                         cast = torch.Tensor.to(moved, *rest[1:], **kw)
@@ -174,7 +166,7 @@ class _DryRunMode(TorchFunctionMode):
             return name.replace("torch.", "torch.cuda.", 1) if not is_host(args[0]) else name
         cls = None
         if "device" in kwargs and kwargs["device"] is not None:
-            if _names_cuda(kwargs["device"]):
+            if names_cuda(kwargs["device"]):
                 cls = DeviceTensor
             elif _names_cpu(kwargs["device"]):
                 cls = HostTensor
