@@ -96,5 +96,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _exit(code: int) -> None:
+    """Exit without the interpreter's finalization. Everything the run holds is closed in
+    order by then (metrics files, checkpoint writes, the lock, the watchdog's threads, the
+    process groups); what is left is tearing down torch's and megatron-core's modules, which
+    takes 1-3 s per rank on an idle 2-core machine (measured: a job of 4 ranks ended 8 s
+    after the last rank's main returned, 3 s with this), and is where C++ destructors of
+    threads run at exit."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())

@@ -26,13 +26,14 @@ from megatron.sdp4bit.integration import cuda_dryrun  # noqa: E402
 
 
 def _run_trainer(argv: list[str]) -> int:
-    """pretrain_gpt.py as torchrun runs it: as ``__main__``, with ``argv`` as its command line."""
+    """pretrain_gpt.py's ``main`` with ``argv`` as its command line (the script's own
+    ``__main__`` block would end the process with ``os._exit`` before the summary here)."""
     sys.argv = [TRAINER, *argv]
+    trainer = runpy.run_path(TRAINER, run_name="pretrain_gpt")
     try:
-        runpy.run_path(TRAINER, run_name="__main__")
+        return trainer["main"](argv)
     except SystemExit as done:
         return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
-    return 0
 
 
 def run(argv: list[str] | None = None, before_main: Callable[[], None] | None = None) -> int:
@@ -60,4 +61,7 @@ def run(argv: list[str] | None = None, before_main: Callable[[], None] | None = 
 
 
 if __name__ == "__main__":
-    sys.exit(run())
+    code = run()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # as pretrain_gpt.py ends: no finalization of torch's modules

@@ -1,14 +1,17 @@
 """Run a function on several local gloo ranks; shared by every distributed test.
 
-``spawn(fn, world_size, *args, timeout=...)`` starts ``world_size`` processes (spawn
-context), gives each the usual torchrun environment (``MASTER_ADDR``, ``MASTER_PORT``,
-``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``), initialises the default process group on gloo,
-calls ``fn(rank, world_size, *args)``, and destroys the group.
+``spawn(fn, world_size, *args, timeout=...)`` starts ``world_size`` processes, gives each
+the test process's environment plus the usual torchrun variables (``MASTER_ADDR``,
+``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``), initialises the default process
+group on gloo, calls ``fn(rank, world_size, *args)``, and destroys the group.
+
+The processes are forks of the session's fork server (``tests/_forkserver.py``: torch and
+megatron-core imported once); the test process's environment is sent with every start.
 
 The parent never hangs: it raises ``RuntimeError`` carrying the child's traceback as soon
 as one rank fails (the others, possibly stuck in a collective, are terminated), and the
 same after ``timeout`` seconds. ``fn`` and ``args`` must be picklable (module-level
-functions), as the spawn start method requires.
+functions), as the forkserver start method requires.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+import _forkserver
 
 __all__ = ["spawn", "free_port"]
 
@@ -41,7 +46,10 @@ def _child(
     fn: Callable[..., Any],
     args: tuple,
     results: "mp.Queue[tuple[int, str | None]]",
+    environ: dict[str, str],
 ) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -86,11 +94,13 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; raise on any failure."""
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
-    ctx = mp.get_context("spawn")
+    ctx = _forkserver.context()
     results = ctx.Queue()
     port = free_port()
+    environ = dict(os.environ)
     procs = [
-        ctx.Process(target=_child, args=(rank, world_size, port, fn, args, results), daemon=True)
+        ctx.Process(target=_child, args=(rank, world_size, port, fn, args, results, environ),
+                    daemon=True)
         for rank in range(world_size)
     ]
     for proc in procs:

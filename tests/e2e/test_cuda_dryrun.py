@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
-import sys
 
 import pytest
+
+from tests.e2e import _launch as _launch_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = [pytest.mark.dryrun, pytest.mark.distributed]
@@ -26,22 +26,13 @@ TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32
         "--hadamard-transform").split()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(script: list[str], args: list[str], nproc: int) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node nproc script...`` through tests/e2e/_launch.py (the ranks
+    forked from the session's fork server, torchrun's contract kept)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     env.pop("TRITON_INTERPRET", None)
-    for _ in range(3):  # the free port may be taken before torchrun binds it: try another
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(_free_port()), *script, *TINY, *args]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-        if "EADDRINUSE" not in res.stderr:
-            break
-    return res
+    return _launch_module.torchrun(script[0], [*script[1:], *TINY, *args], nproc=nproc,
+                                   env=env, cwd=ROOT, timeout=300)
 
 
 def _dryrun(args: list[str], nproc: int = 2) -> subprocess.CompletedProcess:

@@ -13,8 +13,7 @@ import shutil
 import pytest
 
 from tests.e2e.test_faults import one_error_line
-from tests.e2e.test_pretrain_gpt import (  # noqa: F401 - data_prefix is a fixture
-    METHODS, TINY, _env, data_prefix, torchrun, train_lines)
+from tests.e2e.test_pretrain_gpt import METHODS, TINY, _env, torchrun, train_lines
 from tests.e2e.test_faults import launch
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

@@ -21,7 +21,7 @@ from megatron.sdp4bit.training.observe.logging import parse_log_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-from tests.unit._gpt2_vocab import TEXT, write_gpt2_vocab  # noqa: E402
+from tests.e2e import _launch  # noqa: E402
 
 TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
         "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 16 "
@@ -50,34 +50,27 @@ def _env() -> dict[str, str]:
     return env
 
 
-def torchrun(args: list[str], nproc: int = 4, timeout: int = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(_free_port()), os.path.join(ROOT, "pretrain_gpt.py"), *args]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+def torchrun(args: list[str], nproc: int = 4, timeout: int = 300, env: dict | None = None,
+             check: bool = True, real: bool = False) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node nproc pretrain_gpt.py args``: by default through
+    tests/e2e/_launch.py (the ranks forked ready, torchrun's contract kept); ``real=True``
+    starts the real ``torchrun``. ``check`` asserts a zero exit."""
+    script, environ = os.path.join(ROOT, "pretrain_gpt.py"), {**_env(), **(env or {})}
+    if real:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", str(_free_port()), script, *args]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                             env=environ, cwd=ROOT)
+    else:
+        res = _launch.torchrun(script, args, nproc=nproc, env=environ, cwd=ROOT,
+                               timeout=timeout)
+    if check:
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     return res
 
 
 def train_lines(stdout: str) -> list[dict]:
     return [m for m in map(parse_log_line, stdout.splitlines()) if m is not None]
-
-
-@pytest.fixture(scope="module")
-def data_prefix(tmp_path_factory) -> list[str]:
-    """A GPT-2 BPE corpus through tools/preprocess_data.py; returns the flags that use it."""
-    d = tmp_path_factory.mktemp("data")
-    vocab, merges = write_gpt2_vocab(d)
-    with open(d / "corpus.jsonl", "w", encoding="utf-8") as f:
-        for i in range(60):
-            f.write(json.dumps({"text": " ".join(TEXT[(i + k) % len(TEXT)] for k in range(3))}) + "\n")
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"),
-                          "--input", str(d / "corpus.jsonl"), "--output-prefix", str(d / "corpus"),
-                          "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab,
-                          "--merge-file", merges, "--append-eod"],
-                         capture_output=True, text=True, timeout=120, env=_env())
-    assert res.returncode == 0, res.stderr
-    return ["--data-path", str(d / "corpus_text_document"), "--vocab-file", vocab,
-            "--merge-file", merges, "--data-cache-path", str(d / "cache")]
 
 
 def check_run(lines: list[dict], method: str) -> None:
@@ -248,9 +241,8 @@ def test_bad_flags_exit_with_one_line():
     base = [a for a in TINY if a not in ("--use-distributed-optimizer", "--bf16")]
     base = base[:base.index("--global-batch-size")] + base[base.index("--global-batch-size") + 2:]
     for name, (extra, message) in BAD.items():
-        res = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *base,
-                              "--mock-data", *extra], capture_output=True, text=True,
-                             timeout=60, env=_env(), cwd=ROOT)
+        res = _launch.python(os.path.join(ROOT, "pretrain_gpt.py"), [*base, "--mock-data", *extra],
+                             env=_env(), cwd=ROOT, timeout=60)
         assert res.returncode == 2, name
         assert res.stdout == ""
         assert res.stderr.splitlines() == [f"pretrain_gpt.py: error: {message}"], name
