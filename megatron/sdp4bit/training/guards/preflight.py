@@ -16,7 +16,8 @@ every rank stops together with the same message (``pretrain_gpt.py`` prints it o
 * every dataset index cache megatron-core would open (``*.npy`` under ``--data-cache-path``,
   else under ``<prefix>/cache/GPTDataset_indices``) is a plain numeric array: megatron-core
   loads them with ``allow_pickle=True``, so a crafted cache would run code (it is refused,
-  never opened).
+  never opened); every complete cache set of a prefix this run reads indexes that prefix's
+  documents and tokens within bounds (:mod:`~megatron.sdp4bit.training.guards.index_cache`).
 
 Checkpoints are checked where they are read
 (:mod:`megatron.sdp4bit.training.checkpoint.checkpointing`).
@@ -34,6 +35,8 @@ from typing import Any
 
 import numpy
 import torch.distributed as dist
+
+from megatron.sdp4bit.training.guards import index_cache
 
 IDX_MAGIC = b"MMIDIDX\x00\x00"
 IDX_HEADER = len(IDX_MAGIC) + 8 + 1 + 8 + 8  # magic, version, dtype code, counts
@@ -106,24 +109,25 @@ def data_sources(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def check_indexed_dataset(prefix: str, vocab_size: int, flag: str = "--data-path",
-                          split: tuple[str, list[float]] | None = None) -> None:
+                          split: tuple[str, list[float]] | None = None) -> numpy.ndarray:
     """``prefix.idx``/``prefix.bin`` (given with ``flag``) are a consistent, non-empty
     megatron-core dataset whose token ids are integers in ``[0, vocab_size)``; with ``split``
-    (``--split`` as typed and its fractions), every split of non-zero weight gets tokens."""
+    (``--split`` as typed and its fractions), every split of non-zero weight gets tokens.
+    Returns the sequence lengths (a view of the mapped ``.idx``)."""
     idx, bin_ = prefix + ".idx", prefix + ".bin"
     for path in (idx, bin_):
         if not os.path.isfile(path):
             raise InputError(f"{flag} {prefix}: {path} does not exist: give the prefix "
                              "of a .bin/.idx pair written by tools/preprocess_data.py")
     try:
-        _check_pair(prefix, idx, bin_, vocab_size, split, flag)
+        return _check_pair(prefix, idx, bin_, vocab_size, split, flag)
     except OSError as err:
         raise InputError(f"{flag} {prefix}: cannot read {err.filename or prefix} "
                          f"({err.strerror}): fix its permissions") from None
 
 
 def _check_pair(prefix: str, idx: str, bin_: str, vocab_size: int,
-                split: tuple[str, list[float]] | None, flag: str) -> None:
+                split: tuple[str, list[float]] | None, flag: str) -> numpy.ndarray:
     size = os.path.getsize(idx)
     with open(idx, "rb") as f:
         head = f.read(IDX_HEADER)
@@ -174,6 +178,7 @@ def _check_pair(prefix: str, idx: str, bin_: str, vocab_size: int,
                          "pass the --tokenizer-type/--vocab-file it was made with")
     if split is not None:
         _check_split(prefix, split, lengths, docs)
+    return lengths
 
 
 def _token_range(path: str, dtype, count: int) -> tuple[int, int, float | None]:
@@ -219,14 +224,24 @@ def _check_split(prefix: str, split: tuple[str, list[float]], lengths, docs) -> 
                              "split a larger share or 0, or use more data")
 
 
-def index_cache_dirs(args: argparse.Namespace) -> list[str]:
-    """Where megatron-core reads (and writes) its dataset index caches for this run."""
+def index_cache_owners(args: argparse.Namespace) -> dict[str, list[str]]:
+    """Where megatron-core reads (and writes) its dataset index caches for this run, each
+    folder with the prefixes whose caches it holds."""
+    prefixes = list(dict.fromkeys(p for _, p in data_sources(args)))
     if args.data_cache_path:
-        return [args.data_cache_path]
+        return {args.data_cache_path: prefixes}
     # megatron-core (0.16 and 0.19, GPTDataset._build_document_sample_shuffle_indices) reads
     # <prefix>/cache/GPTDataset_indices: a folder named after the prefix itself, not beside it.
-    return [os.path.join(os.path.abspath(p), "cache", "GPTDataset_indices")
-            for _, p in data_sources(args)]
+    owners: dict[str, list[str]] = {}
+    for p in prefixes:
+        owners.setdefault(os.path.join(os.path.abspath(p), "cache", "GPTDataset_indices"),
+                          []).append(p)
+    return owners
+
+
+def index_cache_dirs(args: argparse.Namespace) -> list[str]:
+    """The folders of :func:`index_cache_owners`."""
+    return list(index_cache_owners(args))
 
 
 def check_index_cache(path: str) -> None:
@@ -260,11 +275,18 @@ def check_inputs(args: argparse.Namespace,
     tokenizer = check_tokenizer(args, build_tokenizer)
     fractions = getattr(args, "split_vector", None)
     split = (args.split, fractions) if fractions is not None else None
-    for flag, prefix in data_sources(args):
-        check_indexed_dataset(prefix, tokenizer.vocab_size, flag, split)
-    for folder in index_cache_dirs(args):
+    lengths = {prefix: check_indexed_dataset(prefix, tokenizer.vocab_size, flag, split)
+               for flag, prefix in data_sources(args)}
+    for folder, prefixes in index_cache_owners(args).items():
         for path in sorted(glob.glob(os.path.join(folder, "*.npy"))):
             check_index_cache(path)
+        # megatron-core gets the prefixes stripped (datasets.utils.get_blend_from_list)
+        data = {p.strip(): (p + ".idx", lengths[p]) for p in prefixes}
+        for files in index_cache.cache_sets(folder):
+            try:
+                index_cache.check_cache_set(files, data)
+            except index_cache.CacheError as err:
+                raise InputError(str(err)) from None
 
 
 def verify_inputs(args: argparse.Namespace,
