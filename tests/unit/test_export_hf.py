@@ -1,10 +1,12 @@
-"""tools/checkpoint/export_hf.py without a checkpoint: the architecture mapping and the
-GPT-2 tensor layout (the logits test is in tests/e2e/test_dist_checkpoint.py)."""
+"""tools/checkpoint/export_hf.py without a checkpoint: the architecture mapping, the refusals
+and the GPT-2 and Llama tensor layouts (the logits tests are in
+tests/e2e/test_dist_checkpoint.py)."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 import pytest
 import torch
@@ -14,32 +16,96 @@ _spec = importlib.util.spec_from_file_location(
     "export_hf", os.path.join(ROOT, "tools", "checkpoint", "export_hf.py"))
 export_hf = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(export_hf)
+hf_mappings = sys.modules["hf_mappings"]  # its sibling, imported by it
 
 DEFAULT = {"num_layers": 2, "hidden_size": 8, "ffn_hidden_size": 32, "num_attention_heads": 2,
-           "kv_channels": None, "group_query_attention": False, "num_query_groups": None,
+           "kv_channels": None, "group_query_attention": False, "num_query_groups": 1,
            "max_position_embeddings": 16, "position_embedding_type": "learned_absolute",
+           "rotary_base": 10000, "rotary_percent": 1.0,
            "untie_embeddings_and_output_weights": False, "swiglu": False,
-           "normalization": "LayerNorm", "add_bias_linear": True, "params_dtype": "bf16",
-           "padded_vocab_size": 128}
+           "normalization": "LayerNorm", "norm_epsilon": 1e-5, "add_bias_linear": True,
+           "params_dtype": "bf16", "padded_vocab_size": 128}
+LLAMA = {**DEFAULT, "position_embedding_type": "rope", "normalization": "RMSNorm",
+         "swiglu": True, "add_bias_linear": False, "untie_embeddings_and_output_weights": True,
+         "num_attention_heads": 4, "group_query_attention": True, "num_query_groups": 2,
+         "kv_channels": 4, "rotary_base": 500000, "norm_epsilon": 1e-6}
 
 
 def test_default_architecture_maps_to_gpt2():
-    config = export_hf.gpt2_config(DEFAULT)
+    config = export_hf.hf_config(DEFAULT)
     assert config["architectures"] == ["GPT2LMHeadModel"]
     assert (config["n_embd"], config["n_layer"], config["n_head"], config["n_inner"],
-            config["vocab_size"], config["n_positions"]) == (8, 2, 2, 32, 128, 16)
+            config["vocab_size"], config["n_positions"], config["layer_norm_epsilon"]) == (
+        8, 2, 2, 32, 128, 16, 1e-5)
 
 
-def test_other_architectures_are_refused_naming_what_does_not_map():
-    llama = {**DEFAULT, "position_embedding_type": "rope", "normalization": "RMSNorm",
-             "swiglu": True, "add_bias_linear": False}
+def test_llama_style_settings_map_to_llama():
+    config = export_hf.hf_config(LLAMA)
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert {k: config[k] for k in (
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "rope_theta",
+        "rope_parameters", "attention_bias", "mlp_bias", "tie_word_embeddings")} == {
+        "hidden_size": 8, "intermediate_size": 32, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4, "hidden_act": "silu",
+        "rms_norm_eps": 1e-6, "rope_theta": 500000,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500000},
+        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False}
+    tied = {**LLAMA, "untie_embeddings_and_output_weights": False, "group_query_attention": False,
+            "kv_channels": None}
+    config = export_hf.hf_config(tied)
+    assert (config["tie_word_embeddings"], config["num_key_value_heads"], config["head_dim"]) == (
+        True, 4, 2)
+
+
+def _refusal(model: dict) -> str:
     with pytest.raises(export_hf.ExportError) as err:
-        export_hf.gpt2_config(llama)
-    assert str(err.value) == (
-        "the model does not map to a Hugging Face architecture this tool writes "
-        "(GPT2LMHeadModel): position_embedding_type 'rope' (GPT-2 needs 'learned_absolute'); "
-        "normalization 'RMSNorm' (GPT-2 needs 'LayerNorm'); swiglu True (GPT-2 needs False); "
-        "add_bias_linear False (GPT-2 needs True)")
+        export_hf.hf_config(model)
+    return str(err.value)
+
+
+PREFIX = "the model does not map to a Hugging Face architecture this tool writes: "
+
+
+def test_llama_with_biases_is_refused_naming_what_differs_for_each_architecture():
+    assert _refusal({**LLAMA, "add_bias_linear": True}) == PREFIX + (
+        "for GPT2LMHeadModel, position_embedding_type is 'rope' (needs 'learned_absolute'), "
+        "normalization is 'RMSNorm' (needs 'LayerNorm'), swiglu is True (needs False), "
+        "untie_embeddings_and_output_weights is True (needs False), num_query_groups is 2 "
+        "(needs one per head, 4), kv_channels is 4 (needs hidden_size / num_attention_heads, 2); "
+        "for LlamaForCausalLM, add_bias_linear is True (needs False)")
+
+
+def test_mixed_architectures_are_refused():
+    # RoPE with LayerNorm and a partial rotary: only the position type is GPT-2's problem.
+    assert _refusal({**DEFAULT, "position_embedding_type": "rope", "rotary_percent": 0.5}) == (
+        PREFIX + "for GPT2LMHeadModel, position_embedding_type is 'rope' (needs "
+        "'learned_absolute'); for LlamaForCausalLM, normalization is 'LayerNorm' (needs "
+        "'RMSNorm'), swiglu is False (needs True), add_bias_linear is True (needs False), "
+        "rotary_percent is 0.5 (needs 1.0)")
+    # SwiGLU with learned positions; the rotary percent of a model without RoPE is not named.
+    assert _refusal({**LLAMA, "position_embedding_type": "learned_absolute",
+                     "rotary_percent": 0.5, "untie_embeddings_and_output_weights": False,
+                     "group_query_attention": False, "kv_channels": None}) == PREFIX + (
+        "for GPT2LMHeadModel, normalization is 'RMSNorm' (needs 'LayerNorm'), swiglu is True "
+        "(needs False), add_bias_linear is False (needs True); for LlamaForCausalLM, "
+        "position_embedding_type is 'learned_absolute' (needs 'rope')")
+    # --no-position-embedding maps to neither.
+    assert _refusal({**DEFAULT, "position_embedding_type": "none"}) == PREFIX + (
+        "for GPT2LMHeadModel, position_embedding_type is 'none' (needs 'learned_absolute'); "
+        "for LlamaForCausalLM, position_embedding_type is 'none' (needs 'rope'), normalization "
+        "is 'LayerNorm' (needs 'RMSNorm'), swiglu is False (needs True), add_bias_linear is "
+        "True (needs False)")
+
+
+def test_an_older_manifest_gets_the_trainers_defaults():
+    old = {k: v for k, v in LLAMA.items()
+           if k not in ("norm_epsilon", "rotary_base", "rotary_percent")}
+    model, missing = hf_mappings.with_defaults(old)
+    assert missing == ["norm_epsilon", "rotary_base", "rotary_percent"]
+    assert (model["norm_epsilon"], model["rotary_base"], model["rotary_percent"]) == (
+        1e-5, 10000, 1.0)
+    assert hf_mappings.with_defaults(LLAMA) == (LLAMA, [])
 
 
 def test_fused_qkv_rows_become_gpt2_q_k_v_columns():
@@ -62,7 +128,7 @@ def test_fused_qkv_rows_become_gpt2_q_k_v_columns():
                         ("mlp.linear_fc1.weight", (32, hidden)), ("mlp.linear_fc1.bias", (32,)),
                         ("mlp.linear_fc2.weight", (hidden, 32)), ("mlp.linear_fc2.bias", (hidden,))):
         t[L + name] = torch.zeros(2, *shape)
-    out = export_hf.gpt2_state(t, DEFAULT)
+    out = hf_mappings.gpt2_state(t, DEFAULT)
     bias = out["transformer.h.0.attn.c_attn.bias"]
     # GPT-2 column c: part c // 8, head (c % 8) // 4, element c % 4.
     expect = [h * 3 * head_dim + part * head_dim + e
@@ -71,3 +137,37 @@ def test_fused_qkv_rows_become_gpt2_q_k_v_columns():
     assert out["transformer.h.0.attn.c_attn.weight"].shape == (hidden, 3 * hidden)
     assert out["transformer.h.0.attn.c_attn.weight"][0].tolist() == expect
     assert out["transformer.h.0.mlp.c_fc.weight"].shape == (hidden, 32)
+
+
+def test_fused_qkv_rows_split_per_query_group_and_fc1_into_gate_then_up():
+    heads, groups, head_dim, hidden, ffn = 4, 2, 4, 8, 32
+    rows = (heads + 2 * groups) * head_dim
+    t = {"embedding.word_embeddings.weight": torch.zeros(128, hidden),
+         "decoder.final_layernorm.weight": torch.ones(hidden),
+         "output_layer.weight": torch.ones(128, hidden)}
+    L = "decoder.layers."
+    # Row r of megatron's fused weight: group r // 16, in it part (r % 16) // 4 = q of the
+    # group's first head, q of its second head, k, v.
+    t[L + "self_attention.linear_qkv.weight"] = torch.arange(
+        rows, dtype=torch.float32).view(1, -1, 1).expand(2, -1, hidden)
+    t[L + "mlp.linear_fc1.weight"] = torch.arange(
+        2 * ffn, dtype=torch.float32).view(1, -1, 1).expand(2, -1, hidden)
+    for name, shape in (("self_attention.linear_proj.weight", (hidden, heads * head_dim)),
+                        ("self_attention.linear_qkv.layer_norm_weight", (hidden,)),
+                        ("mlp.linear_fc1.layer_norm_weight", (hidden,)),
+                        ("mlp.linear_fc2.weight", (hidden, ffn))):
+        t[L + name] = torch.zeros(2, *shape)
+    out = hf_mappings.llama_state(t, LLAMA)
+    first = {k: v[:, 0].tolist() for k, v in out.items() if k.startswith("model.layers.1.")
+             and k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight",
+                             "gate_proj.weight", "up_proj.weight"))}
+    span = lambda start: list(range(start, start + head_dim))  # noqa: E731
+    assert first == {
+        "model.layers.1.self_attn.q_proj.weight": span(0) + span(4) + span(16) + span(20),
+        "model.layers.1.self_attn.k_proj.weight": span(8) + span(24),
+        "model.layers.1.self_attn.v_proj.weight": span(12) + span(28),
+        "model.layers.1.mlp.gate_proj.weight": list(range(ffn)),
+        "model.layers.1.mlp.up_proj.weight": list(range(ffn, 2 * ffn))}
+    assert out["lm_head.weight"].shape == (128, hidden)
+    tied = hf_mappings.llama_state(t, {**LLAMA, "untie_embeddings_and_output_weights": False})
+    assert "lm_head.weight" not in tied

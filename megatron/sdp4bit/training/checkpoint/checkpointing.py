@@ -185,8 +185,17 @@ def _describe(values: dict[str, Any]) -> str:
     return ", ".join(f"{k} {v}" for k, v in values.items())
 
 
+# Model settings recorded since the Llama export (tools/checkpoint/export_hf.py): a manifest
+# written before lacks them, and such a checkpoint still resumes (they are not compared).
+LATER_MODEL_SETTINGS = ("norm_epsilon", "rotary_base", "rotary_percent")
+
+
 def _settings_problem(saved: dict[str, Any], current: dict[str, Any], directory: str,
                       allow_sdp4bit_change: bool, allow_data_change: bool = False) -> str | None:
+    if "model" in saved:
+        unrecorded = [k for k in LATER_MODEL_SETTINGS if k not in saved["model"]]
+        current = {**current, "model": {k: v for k, v in current["model"].items()
+                                        if k not in unrecorded}}
     for part, fix in (("layout", "resume with the same layout (or start a new run)"),
                       ("model", "resume with the same model flags")):
         if saved.get(part) != current[part]:

@@ -41,3 +41,14 @@ def test_bucket_size_and_model_stay_checked():
     assert settings_problem(saved("fully_reshardable"), other, "D", False) == (
         "checkpoint D was saved with model hidden_size 64; this run has hidden_size 128: "
         "resume with the same model flags")
+
+
+def test_model_settings_recorded_later_are_compared_only_when_recorded():
+    now = {**run(), "model": {**MODEL, "rotary_base": 500, "norm_epsilon": 1e-6}}
+    # Saved before the trainer recorded them: resumes (nothing to compare with).
+    assert settings_problem(saved("dp_reshardable"), now, "D", False) is None
+    recorded = {**saved("dp_reshardable"), "model": {**MODEL, "rotary_base": 10000,
+                                                     "norm_epsilon": 1e-6}}
+    assert settings_problem(recorded, now, "D", False) == (
+        "checkpoint D was saved with model rotary_base 10000; this run has rotary_base 500: "
+        "resume with the same model flags")
