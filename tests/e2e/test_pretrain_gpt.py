@@ -65,7 +65,12 @@ def train_lines(stdout: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def data_prefix(tmp_path_factory) -> list[str]:
     """A GPT-2 BPE corpus through tools/preprocess_data.py; returns the flags that use it."""
-    d = tmp_path_factory.mktemp("data")
+    return build_corpus(tmp_path_factory.mktemp("data"))
+
+
+def build_corpus(d) -> list[str]:
+    """The tests' corpus in folder ``d`` (a ``pathlib.Path``); returns the flags that use it
+    (also used by tools/checkpoint/noise_spread.py, which measures on the tests' runs)."""
     vocab, merges = write_gpt2_vocab(d)
     with open(d / "corpus.jsonl", "w", encoding="utf-8") as f:
         for i in range(60):
