@@ -38,7 +38,7 @@ import tempfile
 import time
 import uuid
 
-import _forkserver
+from tests import _forkserver
 
 GRACE_S = 5.0  # between SIGTERM and SIGKILL, as torchrun's agent waits for its workers
 

@@ -22,6 +22,7 @@ from megatron.sdp4bit.training.observe.logging import parse_log_line
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 from tests.e2e import _launch  # noqa: E402
+from tests.unit._gpt2_vocab import TEXT, write_gpt2_vocab  # noqa: E402
 
 TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
         "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 16 "
@@ -71,6 +72,23 @@ def torchrun(args: list[str], nproc: int = 4, timeout: int = 300, env: dict | No
 
 def train_lines(stdout: str) -> list[dict]:
     return [m for m in map(parse_log_line, stdout.splitlines()) if m is not None]
+
+
+def build_corpus(d) -> list[str]:
+    """The tests' corpus in folder ``d`` (a ``pathlib.Path``); returns the flags that use it
+    (also used by tools/checkpoint/noise_spread.py, which measures on the tests' runs)."""
+    vocab, merges = write_gpt2_vocab(d)
+    with open(d / "corpus.jsonl", "w", encoding="utf-8") as f:
+        for i in range(60):
+            f.write(json.dumps({"text": " ".join(TEXT[(i + k) % len(TEXT)] for k in range(3))}) + "\n")
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"),
+                          "--input", str(d / "corpus.jsonl"), "--output-prefix", str(d / "corpus"),
+                          "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab,
+                          "--merge-file", merges, "--append-eod"],
+                         capture_output=True, text=True, timeout=120, env=_env())
+    assert res.returncode == 0, res.stderr
+    return ["--data-path", str(d / "corpus_text_document"), "--vocab-file", vocab,
+            "--merge-file", merges, "--data-cache-path", str(d / "cache")]
 
 
 def check_run(lines: list[dict], method: str) -> None:

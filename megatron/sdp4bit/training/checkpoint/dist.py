@@ -18,11 +18,28 @@ hangs under torchrun. :class:`_InProcessSaveStrategy` keeps megatron-core's plan
 metadata and file layout but writes the buckets in this process, one after another, with
 megatron-core's own per-bucket writer (``FileSystemWriterAsync.write_preloaded_data``,
 fsync included). It is used on CPU and on GPU alike: saves are synchronous here.
+
+[Note: the fully reshardable save of a buffer with several buckets]
+megatron-core's ``fully_reshardable`` save (``sharded_param_state_fully_reshardable``, in
+0.16.1 and 0.19.2) gathers a buffer's optimizer state with ``get_parameter_state_dp_zero``,
+which packs the buckets one after another *without* the padding between them, and then
+cuts every parameter out of that packed tensor at ``param_index_map``'s offsets, which
+count the padding. With one bucket per buffer the two agree. With more (the tied
+embedding gets a bucket of its own under PP > 1; ``--ddp-bucket-size`` with
+``--overlap-grad-reduce``), every parameter after the first bucket is written shifted by
+the padding before it, and the last one is filled up with zeros (megatron-core then warns
+"param range exceeds unpadded buffer ... data corruption"): its fp32 main weights and Adam
+moments on disk are wrong, and a resume from them jumps (the loss of a PP 2 -> 1 resume went
+from 5.42 to 6.14 one step after the load). The load side slices each parameter by its own
+range and is right. :func:`_bucket_space_world_tensors` puts every bucket's values back at
+its offset in the buffer (zeros in the padding) before megatron-core cuts them, for the
+save and for the (empty) tensors a load builds its request from.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
 import queue
 import shutil
@@ -31,6 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
@@ -98,6 +116,18 @@ def _avoid_spawned_manager() -> None:
         filesystem_async._results_queue = queue.Queue()
 
 
+# megatron-core's own integrity manifest (0.19: save/load(verify_integrity=True)).
+MEGATRON_INTEGRITY = "integrity.json"
+
+
+def megatron_integrity_check() -> bool:
+    """Whether this megatron-core's ``dist_checkpointing`` has ``verify_integrity`` (0.19.2
+    has it: rank 0 hashes every file into ``integrity.json`` after the save and re-hashes
+    them before the load; 0.16.1 has no check of its own). Used on top of the manifest."""
+    return all("verify_integrity" in inspect.signature(f).parameters
+               for f in (dist_checkpointing.save, dist_checkpointing.load))
+
+
 def is_dist_checkpoint(directory: str) -> bool:
     """Whether ``directory`` holds a megatron-core distributed checkpoint."""
     return os.path.isfile(os.path.join(directory, "metadata.json"))
@@ -126,14 +156,61 @@ def _model_state(model_chunks) -> dict[str, Any]:
     return {f"model{i}": _unwrap(m).sharded_state_dict() for i, m in enumerate(model_chunks)}
 
 
+def _bucket_space_world_tensors(opt) -> None:
+    """Make ``opt.get_parameter_state_dp_zero()`` return its world tensors in the buffer's
+    coordinates (see [Note: the fully reshardable save of a buffer with several buckets]).
+
+    Set on the instance for one ``sharded_state_dict`` call; :func:`_sharded_state` removes
+    it again."""
+    original = opt.get_parameter_state_dp_zero
+
+    def in_buffer_space(*args, **kwargs):
+        state = original(*args, **kwargs)
+        if state is None:
+            return None
+        # A load asks for empty tensors (its request's shapes): then nothing is copied.
+        empty = kwargs.get("empty_data", len(args) > 1 and args[1])
+        for gbuf_idx, buffer in enumerate(opt.buffers):
+            starts = [start for start, _ in buffer.bucket_indices]
+            lengths = [bucket.numel_unpadded for bucket in buffer.buckets]
+            for world in state[gbuf_idx].values():
+                # "numel_unpadded" is an int; one packed tensor at a time is kept alongside
+                for key in [k for k, v in world.items() if isinstance(v, torch.Tensor)]:
+                    packed = world[key]
+                    if packed.numel() != sum(lengths):
+                        raise RuntimeError(
+                            f"megatron-core's gathered optimizer state {key!r} holds "
+                            f"{packed.numel()} values, its buckets {sum(lengths)}: this "
+                            "megatron-core lays it out differently; save with dp_reshardable")
+                    spread = packed.new_zeros(buffer.numel)
+                    offset = 0
+                    for start, length in zip(starts, lengths):
+                        if not empty:
+                            spread[start:start + length] = packed[offset:offset + length]
+                        offset += length
+                    world[key] = spread
+                    del packed
+        return state
+
+    opt.get_parameter_state_dp_zero = in_buffer_space
+
+
 def _sharded_state(model_chunks, optimizer, sharding_type: str, *, is_loading: bool,
                    with_optimizer: bool, with_rng: bool) -> dict[str, Any]:
     state = _model_state(model_chunks)
     if with_optimizer:
         model_sd = {k: v for part in state.values() for k, v in part.items()}
-        state["optimizer"] = optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading,
-            metadata={"distrib_optim_sharding_type": sharding_type})
+        opts = per_rank._inner_optimizers(optimizer)
+        if sharding_type == "fully_reshardable":
+            for opt in opts:
+                _bucket_space_world_tensors(opt)
+        try:
+            state["optimizer"] = optimizer.sharded_state_dict(
+                model_sd, is_loading=is_loading,
+                metadata={"distrib_optim_sharding_type": sharding_type})
+        finally:
+            for opt in opts:
+                opt.__dict__.pop("get_parameter_state_dp_zero", None)
     if with_rng:
         state["rng_state"] = _rng_object()
     return state
@@ -187,8 +264,9 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
     if fully_parallel:
         strategy = FullyParallelSaveStrategyWrapper(
             strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
+    extra = {"verify_integrity": True} if megatron_integrity_check() else {}
     dist_checkpointing.save(state, partial, sharded_strategy=strategy,
-                            validate_access_integrity=True)
+                            validate_access_integrity=True, **extra)
     if faults.active("die-saving", iteration, dist.get_rank()):
         os._exit(17)
     dist.barrier()
@@ -225,6 +303,18 @@ def settings_problem(saved: dict[str, Any], current: dict[str, Any], directory: 
             or saved.get("layout", {}).get("pp") != current["layout"]["pp"]):
         problem += ("; a TP or PP change needs a checkpoint saved with "
                     "--dist-ckpt-optim-fully-reshardable")
+    old_model, new_model = saved.get("model", {}), current["model"]
+    differ = {k for k in set(old_model) | set(new_model)
+              if old_model.get(k) != new_model.get(k)}
+    padded, tp = old_model.get("padded_vocab_size"), current["layout"]["tp"]
+    if (problem is not None and problem.startswith(f"checkpoint {directory} was saved with "
+                                                   "model ")
+            and differ == {"padded_vocab_size"} and isinstance(padded, int) and padded % tp == 0):
+        # Megatron-LM pads the vocabulary to a multiple of --make-vocab-size-divisible-by x TP;
+        # a TP change keeps the checkpoint's size with the divisor that gives it at this TP.
+        problem += (f"; the vocabulary is padded to a multiple of --make-vocab-size-divisible-by "
+                    f"x TP: at TP {tp}, --make-vocab-size-divisible-by {padded // tp} gives the "
+                    f"checkpoint's {padded}")
     return problem
 
 
@@ -334,7 +424,20 @@ def load_checkpoint(directory: str, manifest: dict[str, Any] | None, model_chunk
     if fully_parallel:
         strategy = FullyParallelLoadStrategyWrapper(
             strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
-    loaded = dist_checkpointing.load(state, directory, sharded_strategy=strategy)
+    # megatron-core 0.19's check too, for checkpoints it wrote integrity.json for (the
+    # manifest's check above has already read every file).
+    extra = {}
+    if megatron_integrity_check() and MEGATRON_INTEGRITY in manifest["files"]:
+        extra["verify_integrity"] = True
+    try:
+        loaded = dist_checkpointing.load(state, directory, sharded_strategy=strategy, **extra)
+    except CheckpointingException as err:
+        if not extra or "integrity" not in str(err).lower():
+            raise
+        detail = " ".join(str(err).split())
+        raise CheckpointError(f"checkpoint {directory} fails megatron-core's integrity check "
+                              f"({MEGATRON_INTEGRITY}): {detail[:300]}; load an earlier "
+                              "checkpoint") from None
     keys = ["model"] if len(model_chunks) == 1 else [f"model{i}" for i in range(len(model_chunks))]
     for key, chunk in zip(keys, model_chunks):
         _unwrap(chunk).load_state_dict(loaded[key], strict=True)

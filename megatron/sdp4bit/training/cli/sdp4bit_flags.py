@@ -3,7 +3,9 @@
 Field ``foo_bar`` becomes ``--foo-bar``; the field's docstring is the flag's help; a ``bool``
 field is a ``store_true`` switch, a ``Literal`` field offers its values as choices and
 ``int | None`` takes an integer (``None`` when absent). The dataclass default is the flag's
-default. Field ``seed`` is shared with Megatron's ``--seed`` and is not added twice.
+default. Field ``seed`` is shared with Megatron's ``--seed`` and is not added twice;
+``--rounding-seed`` sets it alone (the rounding noise without the data order and the
+initialization), for measuring the method's run-to-run noise.
 """
 
 from __future__ import annotations
@@ -71,9 +73,14 @@ def add_sdp4bit_flags(parser: argparse.ArgumentParser) -> None:
         if f.default is not None and hint is not bool:
             help_text += f" (default: {f.default})"
         group.add_argument(_flag(f.name), help=help_text, **kwargs)
+    group.add_argument("--rounding-seed", type=int, default=None,
+                       help="seed of the stochastic-rounding noise alone (default: --seed); "
+                       "two runs that differ only in it show the method's run-to-run noise")
 
 
 def sdp4bit_config_from_args(args: argparse.Namespace) -> SDP4BitConfig:
     """Build the :class:`SDP4BitConfig` from parsed arguments (raises ``ValueError``)."""
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(SDP4BitConfig)}
+    if getattr(args, "rounding_seed", None) is not None:
+        values["seed"] = args.rounding_seed
     return SDP4BitConfig(**values)

@@ -52,3 +52,21 @@ def test_model_settings_recorded_later_are_compared_only_when_recorded():
     assert settings_problem(recorded, now, "D", False) == (
         "checkpoint D was saved with model rotary_base 10000; this run has rotary_base 500: "
         "resume with the same model flags")
+
+
+def test_vocabulary_padded_otherwise_names_the_divisor_that_keeps_it():
+    # Saved at TP 2 with the default divisor 128 (padded to 512); TP 1 pads the same tokenizer
+    # to 384 unless --make-vocab-size-divisible-by 256.
+    before = {**saved("fully_reshardable", tp=2, dp=2), "model": {**MODEL,
+                                                                  "padded_vocab_size": 512}}
+    now = {**run(), "model": {**MODEL, "padded_vocab_size": 384}}
+    assert settings_problem(before, now, "D", False) == (
+        "checkpoint D was saved with model padded_vocab_size 512; this run has "
+        "padded_vocab_size 384: resume with the same model flags; the vocabulary is padded to "
+        "a multiple of --make-vocab-size-divisible-by x TP: at TP 1, "
+        "--make-vocab-size-divisible-by 512 gives the checkpoint's 512")
+    same = {**run(), "model": {**MODEL, "padded_vocab_size": 512}}
+    assert settings_problem(before, same, "D", False) is None
+    # another model change besides: no hint
+    other = {**run(), "model": {**MODEL, "hidden_size": 128, "padded_vocab_size": 384}}
+    assert "make-vocab" not in settings_problem(before, other, "D", False)

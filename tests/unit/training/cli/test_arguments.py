@@ -96,6 +96,8 @@ def test_sdp4bit_flags_reach_the_config():
                                 gq_group_size_inter=32, quantization_rounding="nearest",
                                 dp_ranks_per_node=2, kernel_backend="torch",
                                 weight_quantization_mode="direct", seed=7)
+    assert sdp4bit_config_from_args(parse("--use-distributed-optimizer --seed 7 "
+                                          "--rounding-seed 8")).seed == 8
 
 
 def test_no_op_flags_are_documented_in_help():

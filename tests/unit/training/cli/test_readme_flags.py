@@ -39,8 +39,8 @@ def test_every_sdp4bit_flag_is_documented_with_its_default_and_values():
         assert meaning, flag
         if isinstance(action, argparse._StoreTrueAction):
             assert (default, values) == ("off", "switch"), flag
-        elif action.default is None:
-            assert default == "detected", flag
+        elif action.default is None:  # taken from where the ranks run, or from --seed
+            assert default == ("`--seed`" if flag == "--rounding-seed" else "detected"), flag
         else:
             assert default == str(action.default), flag
         if action.choices:

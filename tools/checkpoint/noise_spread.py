@@ -1,0 +1,142 @@
+#!/usr/bin/env python
+"""The run-to-run spread of the loss that SDP4Bit's rounding noise alone causes, on the runs of
+tests/e2e/test_dist_checkpoint.py: the figure behind that test's bound for resharded resumes.
+
+    python tools/checkpoint/noise_spread.py                    # every layout, seeds 7-10
+    python tools/checkpoint/noise_spread.py --layouts dp4 --seeds 7 8
+    python tools/checkpoint/noise_spread.py --write-results    # also benchmarks/noise_spread.{md,json}
+
+For each layout of the test (processes and parallel flags: ``LAYOUTS`` there) the test's
+uninterrupted run (``BASE``: the tiny GPT on the tests' corpus, SDP4Bit, dropout off, 8
+iterations) is launched once per ``--rounding-seed``; the runs share the data order, the
+initialization and everything else, so they differ only in the stochastic-rounding noise.
+For every pair of seeds and every iteration the test compares after a resume (5 to 8) the
+relative loss difference |a - b| / a is taken; per layout their root mean square (RMS) is
+printed, and the test's bound, its ``NOISE_FACTOR`` x the largest RMS (the test reads the
+RMS from ``benchmarks/noise_spread.json``). A resharded resume differs from its reference by
+the same kind of noise, drawn on another topology from step 5 on (fewer steps
+than a pair of seeds, which differ from step 1), so its differences are at most as spread.
+The seed 7 run of each layout is the test's own reference run.
+
+About 10 minutes on 2 cores (16 launches). Prints the figures; writes files only with
+``--write-results``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+DEFAULT_SEEDS = (7, 8, 9, 10)  # 7 is the test's --seed: its reference run is among them
+
+
+def pair_differences(losses: dict[int, dict[int, float]], iterations) -> list[float]:
+    """Relative loss differences |a - b| / a of every pair of seeds at every iteration.
+    ``losses``: seed -> iteration -> loss."""
+    out = []
+    for s, t in itertools.combinations(sorted(losses), 2):
+        for it in iterations:
+            a, b = losses[s][it], losses[t][it]
+            out.append(abs(a - b) / a)
+    return out
+
+
+def rms(values: list[float]) -> float:
+    return math.sqrt(sum(v * v for v in values) / len(values))
+
+
+def measure(layouts: list[str], seeds: list[int], work: Path) -> dict:
+    from tests.e2e.test_dist_checkpoint import BASE, LAYOUTS, NOISE_ITERATIONS
+    from tests.e2e.test_pretrain_gpt import build_corpus, torchrun, train_lines
+
+    data = build_corpus(work / "data")
+    result = {}
+    for name in layouts:
+        nproc, flags = LAYOUTS[name]
+        losses: dict[int, dict[int, float]] = {}
+        for seed in seeds:
+            t0 = time.time()
+            res = torchrun(BASE + data + flags + ["--rounding-seed", str(seed)], nproc=nproc)
+            losses[seed] = {m["iteration"]: m["lm_loss"] for m in train_lines(res.stdout)}
+            print(f"{name} seed {seed}: " + " ".join(
+                f"{losses[seed][i]:.6f}" for i in sorted(losses[seed]))
+                + f"  ({time.time() - t0:.0f} s)", flush=True)
+        diffs = pair_differences(losses, NOISE_ITERATIONS)
+        result[name] = {"nproc": nproc, "flags": flags, "losses": {
+            str(s): {str(i): v for i, v in sorted(d.items())} for s, d in losses.items()},
+            "rms": rms(diffs), "max": max(diffs), "samples": len(diffs)}
+    return result
+
+
+def render(record: dict) -> str:
+    lines = ["# Rounding-noise spread of the resharding tests' runs", "",
+             "Written by `tools/checkpoint/noise_spread.py` (see its docstring). Each layout's "
+             "run of `tests/e2e/test_dist_checkpoint.py` launched once per `--rounding-seed` "
+             "(nothing else differs); relative loss differences |a - b| / a of every pair of "
+             f"seeds at iterations {record['iterations'][0]}-{record['iterations'][-1]}.", "",
+             f"- command: `{record['command']}`",
+             f"- machine: {record['machine']}",
+             f"- load average (1 min) before / after: {record['load_average'][0]:.1f} / "
+             f"{record['load_average'][1]:.1f}",
+             f"- date: {record['date']}", "",
+             "| layout | processes | flags | pairs x iterations | RMS | max |",
+             "|---|---:|---|---:|---:|---:|"]
+    for name, r in record["layouts"].items():
+        lines.append(f"| {name} | {r['nproc']} | `{' '.join(r['flags'])}` | {r['samples']} | "
+                     f"{r['rms']:.2e} | {r['max']:.2e} |")
+    lines += ["", f"The test's bound (NOISE_FACTOR {record['factor']} x the largest RMS): "
+              f"{record['bound']:.2e} relative.", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from tests.e2e.test_dist_checkpoint import LAYOUTS, NOISE_FACTOR, NOISE_ITERATIONS
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS))
+    parser.add_argument("--work-dir", type=Path, help="keep the corpus here (default: a "
+                        "temporary folder, removed at the end)")
+    parser.add_argument("--write-results", action="store_true",
+                        help="also write benchmarks/noise_spread.{md,json} (else print only)")
+    cli = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(cli)
+    if len(set(args.seeds)) < 2:
+        parser.error("--seeds needs two different seeds at least")
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.work_dir or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        layouts = measure(args.layouts, sorted(set(args.seeds)), work)
+    largest = max(r["rms"] for r in layouts.values())
+    record = {
+        "command": "python " + shlex.join([os.path.relpath(__file__, ROOT)] + cli),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
+        "load_average": [load_before, os.getloadavg()[0]],
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "iterations": list(NOISE_ITERATIONS), "seeds": sorted(set(args.seeds)),
+        "layouts": layouts, "factor": NOISE_FACTOR, "bound": NOISE_FACTOR * largest}
+    print()
+    print(render(record))
+    if args.write_results:
+        out = ROOT / "benchmarks"
+        (out / "noise_spread.json").write_text(json.dumps(record, indent=1) + "\n")
+        (out / "noise_spread.md").write_text(render(record))
+        print(f"wrote {out / 'noise_spread.md'}")
+
+
+if __name__ == "__main__":
+    main()
