@@ -5,7 +5,9 @@ import by name, in pytest and in the processes the distributed tests spawn (spaw
 In ``tools/run_tests.sh``'s second pass (``SDP4BIT_RELEASE_PASS=1``: the integration and
 end-to-end tests again, against the other megatron-core release) the tests marked
 ``release_independent`` are deselected (pytest counts them as deselected, not as passed):
-they test SDP4Bit's own input, file, lock and process checks, which the first pass covers.
+they test what no megatron-core release can change (SDP4Bit's own input, file, lock, resume
+and process checks, torchrun's rendezvous, the README's commands), which the first pass
+covers.
 """
 
 import os

@@ -227,6 +227,7 @@ def test_sdp4bit_under_model_parallelism(parallel):
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.release_independent  # torchrun's rendezvous and the trainer's topology detection
 def test_two_node_rendezvous_detects_topology(tmp_path):
     """Two ``torchrun --nnodes 2 --nproc-per-node 2`` launches on localhost (c10d rendezvous):
     no override, the trainer must find N = 2 DP ranks per node on M = 2 nodes."""
