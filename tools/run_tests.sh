@@ -7,7 +7,10 @@
 #      .venv-mcore019, against megatron-core 0.19.2, the release for
 #      Python >= 3.12. 0.19.2 declares Python >= 3.12 but its cp311 wheel runs on 3.11, so it
 #      is installed there with --ignore-requires-python: a test-only environment.
-# Both environments are created on first use. Usage:
+# Both environments are created on first use. The passes run at the same time: pass 1 starts
+# with the unit tests (one core each, mostly), while pass 2's multi-process tests use the
+# other core; pass 2's output is printed when both are done. SDP4BIT_SEQUENTIAL=1 runs them
+# one after the other. Usage:
 #   bash tools/run_tests.sh [pytest arguments]
 # Test paths among the arguments select what runs: pass 1 runs them, pass 2 those of them that
 # are integration or end-to-end tests. SDP4BIT_SKIP_MCORE019=1 skips pass 2.
@@ -33,7 +36,8 @@ for arg in "$@"; do
     if [ -e "${arg%%::*}" ] && [[ "$arg" != -* ]]; then paths+=("$arg"); else options+=("$arg"); fi
 done
 if [ ${#paths[@]} -eq 0 ]; then
-    first=(tests) second=("${SECOND_PASS[@]}")
+    # the unit tests first: they overlap with pass 2
+    first=(tests/unit tests/gpu tests/distributed tests/e2e) second=("${SECOND_PASS[@]}")
 else
     first=("${paths[@]}") second=()
     for p in "${paths[@]}"; do
@@ -46,21 +50,18 @@ fi
 # Per-file progress (pytest's default verbosity), failure reasons and the slowest tests.
 PYTEST=(python -m pytest -ra --durations=15)
 
-set +e  # run both passes; each pass stops at its own first setup error
-(
-    set -e
-    source tools/setup_env.sh
-    version="$(python -c 'from megatron.core import package_info as p; print(p.__version__)' \
-        2>/dev/null)"
-    echo "== pass 1: ${first[*]} with megatron-core ${version%%+*} (.venv)"
-    "${PYTEST[@]}" "${options[@]}" "${first[@]}"
-)
-status1=$? status2=skipped
-if [ "${SDP4BIT_SKIP_MCORE019:-0}" = 1 ]; then
-    echo "== pass 2 (megatron-core $MCORE_NEW) skipped: SDP4BIT_SKIP_MCORE019=1"
-elif [ ${#second[@]} -eq 0 ]; then
-    echo "== pass 2 (megatron-core $MCORE_NEW) skipped: no integration or end-to-end test selected"
-else
+pass1() {
+    (
+        set -e
+        source tools/setup_env.sh
+        version="$(python -c 'from megatron.core import package_info as p; print(p.__version__)' \
+            2>/dev/null)"
+        echo "== pass 1: ${first[*]} with megatron-core ${version%%+*} (.venv)"
+        "${PYTEST[@]}" "${options[@]}" "${first[@]}"
+    )
+}
+
+pass2() {
     (
         set -e
         export SDP4BIT_VENV=.venv-mcore019 SDP4BIT_MEGATRON_CORE="$MCORE_NEW"
@@ -71,10 +72,42 @@ else
         SDP4BIT_EXPECT_MEGATRON_CORE="$MCORE_NEW" SDP4BIT_RELEASE_PASS=1 \
             "${PYTEST[@]}" "${options[@]}" "${second[@]}"
     )
+}
+
+set +e  # run both passes; each pass stops at its own first setup error
+status2=skipped
+if [ "${SDP4BIT_SKIP_MCORE019:-0}" = 1 ]; then
+    skip2="SDP4BIT_SKIP_MCORE019=1"
+elif [ ${#second[@]} -eq 0 ]; then
+    skip2="no integration or end-to-end test selected"
+else
+    skip2=""
+fi
+start=$SECONDS
+if [ -n "$skip2" ]; then
+    pass1
+    status1=$?
+    echo "== pass 2 (megatron-core $MCORE_NEW) skipped: $skip2"
+elif [ "${SDP4BIT_SEQUENTIAL:-0}" = 1 ]; then
+    pass1
+    status1=$?
+    pass2
     status2=$?
+else
+    log2="$(mktemp "${TMPDIR:-/tmp}/sdp4bit-pass2.XXXXXX")"
+    echo "== pass 2 (megatron-core $MCORE_NEW) runs beside pass 1; its output follows pass 1's"
+    pass2 > "$log2" 2>&1 &
+    pid2=$!
+    trap 'kill "$pid2" 2>/dev/null; rm -f "$log2"' EXIT
+    pass1
+    status1=$?
+    wait "$pid2"
+    status2=$?
+    cat "$log2"
 fi
 set -e
 
-echo "== exit status: pass 1 $status1, pass 2 (megatron-core $MCORE_NEW) $status2"
+echo "== exit status: pass 1 $status1, pass 2 (megatron-core $MCORE_NEW) $status2" \
+    "($(( (SECONDS - start) / 60 )) min $(( (SECONDS - start) % 60 )) s)"
 [ "$status1" = 0 ] || exit "$status1"
 [ "$status2" = 0 ] || [ "$status2" = skipped ] || exit "$status2"

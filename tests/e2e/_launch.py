@@ -29,6 +29,7 @@ real ``torchrun``).
 
 from __future__ import annotations
 
+import datetime
 import os
 import runpy
 import signal
@@ -63,23 +64,16 @@ def _worker(script: str, args: list[str], environ: dict[str, str], cwd: str,
     runpy.run_path(script, run_name="__main__")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(script: str, args: list[str], *, nproc: int, env: dict[str, str], cwd: str,
              timeout: float) -> subprocess.CompletedProcess:
     """Run ``script`` on ``nproc`` ranks; returns what ``subprocess.run(capture_output=True,
     text=True)`` of the ``torchrun`` command would."""
     import torch.distributed as dist
 
-    port = _free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                          timeout=__import__("datetime").timedelta(seconds=timeout))
+    # Port 0: the OS picks a free one as the store binds it (no race with other tests).
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout))
+    port = store.port
     base = dict(env)
     base.setdefault("OMP_NUM_THREADS", "1")
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc),

@@ -314,8 +314,9 @@ def test_a_stopped_rank_ends_the_job_in_bounded_time():
         proc.wait(timeout=60)
     assert proc.returncode != 0
     assert any(stopped.search(x) for x in err), "".join(err)[-3000:]
-    # heartbeat timeout 6 s + one interval (1.5 s) + the guard's period, and slack
-    assert detected < 20, detected
+    # heartbeat timeout 6 s + one interval (1.5 s) + the guard's period, and slack for a
+    # busy machine
+    assert detected < 30, detected
 
 
 @pytest.mark.release_independent
