@@ -6,12 +6,12 @@ import importlib.util
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.sdp4bit.training.tokenizers import GPT2BPETokenizer
+from tests.e2e import _launch
 from tests.unit._gpt2_vocab import TEXT, write_gpt2_vocab
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,8 +31,8 @@ def gpt2_files(tmp_path_factory):
 
 
 def run_tool(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
+    """``python tools/preprocess_data.py args``, forked from the session's fork server."""
+    return _launch.python(TOOL, list(args), env=dict(os.environ), cwd=ROOT, timeout=120)
 
 
 def tool_args(jsonl, prefix, vocab, merges, *extra: str) -> list[str]:
