@@ -94,6 +94,11 @@ elif [ "${SDP4BIT_SEQUENTIAL:-0}" = 1 ]; then
     pass2
     status2=$?
 else
+    # The environments one after the other (two installs of this project at once would share
+    # its build folders; a failure shows again in its pass), then the passes side by side.
+    ( source tools/setup_env.sh ) || true
+    ( export SDP4BIT_VENV=.venv-mcore019 SDP4BIT_MEGATRON_CORE="$MCORE_NEW"
+      source tools/setup_env.sh ) || true
     log2="$(mktemp "${TMPDIR:-/tmp}/sdp4bit-pass2.XXXXXX")"
     echo "== pass 2 (megatron-core $MCORE_NEW) runs beside pass 1; its output follows pass 1's"
     pass2 > "$log2" 2>&1 &
