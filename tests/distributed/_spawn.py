@@ -19,15 +19,20 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-import _forkserver
+# tests/ holds the fork server's module; imported as tests.distributed._spawn (by tools that
+# reuse the tests) it is not on sys.path yet.
+_TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
+import _forkserver  # noqa: E402
 
 __all__ = ["spawn", "free_port"]
 
@@ -45,7 +50,7 @@ def _child(
     port: int,
     fn: Callable[..., Any],
     args: tuple,
-    results: "mp.Queue[tuple[int, str | None]]",
+    results: Any,
     environ: dict[str, str],
 ) -> None:
     os.environ.clear()
@@ -79,7 +84,7 @@ def _child(
         results.put((rank, None))
 
 
-def _drain(results: "mp.Queue", grace: float) -> list[tuple[int, str | None]]:
+def _drain(results: Any, grace: float) -> list[tuple[int, str | None]]:
     out = []
     deadline = time.monotonic() + grace
     while (left := deadline - time.monotonic()) > 0:

@@ -24,12 +24,10 @@ with the quickstart's SDP4Bit flags. Prints a table; writes files only with
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
 import platform
-import shlex
 import shutil
 import subprocess
 import sys
@@ -38,6 +36,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import results  # noqa: E402  (tools/checkpoint/results.py)
 
 _SDP4BIT = ("--use-distributed-optimizer --quantized-weights --quantized-gradients "
             "--hadamard-transform --gq-group-size-intra 128 --gq-group-size-inter 128").split()
@@ -231,20 +231,13 @@ def main(argv: list[str] | None = None) -> None:
         for name in args.cases:
             cases[name] = run_case(name, work)
             print(_row(name, cases[name]), flush=True)
-    record = {
-        "command": "python " + shlex.join([os.path.relpath(__file__, ROOT)] + cli),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
-                   f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB",
-        "load_average": [load_before, os.getloadavg()[0]],
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "cases": cases}
+    machine = (f"{platform.machine()}, {os.cpu_count()} cores, "
+               f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB")
+    record = {**results.header(__file__, cli, machine, load_before), "cases": cases}
     print()
     print(render(record))
     if args.write_results:
-        out = ROOT / "benchmarks"
-        (out / "load_memory.json").write_text(json.dumps(record, indent=1) + "\n")
-        (out / "load_memory.md").write_text(render(record))
-        print(f"wrote {out / 'load_memory.md'}")
+        results.write("load_memory", record, render)
 
 
 if __name__ == "__main__":

@@ -25,19 +25,18 @@ About 10 minutes on 2 cores (16 launches). Prints the figures; writes files only
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
-import json
 import math
 import os
 import platform
-import shlex
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import results  # noqa: E402  (tools/checkpoint/results.py)
 sys.path.insert(0, str(ROOT))
 
 DEFAULT_SEEDS = (7, 8, 9, 10)  # 7 is the test's --seed: its reference run is among them
@@ -122,20 +121,15 @@ def main(argv: list[str] | None = None) -> None:
         work.mkdir(parents=True, exist_ok=True)
         layouts = measure(args.layouts, sorted(set(args.seeds)), work)
     largest = max(r["rms"] for r in layouts.values())
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}"
     record = {
-        "command": "python " + shlex.join([os.path.relpath(__file__, ROOT)] + cli),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
-        "load_average": [load_before, os.getloadavg()[0]],
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **results.header(__file__, cli, machine, load_before),
         "iterations": list(NOISE_ITERATIONS), "seeds": sorted(set(args.seeds)),
         "layouts": layouts, "factor": NOISE_FACTOR, "bound": NOISE_FACTOR * largest}
     print()
     print(render(record))
     if args.write_results:
-        out = ROOT / "benchmarks"
-        (out / "noise_spread.json").write_text(json.dumps(record, indent=1) + "\n")
-        (out / "noise_spread.md").write_text(render(record))
-        print(f"wrote {out / 'noise_spread.md'}")
+        results.write("noise_spread", record, render)
 
 
 if __name__ == "__main__":
