@@ -103,12 +103,15 @@ else
     echo "== pass 2 (megatron-core $MCORE_NEW) runs beside pass 1; its output follows pass 1's"
     pass2 > "$log2" 2>&1 &
     pid2=$!
-    trap 'kill "$pid2" 2>/dev/null; rm -f "$log2"' EXIT
+    # (|| true: under set -e a failing command in the trap would become the exit status)
+    trap 'kill "$pid2" 2>/dev/null || true; rm -f "$log2"' EXIT
     pass1
     status1=$?
     wait "$pid2"
     status2=$?
     cat "$log2"
+    rm -f "$log2"
+    trap - EXIT
 fi
 set -e
 
