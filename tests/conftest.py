@@ -6,8 +6,9 @@ In ``tools/run_tests.sh``'s second pass (``SDP4BIT_RELEASE_PASS=1``: the integra
 end-to-end tests again, against the other megatron-core release) the tests marked
 ``release_independent`` are deselected (pytest counts them as deselected, not as passed):
 they test what no megatron-core release can change (SDP4Bit's own input, file, lock, resume
-and process checks, torchrun's rendezvous, the README's commands), which the first pass
-covers.
+and process checks, torchrun's rendezvous, the README's commands), or cases whose
+megatron-core paths another test of that pass takes (each mark says which); the first pass
+runs them all.
 """
 
 import os

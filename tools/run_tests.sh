@@ -8,8 +8,8 @@
 #      Python >= 3.12. 0.19.2 declares Python >= 3.12 but its cp311 wheel runs on 3.11, so it
 #      is installed there with --ignore-requires-python: a test-only environment.
 # Both environments are created on first use. The passes run at the same time: pass 1 starts
-# with the unit tests (one core each, mostly), while pass 2's multi-process tests use the
-# other core; pass 2's output is printed when both are done. SDP4BIT_SEQUENTIAL=1 runs them
+# with the unit tests (one core each, mostly), while pass 2 creates its environment and runs
+# its multi-process tests on the other core; pass 2's output is printed when both are done. SDP4BIT_SEQUENTIAL=1 runs them
 # one after the other. Usage:
 #   bash tools/run_tests.sh [pytest arguments]
 # Test paths among the arguments select what runs: pass 1 runs them, pass 2 those of them that
@@ -94,11 +94,9 @@ elif [ "${SDP4BIT_SEQUENTIAL:-0}" = 1 ]; then
     pass2
     status2=$?
 else
-    # The environments one after the other (two installs of this project at once would share
-    # its build folders; a failure shows again in its pass), then the passes side by side.
+    # .venv first (a failure shows again in pass 1); pass 2 creates its own environment while
+    # pass 1 runs (no test of pass 1 builds in the source tree, which that install uses).
     ( source tools/setup_env.sh ) || true
-    ( export SDP4BIT_VENV=.venv-mcore019 SDP4BIT_MEGATRON_CORE="$MCORE_NEW"
-      source tools/setup_env.sh ) || true
     log2="$(mktemp "${TMPDIR:-/tmp}/sdp4bit-pass2.XXXXXX")"
     echo "== pass 2 (megatron-core $MCORE_NEW) runs beside pass 1; its output follows pass 1's"
     pass2 > "$log2" 2>&1 &

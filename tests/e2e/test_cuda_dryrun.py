@@ -73,6 +73,7 @@ def test_trains_evaluates_saves_and_resumes_on_the_cuda_branch(tmp_path):
      r"all_gather_\w+ on group \S+ \(global ranks \[0, 1\]\): tensor 'input_tensor' "
      r"\(uint8 \[\d+\]\) is in host memory"),
 ])
+@pytest.mark.release_independent  # the dry run's rule checks; the trainer: the test above
 def test_planted_gpu_bug_stops_the_dry_run(bug, expected):
     res = _launch([os.path.join(ROOT, "tests", "e2e", "_dryrun_plant.py"), bug],
                   ["--train-iters", "2"], nproc=2)

@@ -159,7 +159,10 @@ def test_same_layout_resume_is_bit_exact(reference, tmp_path, data_prefix):
             assert a[key] == b[key], (key, a, b)
 
 
-@pytest.mark.parametrize("layout", ["dp2", "dp8"], ids=["4to2", "4to8"])
+# 4 -> 8 takes megatron-core's path of 4 -> 2: the second pass runs 4 -> 2 only
+@pytest.mark.parametrize("layout", [
+    pytest.param("dp2", id="4to2"),
+    pytest.param("dp8", id="4to8", marks=pytest.mark.release_independent)])
 def test_data_parallel_resharded_resume(reference, tmp_path, data_prefix, layout):
     full, _ = reference
     resumed = _resume(reference, tmp_path, data_prefix, *LAYOUTS[layout])

@@ -128,7 +128,12 @@ CASES = [("baseline", "mock"), ("baseline", "preprocessed"), ("qWD", "mock"),
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("method,data", [pytest.param(m, d, id=f"{m}-{d}") for m, d in CASES])
+# In the second pass qWD's launch is left out: the resume test below runs qWD and TLq-HS
+# together through the same megatron-core paths.
+@pytest.mark.parametrize("method,data", [
+    pytest.param(m, d, id=f"{m}-{d}",
+                 marks=[pytest.mark.release_independent] if m == "qWD" else [])
+    for m, d in CASES])
 def test_method_trains(method, data, data_prefix, tmp_path):
     flags = ["--mock-data"] if data == "mock" else data_prefix
     tiny = TINY
@@ -256,6 +261,7 @@ BAD = {
 }
 
 
+@pytest.mark.release_independent  # the argument checks run before megatron-core is used
 def test_bad_flags_exit_with_one_line():
     base = [a for a in TINY if a not in ("--use-distributed-optimizer", "--bf16")]
     base = base[:base.index("--global-batch-size")] + base[base.index("--global-batch-size") + 2:]

@@ -2,6 +2,7 @@
 
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -29,8 +30,13 @@ def test_current_install_imports_both():
 def test_regular_install_imports_both(tmp_path):
     """A non-editable install (a wheel unpacked into a target dir) must not hide megatron.core."""
     target = tmp_path / "site"
+    # built from a copy: pip builds in the source tree (build/, *.egg-info), and the test
+    # command creates its second environment's editable install of the repository meanwhile
+    source_tree = tmp_path / "src"
+    shutil.copytree(REPO, source_tree, ignore=shutil.ignore_patterns(
+        ".git", ".venv*", "build", "*.egg-info", "__pycache__", "runs", "data", "tests"))
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-                    "--no-build-isolation", "--target", str(target), str(REPO)],
+                    "--no-build-isolation", "--target", str(target), str(source_tree)],
                    check=True, capture_output=True)
     assert not (target / "megatron" / "__init__.py").exists()
     env = dict(os.environ, PYTHONPATH=str(target))
