@@ -67,6 +67,8 @@ def _m(name: str, what: str, edits: list[Edit], targets: list[str]) -> Mutation:
 
 RS, AG = f"{PKG}/comm/reduce_scatter.py", f"{PKG}/comm/all_gather.py"
 STATE, PSYNC = f"{PKG}/integration/state.py", f"{PKG}/integration/param_sync.py"
+TPDUP = f"{PKG}/integration/tp_duplicates.py"
+TP2 = D + "test_integration_sdp4bit.py::test_sdp4bit_methods_train_close_to_baseline[tp2xdp2]"
 REF, TC, CK = (f"{PKG}/quantization/reference.py", f"{PKG}/quantization/triton_common.py",
                f"{PKG}/quantization/cpu_kernels.c")
 SEED_PARTS = "parts = (self.config.seed, self.iteration, bucket_id, kind, group_id)"
@@ -189,6 +191,17 @@ MUTATIONS = [
        "the CPU sender restarts the random stream in every message",
        [Edit(CK, "(uint32_t)(m * msg_numel + g * G)", "(uint32_t)(g * G)")],
        [U + "test_cpu_kernels.py", D + "test_rounding_noise.py"]),
+    _m("tp-duplicate-gradients-not-synced",
+       "the TP ranks' duplicated gradients are left as each DP group reduced them",
+       [Edit(TPDUP, "        duplicates.sync_gradients(shards)\n", "")], [TP2]),
+    _m("tp-duplicate-weights-not-synced",
+       "the TP ranks' duplicated weights are left as each all-gather wrote them",
+       [Edit(TPDUP, "            _broadcast_elements(param_data, offsets, self.src, self.group)",
+             "            pass")], [TP2]),
+    _m("tp-duplicate-offsets-in-buffer",
+       "duplicated elements located by their offset in the buffer, not in the bucket",
+       [Edit(TPDUP, "torch.arange(start - bucket.offset, end - bucket.offset)",
+             "torch.arange(start, end)")], [TP2]),
 ]
 
 

@@ -215,6 +215,41 @@ def assert_replicas_identical(ddp) -> None:
                 raise AssertionError(f"buffer {i}: DP rank {r} differs from rank 0 in {n} elements")
 
 
+def assert_tp_copies_identical(ddp, optimizer) -> None:
+    """With TP > 1, the parameters TP does not split (megatron-core leaves
+    ``tensor_model_parallel`` unset) are bitwise the same on every TP rank, in the replica
+    and in the distributed optimizer's fp32 main weights (each DP rank's shard of a bucket
+    covers the same elements on every TP rank: the layouts are the same)."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+
+    def duplicated(param) -> bool:
+        return not getattr(param, "tensor_model_parallel", False)
+
+    replica = [p.detach().float().view(-1) for p in ddp.module.parameters() if duplicated(p)]
+    main = [m.detach().view(-1)
+            for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+            for model_group, main_group in zip(opt.model_float16_groups,
+                                               opt.shard_fp32_from_float16_groups)
+            for p, m in zip(model_group, main_group) if duplicated(p)]
+    assert replica, "no TP-duplicated parameter: nothing checked"
+    for what, pieces in (("replica", replica), ("fp32 main weights", main)):
+        values = torch.cat(pieces) if pieces else torch.zeros(0)
+        bits = values.contiguous().view(torch.uint8)  # raw bytes
+        gathered = [torch.empty_like(bits) for _ in range(world)]
+        dist.all_gather(gathered, bits, group=group)
+        for r, other in enumerate(gathered):
+            if not torch.equal(other, gathered[0]):
+                diff = (other.view(torch.float32) - gathered[0].view(torch.float32)).abs()
+                raise AssertionError(f"TP-duplicated {what}: TP rank {r} differs from TP rank "
+                                     f"0 in {int((diff != 0).sum())} elements (max "
+                                     f"{float(diff.max()):.3g})")
+
+
 def replica_snapshot(ddp) -> list[torch.Tensor]:
     return [b.detach().clone() for b in param_buffers(ddp)]
 
@@ -228,7 +263,8 @@ def finish_param_sync(ddp) -> None:
 def train_checking_replicas(ddp, optimizer, setup: Setup, steps: int,
                             before_step=None) -> list[float | None]:
     """Run ``steps`` iterations; replicas must be bitwise identical before every update,
-    after every step (without overlapped param gathers) and once the last gather lands.
+    after every step (without overlapped param gathers) and once the last gather lands; so
+    must the TP ranks' copies of what TP does not split (after steps and at the end).
     ``before_step(step)`` runs first in each iteration (e.g. SDP4Bit's set_iteration)."""
     losses = []
     for step in range(steps):
@@ -238,6 +274,8 @@ def train_checking_replicas(ddp, optimizer, setup: Setup, steps: int,
         losses.append(train_step(ddp, optimizer, setup, step, before_update=check))
         if not setup.overlap_param_gather:
             assert_replicas_identical(ddp)
+            assert_tp_copies_identical(ddp, optimizer)
     finish_param_sync(ddp)
     assert_replicas_identical(ddp)
+    assert_tp_copies_identical(ddp, optimizer)
     return losses

@@ -77,12 +77,8 @@ def same_forward_bound(loss: float) -> float:
 #     has a probability of 6e-5; 24 samples per layout estimate the RMS within about 15%).
 #     The first iteration after a TP change differs too: TP splits the row-parallel matmuls
 #     and the vocabulary's softmax differently (partial sums rounded to bf16 before the
-#     all-reduce), and under SDP4Bit the copies of TP-duplicated weights (layer norms,
-#     row-parallel biases, position embeddings) have drifted apart by the rounding noise of
-#     steps 1-4 (each TP rank has its own DP group and noise; a checkpoint keeps TP rank 0's
-#     copy). Both are rounding noise on part of the model over at most 4 steps, within (2):
-#     the baseline's first iteration after TP 2 x PP 2 -> TP 1 moved by 2.3e-5, a same-layout
-#     TP 2 resume of SDP4Bit by 6e-5 to 1.1e-4 (docs/checkpoints.md).
+#     all-reduce): rounding noise on part of the model, within (2) (the baseline's first
+#     iteration after TP 2 x PP 2 -> TP 1 moved by 2.3e-5; docs/checkpoints.md).
 NOISE_ITERATIONS = (5, 6, 7, 8)
 NOISE_FACTOR = 4
 NOISE_RECORD = os.path.join(ROOT, "benchmarks", "noise_spread.json")
@@ -149,9 +145,15 @@ def _check_continuous(ref: list[dict], resumed: list[dict], first_bound: float) 
     assert resumed[-1]["lm_loss"] < resumed[0]["lm_loss"]
 
 
-def test_same_layout_resume_is_bit_exact(reference, tmp_path, data_prefix):
-    full, _ = reference
-    resumed = _resume(reference, tmp_path, data_prefix, *LAYOUTS["dp4"])
+@pytest.mark.parametrize("layout,fixture", [("dp4", "reference"),
+                                            ("tp2pp2dp2", "model_parallel_reference")])
+def test_same_layout_resume_is_bit_exact(request, tmp_path, data_prefix, layout, fixture):
+    """Also with TP 2: the checkpoint holds one copy of the weights TP does not split (layer
+    norms, row-parallel biases, position embeddings), and the TP ranks' copies must have
+    stayed bitwise equal under SDP4Bit for the resume to continue exactly."""
+    run = request.getfixturevalue(fixture)
+    full, _ = run
+    resumed = _resume(run, tmp_path, data_prefix, *LAYOUTS[layout])
     assert [m["iteration"] for m in resumed] == [5, 6, 7, 8]
     for a, b in zip(full[SAVED_AT:], resumed):
         for key in ("lm_loss", "grad_norm", "learning_rate", "consumed_samples",

@@ -31,6 +31,10 @@ from megatron.sdp4bit.integration.param_sync import (
     make_start_param_sync,
 )
 from megatron.sdp4bit.integration.state import RunState
+from megatron.sdp4bit.integration.tp_duplicates import (
+    make_copy_model_grads_to_main_grads,
+    tp_duplicates,
+)
 from megatron.sdp4bit.integration.version import check_megatron_core_version
 
 _INSTALLED_ATTR = "_sdp4bit_installed"
@@ -196,6 +200,9 @@ def install_sdp4bit(model_chunks, optimizer, config: SDP4BitConfig, *,
                 shards.setdefault(bucket_ids[id(bucket)],
                                   MainShard(shard, bucket.param_data.device, []))
 
+    # TP > 1: the weights TP does not split stay equal on all TP ranks (tp_duplicates.py)
+    duplicates = tp_duplicates(model_chunks, bucket_ids, dp_rank_of, world_of)
+
     patched: list[tuple[object, str]] = []
     for bg in bucket_groups:
         group = bg.intra_distributed_optimizer_instance_group
@@ -209,8 +216,14 @@ def install_sdp4bit(model_chunks, optimizer, config: SDP4BitConfig, *,
         if config.quantized_weights:
             bg.start_param_sync = make_start_param_sync(
                 bg, bucket_ids=ids, shards=shards, group_id=group_id,
-                ranks_per_node=topologies[id(group)].ranks_per_node, state=state)
+                ranks_per_node=topologies[id(group)].ranks_per_node, state=state,
+                duplicates=duplicates)
             patched.append((bg, "start_param_sync"))
+    if config.quantized_gradients and duplicates is not None:
+        for opt in optimizers:
+            opt._copy_model_grads_to_main_grads = make_copy_model_grads_to_main_grads(
+                opt, duplicates, bucket_ids, dp_rank_of, world_of)
+            patched.append((opt, "_copy_model_grads_to_main_grads"))
     if config.quantized_weights:
         for opt in optimizers:
             opt._copy_main_params_to_model_params = make_copy_main_params_to_model_params(opt)

@@ -45,6 +45,7 @@ from megatron.sdp4bit.comm import weight_difference_all_gather
 from megatron.sdp4bit.comm.stats import timed
 from megatron.sdp4bit.integration.releases import post_param_sync
 from megatron.sdp4bit.integration.state import KIND_PARAM, KIND_TIED_PARAM, RunState
+from megatron.sdp4bit.integration.tp_duplicates import TPDuplicates
 from megatron.sdp4bit.integration.work import BucketGroupWork
 
 
@@ -107,10 +108,17 @@ def _tied_embedding_key(bucket) -> int | None:
 
 
 def make_start_param_sync(bucket_group, *, bucket_ids: list[int], shards: dict[int, MainShard],
-                          group_id: int, ranks_per_node: int, state: RunState):
+                          group_id: int, ranks_per_node: int, state: RunState,
+                          duplicates: TPDuplicates | None = None):
     """A ``start_param_sync`` for ``bucket_group`` (megatron-core's contract, qWD inside;
-    ``post_param_sync`` where 0.19.2 runs its post-all-gather processing)."""
+    ``post_param_sync`` where 0.19.2 runs its post-all-gather processing). With
+    ``duplicates`` (TP > 1) the TP-duplicated weights take TP rank 0's values once a
+    bucket's all-gather has landed ([Note: TP-duplicated weights] in tp_duplicates.py)."""
     tied_keys = [_tied_embedding_key(bucket) for bucket in bucket_group.buckets]
+
+    def sync_duplicates() -> None:
+        for bucket, bucket_id in zip(bucket_group.buckets, bucket_ids):
+            duplicates.sync_weights(bucket_id, bucket.param_data)
 
     def start_param_sync(self, force_sync: bool = False) -> None:
         assert self.ddp_config.use_distributed_optimizer
@@ -137,7 +145,13 @@ def make_start_param_sync(bucket_group, *, bucket_ids: list[int], shards: dict[i
                 seed=seed, stats=state.stats, ranks_per_node=ranks_per_node,
                 async_op=async_op))
             state.param_calls[bucket_id] += 1
-        self.param_gather_handle = BucketGroupWork(works) if async_op else None
+        then = sync_duplicates if duplicates is not None else None
+        if async_op:
+            self.param_gather_handle = BucketGroupWork(works, then)
+        else:
+            self.param_gather_handle = None
+            if then is not None:
+                then()
         if force_sync and self.ddp_config.overlap_param_gather:
             post_param_sync(self)
         self.param_gather_dispatched = True
