@@ -33,8 +33,11 @@ def test_mutation_applies_to_the_current_source(mutation) -> None:
     for target in mutation.targets:
         path, _, test = target.partition("::")
         assert (ROOT / path).is_file(), target
-        if test:
-            assert f"def {test}(" in (ROOT / path).read_text(), target
+        if test:  # a function of the file (a parametrized case: its id among the ids)
+            name, _, case = test.partition("[")
+            text = (ROOT / path).read_text()
+            assert f"def {name}(" in text, target
+            assert not case or f'"{case.rstrip("]")}"' in text, target
 
 
 def test_names_are_unique() -> None:
