@@ -210,7 +210,7 @@ def _methods_worker(rank: int, world_size: int, tp: int, pp: int, methods: list[
     "tp,pp,methods,overlap_methods",
     [
         (1, 1, ["qWD", "TLq", "TLq-HS", "SDP4Bit"], ["SDP4Bit"]),
-        (2, 1, ["qWD", "TLq-HS"], ["SDP4Bit"]),
+        (2, 1, ["SDP4Bit"], ["SDP4Bit"]),
         (1, 2, [], ["SDP4Bit"]),
     ],
     ids=["dp4_2x2", "tp2xdp2", "pp2xdp2"],

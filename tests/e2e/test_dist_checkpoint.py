@@ -145,8 +145,12 @@ def _check_continuous(ref: list[dict], resumed: list[dict], first_bound: float) 
     assert resumed[-1]["lm_loss"] < resumed[0]["lm_loss"]
 
 
-@pytest.mark.parametrize("layout,fixture", [("dp4", "reference"),
-                                            ("tp2pp2dp2", "model_parallel_reference")])
+# The second pass resumes at DP 4 only: megatron-core's TP and PP sharding of the checkpoint
+# are in its TP 2 x PP 2 -> TP 1 case below.
+@pytest.mark.parametrize("layout,fixture", [
+    ("dp4", "reference"),
+    pytest.param("tp2pp2dp2", "model_parallel_reference",
+                 marks=pytest.mark.release_independent)])
 def test_same_layout_resume_is_bit_exact(request, tmp_path, data_prefix, layout, fixture):
     """Also with TP 2: the checkpoint holds one copy of the weights TP does not split (layer
     norms, row-parallel biases, position embeddings), and the TP ranks' copies must have

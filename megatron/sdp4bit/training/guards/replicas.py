@@ -4,7 +4,10 @@ Every data-parallel rank holds the same model replica (bitwise, by construction 
 weight all-gather). Every N iterations each rank computes a 64-bit checksum of every DDP
 bucket's parameter buffer, the DP ranks compare them (one all-gather of a few integers), and
 the first bucket whose checksums differ stops the run with one line naming the bucket, its
-first parameters and two ranks that disagree. Cost: one read of the parameters per check.
+first parameters and two ranks that disagree. With TP > 1 the tensor-parallel ranks also
+compare their copies of the weights TP does not split (layer norms, row-parallel biases,
+position embeddings), which must be bitwise equal too: one checksum per such parameter, one
+all-gather over the TP group. Cost: one read of the parameters per check.
 """
 
 from __future__ import annotations
@@ -34,10 +37,17 @@ def checksum(data: torch.Tensor) -> int:
     return total
 
 
+def _short(name: str) -> str:
+    """A parameter's name without the wrappers' ``module.`` prefixes (DDP, Float16Module)."""
+    while name.startswith("module."):
+        name = name[len("module."):]
+    return name
+
+
 def _buckets(model_chunks) -> list[tuple[object, str]]:
     out = []
     for chunk in model_chunks:
-        names = {p: n for n, p in chunk.named_parameters()}
+        names = {p: _short(n) for n, p in chunk.named_parameters()}
         for buffer in chunk.buffers:
             for bucket in buffer.buckets:
                 first = sorted(names.get(p, "?") for p in bucket.params)[:2]
@@ -81,3 +91,30 @@ def check_replicas(model_chunks, iteration: int, *, finish_gather: bool = False)
                 f"bucket {b} ({bucket.param_data.numel()} elements: {names}, ...) differs "
                 f"between DP ranks 0 and {other}; the run stops (a bug or a hardware fault: "
                 "resume from the last checkpoint)")
+    _check_tp_copies(model_chunks, iteration, device)
+
+
+def _check_tp_copies(model_chunks, iteration: int, device: torch.device) -> None:
+    """The TP ranks' copies of every parameter TP does not split are bitwise equal."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    copies = [(_short(name), param) for chunk in model_chunks
+              for name, param in chunk.named_parameters()
+              if not getattr(param, "tensor_model_parallel", False)]
+    if not copies:
+        return
+    mine = torch.tensor([checksum(p.detach().reshape(-1)) for _, p in copies],
+                        dtype=torch.int64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    table = torch.stack(every).cpu()  # [TP ranks, duplicated parameters]
+    for i, (name, _) in enumerate(copies):
+        column = table[:, i]
+        if (column != column[0]).any():
+            other = int((column != column[0]).nonzero()[0])
+            raise ReplicaMismatch(
+                f"the tensor-parallel ranks' copies of {name} (a weight TP does not split) "
+                f"differ at iteration {iteration}: TP ranks 0 and {other}; the run stops (a "
+                "bug or a hardware fault: resume from the last checkpoint)")
