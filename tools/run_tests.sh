@@ -6,11 +6,12 @@
 #      but the spawn helper's, tests/e2e but those marked release_independent) again in
 #      .venv-mcore019, against megatron-core 0.19.2, the release for
 #      Python >= 3.12. 0.19.2 declares Python >= 3.12 but its cp311 wheel runs on 3.11, so it
-#      is installed there with --ignore-requires-python: a test-only environment.
+#      is installed there with --ignore-requires-python: a test-only environment, which holds
+#      megatron-core and this project and reads every other package from .venv.
 # Both environments are created on first use. The passes run at the same time: pass 1 starts
 # with the unit tests (one core each, mostly), while pass 2 creates its environment and runs
-# its multi-process tests on the other core; pass 2's output is printed when both are done. SDP4BIT_SEQUENTIAL=1 runs them
-# one after the other. Usage:
+# its multi-process tests on the other core; pass 2's output is printed when both are done.
+# SDP4BIT_SEQUENTIAL=1 runs them one after the other. Usage:
 #   bash tools/run_tests.sh [pytest arguments]
 # Test paths among the arguments select what runs: pass 1 runs them, pass 2 those of them that
 # are integration or end-to-end tests. SDP4BIT_SKIP_MCORE019=1 skips pass 2.
@@ -64,7 +65,9 @@ pass1() {
 pass2() {
     (
         set -e
-        export SDP4BIT_VENV=.venv-mcore019 SDP4BIT_MEGATRON_CORE="$MCORE_NEW"
+        # megatron-core 0.19.2 over .venv's other packages (created first, by pass 1's setup)
+        export SDP4BIT_VENV=.venv-mcore019 SDP4BIT_MEGATRON_CORE="$MCORE_NEW" \
+            SDP4BIT_BASE_VENV=.venv
         source tools/setup_env.sh
         echo "== pass 2: ${second[*]} with megatron-core $MCORE_NEW (.venv-mcore019, test-only)"
         # The tests check that this is the megatron-core they run against.

@@ -6,13 +6,23 @@
 #                           requirements.txt picks for this Python, with --no-deps
 #                           --ignore-requires-python. Test-only: tools/run_tests.sh uses it to
 #                           test megatron-core 0.19.2 (which requires Python >= 3.12) on 3.11.
+#   SDP4BIT_BASE_VENV       with SDP4BIT_MEGATRON_CORE: an environment set up by this script
+#                           whose packages the new one reads (a .pth line puts its
+#                           site-packages after the new one's), so that only megatron-core and
+#                           this project are installed (test-only: seconds instead of a minute).
 set -euo pipefail
 PYTHON="${PYTHON:-python3.11}"
 command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
 _venv="${SDP4BIT_VENV:-.venv}"
 _mcore="${SDP4BIT_MEGATRON_CORE:-}"
+_base=""
+if [ -n "$_mcore" ] && [ -n "${SDP4BIT_BASE_VENV:-}" ]; then
+    _base="$(cd "$SDP4BIT_BASE_VENV" && pwd)"
+    [ -f "$_base/.installed" ] || { echo "setup_env.sh: SDP4BIT_BASE_VENV=$SDP4BIT_BASE_VENV" \
+        "is not an environment set up by this script" >&2; return 2; }
+fi
 _stamp="$_venv/.installed"
-_want="requirements.txt${_mcore:+ megatron-core==$_mcore}"
+_want="requirements.txt${_mcore:+ megatron-core==$_mcore}${_base:+ over $_base}"
 
 # pip, quiet, without the notices some machines' pip.conf causes for absent local indexes
 _sdp4bit_pip() {
@@ -22,18 +32,31 @@ _sdp4bit_pip() {
 
 if [ ! -x "$_venv/bin/python" ]; then
     echo "== creating $_venv ($("$PYTHON" --version 2>&1))"
-    "$PYTHON" -m venv "$_venv"
+    # Over a base environment, its pip and setuptools are used (no older copies in front).
+    "$PYTHON" -m venv ${_base:+--without-pip} "$_venv"
 fi
 source "$_venv/bin/activate"
 if ! python -c "import megatron.sdp4bit, megatron.core, torch, triton" >/dev/null 2>&1 \
     || [ ! -f "$_stamp" ] || [ "$(cat "$_stamp")" != "$_want" ] \
     || [ requirements.txt -nt "$_stamp" ] || [ setup.py -nt "$_stamp" ]; then
-    echo "== $_venv: installing the pinned packages of requirements.txt (first run: a few minutes)"
-    _sdp4bit_pip install -q --upgrade pip
+    if [ -n "$_base" ]; then
+        # Every other package (pip too) from the base environment, after this one's own.
+        echo "== $_venv: the packages of $_base, megatron-core apart (test-only)"
+        _site="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+        _base_site="$("$_base/bin/python" -c \
+            'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+        echo "import site; site.addsitedir('$_base_site')" > "$_site/_sdp4bit_base_venv.pth"
+        unset _site _base_site
+    else
+        echo "== $_venv: installing the pinned packages of requirements.txt (first run: a few minutes)"
+        _sdp4bit_pip install -q --upgrade pip
+    fi
     if [ -n "$_mcore" ]; then
-        # Everything but megatron-core, which comes next, unchecked against this Python.
-        grep -v -i "^megatron[-_]core" requirements.txt > "$_venv/requirements-no-mcore.txt"
-        _sdp4bit_pip install -q -r "$_venv/requirements-no-mcore.txt"
+        if [ -z "$_base" ]; then
+            # Everything but megatron-core, which comes next, unchecked against this Python.
+            grep -v -i "^megatron[-_]core" requirements.txt > "$_venv/requirements-no-mcore.txt"
+            _sdp4bit_pip install -q -r "$_venv/requirements-no-mcore.txt"
+        fi
         echo "== $_venv: installing megatron-core==$_mcore with --ignore-requires-python (test-only)"
         _sdp4bit_pip install -q --no-deps --ignore-requires-python "megatron-core==$_mcore"
     else
@@ -44,5 +67,5 @@ if ! python -c "import megatron.sdp4bit, megatron.core, torch, triton" >/dev/nul
     echo "$_want" > "$_stamp"
 fi
 unset -f _sdp4bit_pip
-unset _venv _mcore _stamp _want
+unset _venv _mcore _base _stamp _want
 set +euo pipefail
