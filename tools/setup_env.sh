@@ -46,7 +46,15 @@ if ! python -c "import megatron.sdp4bit, megatron.core, torch, triton" >/dev/nul
         _base_site="$("$_base/bin/python" -c \
             'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
         echo "import site; site.addsitedir('$_base_site')" > "$_site/_sdp4bit_base_venv.pth"
-        unset _site _base_site
+        # and its commands (torchrun, ...), run by this environment's interpreter
+        for _cmd in "$_base"/bin/*; do
+            [ -e "$_venv/bin/${_cmd##*/}" ] && continue
+            head -n 1 "$_cmd" 2>/dev/null | grep -qx "#!$_base/bin/python[0-9.]*" || continue
+            { echo "#!$(cd "$_venv" && pwd)/bin/python"; tail -n +2 "$_cmd"; } \
+                > "$_venv/bin/${_cmd##*/}"
+            chmod +x "$_venv/bin/${_cmd##*/}"
+        done
+        unset _site _base_site _cmd
     else
         echo "== $_venv: installing the pinned packages of requirements.txt (first run: a few minutes)"
         _sdp4bit_pip install -q --upgrade pip
