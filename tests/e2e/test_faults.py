@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -149,11 +150,25 @@ def _train_and_save(tmp_path, extra=(), iters=8, env=None) -> tuple[str, list]:
     return ckpt, res
 
 
-@pytest.mark.release_independent
-def test_checkpoint_tampering_and_damage_are_named(tmp_path):
-    ckpt, res = _train_and_save(tmp_path)
+@pytest.fixture(scope="module")
+def trained_4(tmp_path_factory) -> str:
+    """A healthy SDP4Bit run's per-rank checkpoint of iteration 4, shared by the tests below
+    that damage or refuse it (each takes a copy: :func:`copy_of_trained_4`)."""
+    ckpt, res = _train_and_save(tmp_path_factory.mktemp("trained_4"), iters=4)
     assert res.returncode == 0, res.stderr[-3000:]
-    target = os.path.join(ckpt, "iter_0000008", "rank_00002.pt")
+    return ckpt
+
+
+def copy_of_trained_4(trained_4: str, tmp_path) -> str:
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(trained_4, ckpt)
+    return ckpt
+
+
+@pytest.mark.release_independent
+def test_checkpoint_tampering_and_damage_are_named(trained_4, tmp_path):
+    ckpt = copy_of_trained_4(trained_4, tmp_path)
+    target = os.path.join(ckpt, "iter_0000004", "rank_00002.pt")
     data = bytearray(open(target, "rb").read())
     data[len(data) // 2] ^= 0x01  # one bit, inside the tensors
     open(target, "wb").write(bytes(data))
@@ -167,11 +182,12 @@ def test_checkpoint_tampering_and_damage_are_named(tmp_path):
         f"checkpoint file {target} is missing: the checkpoint is incomplete; load an earlier "
         "one")
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
-        f.write("eight\n")
+        f.write("four\n")
     assert one_error_line(launch(resume)).startswith(
-        f"{ckpt}/latest_checkpointed_iteration.txt holds 'eight', not an iteration number")
+        f"{ckpt}/latest_checkpointed_iteration.txt holds 'four', not an iteration number")
 
 
+@pytest.mark.release_independent  # SDP4Bit's save; the per-rank load: --no-load-optim's test
 def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path):
     ckpt, res = _train_and_save(tmp_path, env={"SDP4BIT_FAULT": "die-saving@8:1"})
     assert res.returncode != 0
@@ -185,9 +201,8 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path):
 
 
 @pytest.mark.release_independent
-def test_runs_do_not_clobber_each_others_checkpoints(tmp_path):
-    ckpt, res = _train_and_save(tmp_path, iters=4)
-    assert res.returncode == 0, res.stderr[-3000:]
+def test_runs_do_not_clobber_each_others_checkpoints(trained_4, tmp_path):
+    ckpt = copy_of_trained_4(trained_4, tmp_path)
     fresh = SHORT + SDP4BIT + ["--mock-data", "--save", ckpt]
     assert one_error_line(launch(fresh)) == (
         f"--save {ckpt} already holds checkpoints up to iteration 4 of another run: resume it "
@@ -204,9 +219,8 @@ def test_runs_do_not_clobber_each_others_checkpoints(tmp_path):
 
 
 @pytest.mark.release_independent
-def test_resume_checks_layout_schedule_and_method(tmp_path):
-    ckpt, res = _train_and_save(tmp_path, iters=4)
-    assert res.returncode == 0, res.stderr[-3000:]
+def test_resume_checks_layout_schedule_and_method(trained_4, tmp_path):
+    ckpt = copy_of_trained_4(trained_4, tmp_path)
     resume = SHORT + ["--mock-data", "--load", ckpt]
     tp2 = resume + METHODS["SDP4Bit"] + ["--tensor-model-parallel-size", "2",
                                         "--dp-ranks-per-node", "1"]
