@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,15 +30,9 @@ TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32
         "--quantized-gradients --hadamard-transform").split()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(flags: list[str], timeout: int) -> tuple[bool, str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-           "--master-port", str(_free_port()), os.path.join(ROOT, "pretrain_gpt.py"), *flags]
+           "--standalone", os.path.join(ROOT, "pretrain_gpt.py"), *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
                          cwd=ROOT)

@@ -2,8 +2,9 @@
 
 ``spawn(fn, world_size, *args, timeout=...)`` starts ``world_size`` processes, gives each
 the test process's environment plus the usual torchrun variables (``MASTER_ADDR``,
-``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``), initialises the default process
-group on gloo, calls ``fn(rank, world_size, *args)``, and destroys the group.
+``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``; the store is the parent's, bound to
+a port the OS picks, as torchrun's agent hosts it), initialises the default process group on
+gloo, calls ``fn(rank, world_size, *args)``, and destroys the group.
 
 The processes are forks of the session's fork server (``tests/_forkserver.py``: torch and
 megatron-core imported once); the test process's environment is sent with every start.
@@ -16,6 +17,7 @@ functions), as the forkserver start method requires.
 
 from __future__ import annotations
 
+import datetime
 import os
 import queue
 import socket
@@ -61,6 +63,8 @@ def _child(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
+        # the store is the parent's (as torchrun's agent hosts it): every rank is its client
+        TORCHELASTIC_USE_AGENT_STORE="True",
     )
     # Several ranks share few cores: one intra-op thread each avoids oversubscription.
     torch.set_num_threads(1)
@@ -101,7 +105,11 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
         raise ValueError(f"world_size={world_size} must be >= 1")
     ctx = _forkserver.context()
     results = ctx.Queue()
-    port = free_port()
+    # The ranks' store, hosted here on a port the OS picks as it binds (a port found free
+    # and bound later by rank 0 could be taken meanwhile by a test running beside this one).
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout))
+    port = store.port
     environ = dict(os.environ)
     procs = [
         ctx.Process(target=_child, args=(rank, world_size, port, fn, args, results, environ),

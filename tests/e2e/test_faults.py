@@ -24,7 +24,7 @@ import pytest
 
 from tests.e2e import _launch
 from tests.e2e.test_pretrain_gpt import (
-    METHODS, ROOT, TINY, _env, _free_port, torchrun, train_lines)
+    METHODS, ROOT, TINY, _env, torchrun, train_lines)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -289,7 +289,7 @@ def _training_job(extra: list[str]):
     flags = SHORT + SDP4BIT + ["--mock-data", *extra]
     flags[flags.index("--train-iters") + 1] = "100000"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-           "--master-port", str(_free_port()), os.path.join(ROOT, "pretrain_gpt.py"), *flags]
+           "--standalone", os.path.join(ROOT, "pretrain_gpt.py"), *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=_env(), cwd=ROOT, start_new_session=True)
     try:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -20,12 +19,6 @@ NOISE = ("Apex is not installed", "Transformer Engine and Apex are not installed
          "GPTModel IS DEPRECATED", "full_param_layout not provided", "MimoModelConfig")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_train_samples_and_exit_duration(tmp_path):
@@ -33,7 +26,7 @@ def test_train_samples_and_exit_duration(tmp_path):
     passed after the first, so both ranks stop there, after saving a checkpoint."""
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "new" / "metrics.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(_free_port()), os.path.join(ROOT, "pretrain_gpt.py"),
+           "--standalone", os.path.join(ROOT, "pretrain_gpt.py"),
            *("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
              "--micro-batch-size 2 --global-batch-size 16 --train-samples 170 "
              "--lr-warmup-samples 32 --lr 1e-3 --bf16 --use-distributed-optimizer --mock-data "

@@ -59,7 +59,7 @@ def torchrun(args: list[str], nproc: int = 4, timeout: int = 300, env: dict | No
     script, environ = os.path.join(ROOT, "pretrain_gpt.py"), {**_env(), **(env or {})}
     if real:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(_free_port()), script, *args]
+               "--standalone", script, *args]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                              env=environ, cwd=ROOT)
     else:
