@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron.sdp4bit.integration.tp_duplicates import is_tp_duplicate
+
 _CHUNK = 1 << 20
 
 
@@ -102,7 +104,7 @@ def _check_tp_copies(model_chunks, iteration: int, device: torch.device) -> None
         return
     copies = [(_short(name), param) for chunk in model_chunks
               for name, param in chunk.named_parameters()
-              if not getattr(param, "tensor_model_parallel", False)]
+              if is_tp_duplicate(param)]
     if not copies:
         return
     mine = torch.tensor([checksum(p.detach().reshape(-1)) for _, p in copies],
