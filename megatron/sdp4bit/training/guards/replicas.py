@@ -74,49 +74,52 @@ def check_replicas(model_chunks, iteration: int, *, finish_gather: bool = False)
     if finish_gather:
         for chunk in model_chunks:
             chunk.start_param_sync(force_sync=True)
-    group = parallel_state.get_data_parallel_group()
     buckets = _buckets(model_chunks)
     if not buckets:
         return
     device = buckets[0][0].param_data.device
-    mine = torch.tensor([checksum(b.param_data) for b, _ in buckets], dtype=torch.int64,
-                        device=device)
+    found = _first_disagreement([checksum(b.param_data) for b, _ in buckets],
+                                parallel_state.get_data_parallel_group(), device)
+    if found is not None:
+        b, other = found
+        bucket, names = buckets[b]
+        raise ReplicaMismatch(
+            f"model replicas differ across data-parallel ranks at iteration {iteration}: "
+            f"bucket {b} ({bucket.param_data.numel()} elements: {names}, ...) differs "
+            f"between DP ranks 0 and {other}; the run stops (a bug or a hardware fault: "
+            "resume from the last checkpoint)")
+    _check_tp_copies(model_chunks, iteration, device)
+
+
+def _first_disagreement(checksums: list[int], group, device: torch.device):
+    """Collective over ``group``: the first index whose checksum differs between the group's
+    ranks and a rank whose value differs from rank 0's, or None."""
+    mine = torch.tensor(checksums, dtype=torch.int64, device=device)
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
-    table = torch.stack(every).cpu()  # [DP ranks, buckets]
-    for b, (bucket, names) in enumerate(buckets):
-        column = table[:, b]
+    table = torch.stack(every).cpu()  # [ranks, checksums]
+    for i in range(table.shape[1]):
+        column = table[:, i]
         if (column != column[0]).any():
-            other = int((column != column[0]).nonzero()[0])
-            raise ReplicaMismatch(
-                f"model replicas differ across data-parallel ranks at iteration {iteration}: "
-                f"bucket {b} ({bucket.param_data.numel()} elements: {names}, ...) differs "
-                f"between DP ranks 0 and {other}; the run stops (a bug or a hardware fault: "
-                "resume from the last checkpoint)")
-    _check_tp_copies(model_chunks, iteration, device)
+            return i, int((column != column[0]).nonzero()[0])
+    return None
 
 
 def _check_tp_copies(model_chunks, iteration: int, device: torch.device) -> None:
     """The TP ranks' copies of every parameter TP does not split are bitwise equal."""
     group = parallel_state.get_tensor_model_parallel_group()
-    world = dist.get_world_size(group)
-    if world == 1:
+    if dist.get_world_size(group) == 1:
         return
     copies = [(_short(name), param) for chunk in model_chunks
               for name, param in chunk.named_parameters()
               if is_tp_duplicate(param)]
     if not copies:
         return
-    mine = torch.tensor([checksum(p.detach().reshape(-1)) for _, p in copies],
-                        dtype=torch.int64, device=device)
-    every = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine, group=group)
-    table = torch.stack(every).cpu()  # [TP ranks, duplicated parameters]
-    for i, (name, _) in enumerate(copies):
-        column = table[:, i]
-        if (column != column[0]).any():
-            other = int((column != column[0]).nonzero()[0])
-            raise ReplicaMismatch(
-                f"the tensor-parallel ranks' copies of {name} (a weight TP does not split) "
-                f"differ at iteration {iteration}: TP ranks 0 and {other}; the run stops (a "
-                "bug or a hardware fault: resume from the last checkpoint)")
+    found = _first_disagreement([checksum(p.detach().reshape(-1)) for _, p in copies], group,
+                                device)
+    if found is not None:
+        i, other = found
+        raise ReplicaMismatch(
+            f"the tensor-parallel ranks' copies of {copies[i][0]} (a weight TP does not split) "
+            f"differ at iteration {iteration}: TP ranks 0 and {other}; the run stops (a "
+            "bug or a hardware fault: resume from the last checkpoint)")
