@@ -20,7 +20,6 @@ from __future__ import annotations
 import datetime
 import os
 import queue
-import socket
 import sys
 import time
 import traceback
@@ -36,14 +35,7 @@ if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 import _forkserver  # noqa: E402
 
-__all__ = ["spawn", "free_port"]
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+__all__ = ["spawn"]
 
 
 def _child(
