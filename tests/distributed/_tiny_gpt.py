@@ -199,16 +199,21 @@ def param_buffers(ddp) -> list[torch.Tensor]:
     return [buf.param_data for buf in ddp.buffers + ddp.expert_parallel_buffers]
 
 
+def _gathered_bytes(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` of ``group``, as raw bytes (gloo has no int16)."""
+    bits = tensor.detach().contiguous().view(torch.uint8)
+    gathered = [torch.empty_like(bits) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, bits, group=group)
+    return gathered
+
+
 def assert_replicas_identical(ddp) -> None:
     """Every DP rank holds bitwise the same parameter buffers (compared as raw bits)."""
     from megatron.core import parallel_state
 
     group = parallel_state.get_data_parallel_group()
-    world = dist.get_world_size(group)
     for i, buf in enumerate(param_buffers(ddp)):
-        bits = buf.detach().view(torch.uint8)  # raw bytes: gloo has no int16
-        gathered = [torch.empty_like(bits) for _ in range(world)]
-        dist.all_gather(gathered, bits.contiguous(), group=group)
+        gathered = _gathered_bytes(buf, group)
         for r, other in enumerate(gathered):
             if not torch.equal(other, gathered[0]):
                 n = int((other != gathered[0]).sum())
@@ -223,8 +228,7 @@ def assert_tp_copies_identical(ddp, optimizer) -> None:
     from megatron.core import parallel_state
 
     group = parallel_state.get_tensor_model_parallel_group()
-    world = dist.get_world_size(group)
-    if world == 1:
+    if dist.get_world_size(group) == 1:
         return
 
     def duplicated(param) -> bool:
@@ -238,10 +242,7 @@ def assert_tp_copies_identical(ddp, optimizer) -> None:
             for p, m in zip(model_group, main_group) if duplicated(p)]
     assert replica, "no TP-duplicated parameter: nothing checked"
     for what, pieces in (("replica", replica), ("fp32 main weights", main)):
-        values = torch.cat(pieces) if pieces else torch.zeros(0)
-        bits = values.contiguous().view(torch.uint8)  # raw bytes
-        gathered = [torch.empty_like(bits) for _ in range(world)]
-        dist.all_gather(gathered, bits, group=group)
+        gathered = _gathered_bytes(torch.cat(pieces) if pieces else torch.zeros(0), group)
         for r, other in enumerate(gathered):
             if not torch.equal(other, gathered[0]):
                 diff = (other.view(torch.float32) - gathered[0].view(torch.float32)).abs()
