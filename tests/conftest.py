@@ -1,8 +1,7 @@
-"""Puts this folder on ``sys.path`` so that helpers shared by the test folders (``_noise.py``)
-import by name, in pytest and in the processes the distributed tests spawn (spawn passes
-``sys.path`` on).
+"""The test session's settings. The tests import their shared code as the package
+``tests.helpers`` (the repository's root is on ``sys.path``: pyproject.toml's ``pythonpath``).
 
-In ``tools/run_tests.sh``'s second pass (``SDP4BIT_RELEASE_PASS=1``: the integration and
+In ``dev/run_tests.sh``'s second pass (``SDP4BIT_RELEASE_PASS=1``: the integration and
 end-to-end tests again, against the other megatron-core release) the tests marked
 ``release_independent`` are deselected (pytest counts them as deselected, not as passed):
 they test what no megatron-core release can change (SDP4Bit's own input, file, lock, resume
@@ -12,12 +11,6 @@ runs them all.
 """
 
 import os
-import pathlib
-import sys
-
-_HERE = str(pathlib.Path(__file__).parent)
-if _HERE not in sys.path:
-    sys.path.insert(0, _HERE)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -23,6 +23,6 @@ python -m pytest -q -m gpu tests/gpu 2>&1 | tee "$OUT_DIR/gpu_tests.log" || stat
 
 if [[ "${1:-}" != "--skip-bench" ]]; then
     echo "== kernel benchmark"
-    python tools/bench_quantization.py --write-results 2>&1 | tee "$OUT_DIR/bench.log" || status=1
+    python -m benchmarks.quantization --write-results 2>&1 | tee "$OUT_DIR/bench.log" || status=1
 fi
 exit $status

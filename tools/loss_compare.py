@@ -33,10 +33,10 @@ import sys
 import time
 from pathlib import Path
 
+from megatron.sdp4bit.training.observe.metrics_file import read_metrics
+from megatron.sdp4bit.training.observe.plots import pyplot, save_small
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plot_metrics import pyplot, save_small  # noqa: E402  (sibling tools, not a package)
-from summarize_metrics import read_metrics  # noqa: E402
 
 _TLQ = ["--quantized-gradients", "--gq-group-size-intra", "128", "--gq-group-size-inter", "128"]
 _QWD = ["--quantized-weights"]

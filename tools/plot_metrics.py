@@ -23,8 +23,8 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from summarize_metrics import read_metrics  # noqa: E402  (sibling tool, not a package)
+from megatron.sdp4bit.training.observe.metrics_file import read_metrics
+from megatron.sdp4bit.training.observe.plots import pyplot, save_small
 
 # (metrics key, bar label); the ideal unquantized figure is under "baseline_" + key.
 HOPS = (
@@ -33,32 +33,6 @@ HOPS = (
     ("comm_bytes_grads_intra", "gradients,\nintra-node hop"),
     ("comm_bytes_grads_inter", "gradients,\ninter-node hop"),
 )
-
-
-def pyplot(tool: str):
-    """matplotlib's pyplot on the file-only Agg backend, or exit with how to install it."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise SystemExit(f"{tool}: drawing needs matplotlib: pip install 'matplotlib>=3.8' "
-                         "(it is in requirements.txt)") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save_small(fig, path: Path) -> None:
-    """Write ``fig`` as a PNG with a 256-colour palette: a plot of a few line colours looks
-    the same and the file is 2-3x smaller (these pictures are committed)."""
-    import io
-
-    from PIL import Image  # matplotlib's own dependency
-
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    buffer.seek(0)
-    Image.open(buffer).convert("RGB").quantize(256).save(path, optimize=True)
 
 
 class Run:

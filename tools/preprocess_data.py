@@ -32,7 +32,6 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 # megatron-core warns on import that Transformer Engine/Apex are absent; neither is used here.
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 

@@ -4,7 +4,7 @@
 #   SDP4BIT_VENV            the environment's folder (default .venv)
 #   SDP4BIT_MEGATRON_CORE   a megatron-core version to install instead of the one
 #                           requirements.txt picks for this Python, with --no-deps
-#                           --ignore-requires-python. Test-only: tools/run_tests.sh uses it to
+#                           --ignore-requires-python. Test-only: dev/run_tests.sh uses it to
 #                           test megatron-core 0.19.2 (which requires Python >= 3.12) on 3.11.
 #   SDP4BIT_BASE_VENV       with SDP4BIT_MEGATRON_CORE: an environment set up by this script
 #                           whose packages the new one reads (a .pth line puts its

@@ -16,9 +16,10 @@ the early iterations send unquantized gradients on purpose.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
+
+from megatron.sdp4bit.training.observe.metrics_file import read_metrics
 
 # (metrics key, label); the ideal unquantized equivalent is under "baseline_" + key.
 COLLECTIVES = (
@@ -27,26 +28,6 @@ COLLECTIVES = (
     ("comm_bytes_grads_intra", "gradients, intra-node hop"),
     ("comm_bytes_grads_inter", "gradients, inter-node hop"),
 )
-
-
-def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
-    """Return (training records, validation records), each in file order."""
-    train, val = [], []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{line_no}: not JSON ({err.msg})") from err
-            if "lm_loss" in record:
-                train.append(record)
-            elif "val_lm_loss" in record:
-                val.append(record)
-    if not train:
-        raise ValueError(f"{path}: no training iteration was logged")
-    return train, val
 
 
 def _mb(n: float) -> str:

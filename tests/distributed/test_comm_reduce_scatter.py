@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from _spawn import spawn
+from tests.helpers import rs_bounds as rsb
+from tests.helpers.spawn import spawn
 from megatron.sdp4bit.quantization.backend import triton_available
 
 pytestmark = pytest.mark.distributed
@@ -43,56 +44,13 @@ G_INTRA, G_INTER, H = 64, 32, 32
 SHARD = 512  # elements per rank's shard: a multiple of the divisor's per-shard unit at P=4
 
 
-def _qmax(bits: int) -> int:
-    return 2 ** (bits - 1) - 1
-
-
-def _group_absmax(v: torch.Tensor, g: int) -> torch.Tensor:
-    """Per-element absmax of the aligned group of g holding it; v [..., S]."""
-    shape = v.shape
-    return v.abs().reshape(*shape[:-1], -1, g).amax(-1, keepdim=True).expand(
-        *shape[:-1], shape[-1] // g, g).reshape(shape)
-
-
-def _hadamard64(v: torch.Tensor, block: int) -> torch.Tensor:
-    from megatron.sdp4bit.quantization.hadamard import hadamard_matrix
-
-    h = hadamard_matrix(block).double()
-    return (v.reshape(-1, block) @ h).reshape(v.shape)
-
-
-def _bounds(shards: torch.Tensor, n: int, m: int, cfg, avg: bool, rho: float
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(B [S] rigorous, per-element; V-terms [S]; sum_k |x_k| [S]) in the transform domain.
-
-    ``shards`` [W, S] fp64: every rank's input for this rank's shard. ``rho`` = 1 for
-    stochastic rounding, 1/2 for nearest.
-    """
-    x = _hadamard64(shards, cfg.hadamard_block) if cfg.hadamard_block else shards
-    w = n * m
-    if n > 1 and m > 1:
-        s1 = _group_absmax(x, cfg.intra_group_size) / _qmax(cfg.intra_bits)  # [W, S]
-        partial = x.view(m, n, -1).sum(1)
-        e1_node = (rho * s1).view(m, n, -1).sum(1)
-        s2 = _group_absmax(partial.abs() + e1_node, cfg.inter_group_size) / _qmax(cfg.inter_bits)
-        bound = rho * (s1.sum(0) + s2.sum(0))
-        var = (s1.square().sum(0) + s2.square().sum(0)) / 4
-    else:
-        bits, g = ((cfg.intra_bits, cfg.intra_group_size) if m == 1
-                   else (cfg.inter_bits, cfg.inter_group_size))
-        s = _group_absmax(x, g) / _qmax(bits)
-        bound, var = rho * s.sum(0), s.square().sum(0) / 4
-    scale = 1.0 / w if avg else 1.0
-    return bound * scale, var * scale**2, x.abs().sum(0) * scale
-
-
 def _check_error(out: torch.Tensor, shards: torch.Tensor, n: int, m: int, cfg, avg: bool,
                  statistical: bool = True) -> float:
     """Assert the bounds of the module docstring; return the relative L2 error."""
     ref = shards.sum(0) / (n * m if avg else 1)
     err = out.double() - ref
     rho = 1.0 if cfg.stochastic else 0.5
-    bound, var, mag = _bounds(shards, n, m, cfg, avg, rho)
+    bound, var, mag = rsb.bounds(shards, n, m, cfg, avg, rho)
     out_round = 2.0**-8 * (ref.abs() + bound) if out.dtype == torch.bfloat16 else 0 * ref
     block = cfg.hadamard_block or 1
     # per element (no Hadamard) or per block 2-norm (Hadamard: orthonormal per block)
@@ -106,14 +64,6 @@ def _check_error(out: torch.Tensor, shards: torch.Tensor, n: int, m: int, cfg, a
         assert noise.item() ** 2 <= 2 * var.sum().item(), (
             f"||err||^2 = {noise.item() ** 2:.4g} > 2 V = {2 * var.sum().item():.4g}")
     return (err.norm() / ref.norm()).item()
-
-
-def _gather_shards(x: torch.Tensor, group, world: int, rank: int) -> torch.Tensor:
-    """[W, S] fp64: every rank's input values for this rank's shard."""
-    everything = torch.empty(world * x.numel(), dtype=torch.float64)
-    dist.all_gather_single(everything, x.double(), group=group)
-    s = x.numel() // world
-    return everything.view(world, world, s)[:, rank, :]
 
 
 def _data(rank: int, length: int, seed: int, outliers: bool = False) -> torch.Tensor:
@@ -146,7 +96,7 @@ def _accuracy_cases(topo, world: int, rank: int) -> None:
             if h is not None:
                 assert h.wait() and h.is_completed()
         for o, x in zip(outs, xs):
-            shards = _gather_shards(x, topo.group, world, rank)
+            shards = rsb.gather_shards(x, topo.group, world, rank)
             _check_error(o, shards, topo.ranks_per_node, topo.nodes, cfg, op == ReduceOp.AVG)
     # In place, as megatron-core calls it: the output is this rank's shard of the input.
     for async_op in (False, True):
@@ -166,9 +116,9 @@ def _accuracy_cases(topo, world: int, rank: int) -> None:
     ours, theirs = torch.empty(SHARD), torch.empty(SHARD)
     two_level_reduce_scatter(ours, x, topology=topo, config=cfg, seed=3)
     dist.reduce_scatter_single(theirs, x.clone(), group=topo.group)
-    shards = _gather_shards(x, topo.group, world, rank)
-    bound, _, mag = _bounds(shards, topo.ranks_per_node, topo.nodes, cfg, False, 1.0)
-    diff = _hadamard64(ours.double() - theirs.double(), H)
+    shards = rsb.gather_shards(x, topo.group, world, rank)
+    bound, _, mag = rsb.bounds(shards, topo.ranks_per_node, topo.nodes, cfg, False, 1.0)
+    diff = rsb.hadamard64(ours.double() - theirs.double(), H)
     assert (diff.view(-1, H).norm(dim=1)
             <= (bound * 1.001 + 2e-5 * mag).view(-1, H).norm(dim=1)).all()
 
@@ -187,14 +137,14 @@ def _pipeline_and_variant_cases(topo, world: int, rank: int) -> None:
         out = torch.empty(SHARD)
         two_level_reduce_scatter(out, x, topology=topo, config=cfg, seed=1)
         results.append(out)
-    shards = _gather_shards(x, topo.group, world, rank)
+    shards = rsb.gather_shards(x, topo.group, world, rank)
     _check_error(results[0], shards, n, m, cfg, False, statistical=False)
     for p, out in zip((2, 4), results[1:]):
         assert torch.equal(out, results[0]), f"P={p} differs from P=1 with nearest rounding"
 
     # Outlier-heavy gradients: the Hadamard transform lowers the error.
     xo = _data(rank, world * SHARD, 6, outliers=True)
-    shards_o = _gather_shards(xo, topo.group, world, rank)
+    shards_o = rsb.gather_shards(xo, topo.group, world, rank)
     errs = {}
     for hb in (0, H):
         cfg = GradientQuantConfig(intra_group_size=G_INTRA, inter_group_size=G_INTER,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _spawn import spawn
+from tests.helpers.spawn import spawn
 
 pytestmark = pytest.mark.distributed
 
@@ -22,7 +22,7 @@ MIN_RELATIVE_DROP = 0.25
 
 
 def _train_and_check(setup) -> list[float | None]:
-    import _tiny_gpt as T
+    from tests.helpers import tiny_gpt as T
 
     from megatron.core import parallel_state
 
@@ -43,7 +43,7 @@ def _assert_trains(losses: list[float | None], what: str) -> None:
 
 
 def _worker(rank: int, world_size: int, tp: int, pp: int, setups: list) -> None:
-    import _tiny_gpt as T
+    from tests.helpers import tiny_gpt as T
 
     T.init_parallel(tp, pp)
     for setup in setups:
@@ -51,7 +51,7 @@ def _worker(rank: int, world_size: int, tp: int, pp: int, setups: list) -> None:
 
 
 def _setups(*, pp: int):
-    from _tiny_gpt import Setup
+    from tests.helpers.tiny_gpt import Setup
 
     overlap = Setup(overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=12_000,
                     num_microbatches=2 if pp > 1 else 1)
@@ -60,7 +60,7 @@ def _setups(*, pp: int):
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)], ids=["dp4", "tp2xdp2", "pp2xdp2"])
 def test_baseline_trains_with_identical_replicas(tp: int, pp: int) -> None:
-    from _tiny_gpt import Setup
+    from tests.helpers.tiny_gpt import Setup
 
     setups = list(_setups(pp=pp))
     if tp == pp == 1:

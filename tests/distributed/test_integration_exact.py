@@ -14,7 +14,7 @@
   (placed by megatron-core's own range maps) within one qWD step of the difference sent:
   ``|w~_t - w_t| <= absmax_group(w_t - w~_{t-1}) / 7 + 2^-8 |w~_t|`` (the last term the bf16
   rounding); padding stays zero; replicas are bitwise identical on all DP ranks.
-* **Noise.** Every rounding of the run is recorded (``tests/_noise.py``): no two are
+* **Noise.** Every rounding of the run is recorded (``tests/helpers/noise.py``): no two are
   correlated (ranks, hops, slices, buckets, iterations, gradients vs weights, and the extra
   all-gathers an evaluation forces with ``overlap_param_gather``), and they are unbiased.
 
@@ -30,8 +30,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import _noise
-from _spawn import spawn
+from tests.helpers import noise as _noise
+from tests.helpers import rs_bounds as rsb
+from tests.helpers.spawn import spawn
 
 pytestmark = pytest.mark.distributed
 
@@ -58,7 +59,6 @@ class GradProbe:
 
     def check(self, cfg, average: bool) -> None:
         """This rank's synced shards against megatron-core's reduce-scatter (module doc)."""
-        from test_comm_reduce_scatter import _bounds, _gather_shards, _hadamard64
 
         from megatron.sdp4bit.comm import GradientQuantConfig
 
@@ -90,10 +90,10 @@ class GradProbe:
                 b.grad_data.copy_(synced[id(b)])
                 s = b.grad_data.numel() // world
                 ours = b.grad_data[rank * s:(rank + 1) * s].double()
-                shards = _gather_shards(scaled[id(b)], group, world, rank)
-                bound, var, mag = _bounds(shards, n, world // n, gcfg, average, 1.0)
+                shards = rsb.gather_shards(scaled[id(b)], group, world, rank)
+                bound, var, mag = rsb.bounds(shards, n, world // n, gcfg, average, 1.0)
                 block = gcfg.hadamard_block or 1
-                diff = _hadamard64(ours - theirs[id(b)].double(), block) if block > 1 else \
+                diff = rsb.hadamard64(ours - theirs[id(b)].double(), block) if block > 1 else \
                     ours - theirs[id(b)].double()
                 limit = (bound * (1 + 1e-4) + 2e-5 * mag).view(-1, block).norm(dim=1)
                 worst = (diff.view(-1, block).norm(dim=1) / limit.clamp_min(1e-30)).max().item()
@@ -149,7 +149,7 @@ def _check_replica(ddp, optimizer, before: dict[int, torch.Tensor], cfg) -> None
 
 def _train(setup, cfg, steps: int, *, probe: bool, replica: bool, evaluate: bool = False,
            recorder: _noise.Recorder | None = None):
-    import _tiny_gpt as T
+    from tests.helpers import tiny_gpt as T
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron.sdp4bit.integration import install_sdp4bit
@@ -205,7 +205,7 @@ def _check_noise(recorder: _noise.Recorder, what: str) -> int:
 
 
 def _dp_worker(rank: int, world: int) -> None:
-    import _tiny_gpt as T
+    from tests.helpers import tiny_gpt as T
     from megatron.sdp4bit.config import SDP4BitConfig
 
     T.init_parallel(1, 1)
@@ -235,7 +235,7 @@ def test_synced_gradients_and_replicas_match_megatron_core() -> None:
 
 
 def _tied_worker(rank: int, world: int) -> None:
-    import _tiny_gpt as T
+    from tests.helpers import tiny_gpt as T
     from megatron.core import parallel_state
 
     from megatron.sdp4bit.config import SDP4BitConfig

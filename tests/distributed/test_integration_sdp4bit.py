@@ -15,7 +15,7 @@ import dataclasses
 import pytest
 import torch
 
-from _spawn import spawn
+from tests.helpers.spawn import spawn
 
 pytestmark = pytest.mark.distributed
 
@@ -89,7 +89,7 @@ def _run(setup, cfg, steps: int = STEPS, *, install: bool = True, then_uninstall
 
     ``layout``: the config whose bucket padding to build with (default ``cfg``).
     """
-    import _tiny_gpt as T
+    from tests.helpers import tiny_gpt as T
     from megatron.sdp4bit.integration import install_sdp4bit
 
     ddp, optimizer = T.build(setup, padding_for=layout or cfg)
@@ -179,7 +179,7 @@ def _assert_trains(losses, what: str) -> None:
 
 def _methods_worker(rank: int, world_size: int, tp: int, pp: int, methods: list[str],
                     overlap_methods: list[str]) -> None:
-    import _tiny_gpt as T
+    from tests.helpers import tiny_gpt as T
     from megatron.sdp4bit.config import SDP4BitConfig
 
     T.init_parallel(tp, pp)
@@ -274,7 +274,7 @@ def _check_refusals(ddp, optimizer, cfg) -> None:
 
 
 def _uninstall_worker(rank: int, world_size: int) -> None:
-    import _tiny_gpt as T
+    from tests.helpers import tiny_gpt as T
     from megatron.sdp4bit.config import SDP4BitConfig
     from megatron.sdp4bit.integration import install_sdp4bit
 
@@ -344,7 +344,7 @@ def test_uninstall_restores_bit_exact_baseline() -> None:
 
 
 def _precisions_worker(rank: int, world_size: int) -> None:
-    import _tiny_gpt as T
+    from tests.helpers import tiny_gpt as T
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.sdp4bit.config import SDP4BitConfig
 
@@ -388,7 +388,7 @@ def _instrumented_run(setup, cfg, steps: int):
     ``finish_grad_sync`` and in all. Returns (losses, [(before, total)], handle, ddp)."""
     import torch.distributed as dist
 
-    import _tiny_gpt as T
+    from tests.helpers import tiny_gpt as T
     from megatron.sdp4bit.integration import install_sdp4bit
 
     ddp, optimizer = T.build(setup, padding_for=cfg)
@@ -423,7 +423,7 @@ def _instrumented_run(setup, cfg, steps: int):
 
 
 def _early_advance_worker(rank: int, world_size: int) -> None:
-    import _tiny_gpt as T
+    from tests.helpers import tiny_gpt as T
     from megatron.sdp4bit.config import SDP4BitConfig
     from megatron.sdp4bit.integration import grad_sync
 
@@ -469,7 +469,7 @@ def test_overlap_issues_inter_hops_during_backward() -> None:
 
 
 def test_runs_against_the_expected_megatron_core() -> None:
-    """tools/run_tests.sh runs this file against each tested release (the second pass in a
+    """dev/run_tests.sh runs this file against each tested release (the second pass in a
     test-only environment with 0.19.2, named by SDP4BIT_EXPECT_MEGATRON_CORE); without it,
     the release requirements.txt picks for this Python."""
     import os

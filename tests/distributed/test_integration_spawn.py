@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _spawn import spawn
+from tests.helpers.spawn import spawn
 
 pytestmark = pytest.mark.distributed
 

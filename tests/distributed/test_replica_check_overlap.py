@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from _spawn import spawn
+from tests.helpers.spawn import spawn
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # ~20 s of CPU, minutes when shared
 
@@ -24,7 +24,7 @@ OVERLAPS = [(False, False), (True, False), (True, True)]  # (grad reduce, param 
 
 
 def _every_combination(rank: int, world_size: int) -> None:
-    import _tiny_gpt as T
+    from tests.helpers import tiny_gpt as T
     from megatron.sdp4bit.config import SDP4BitConfig
     from megatron.sdp4bit.integration import install_sdp4bit
     from megatron.sdp4bit.training.guards.replicas import check_replicas, gather_pending

@@ -2,7 +2,7 @@
 ranks, hops, slices, buckets, iterations and collectives, and unbiased end to end.
 
 Every stochastic quantization a rank makes is recorded off the wire next to its input
-(``tests/_noise.py``); all ranks' records meet on every rank, and every pair must be
+(``tests/helpers/noise.py``); all ranks' records meet on every rank, and every pair must be
 uncorrelated: a seed that misses the DP rank, the hop, the slice, the bucket or the iteration
 makes two of them share their uniforms and their ``z`` jump to ~``sqrt(n) / 2`` (tens to
 hundreds here). Within one call, the messages to different destinations and slices must be
@@ -22,8 +22,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import _noise
-from _spawn import spawn
+from tests.helpers import noise as _noise
+from tests.helpers import rs_bounds as rsb
+from tests.helpers.spawn import spawn
 
 pytestmark = pytest.mark.distributed
 
@@ -68,7 +69,6 @@ def _record_everything(topo, rank: int) -> list[_noise.Rounding]:
 
 def _end_to_end_bias(topo, rank: int, backend: str) -> None:
     """Z of the collective's summed output error, pooled over ranks and calls (see module)."""
-    from test_comm_reduce_scatter import _bounds, _gather_shards, _group_absmax, _hadamard64
 
     from megatron.sdp4bit.comm import GradientQuantConfig, two_level_reduce_scatter
     from megatron.sdp4bit.quantization import derive_seed
@@ -81,14 +81,14 @@ def _end_to_end_bias(topo, rank: int, backend: str) -> None:
         x = _data(rank, 10 + call, 0)
         out = torch.empty(SHARD)
         two_level_reduce_scatter(out, x, topology=topo, config=cfg, seed=derive_seed(7, call))
-        shards = _gather_shards(x, topo.group, topo.world, rank)  # [W, S] fp64
-        err = _hadamard64(out.double() - shards.sum(0), H)
-        _, var, _ = _bounds(shards, n, m, cfg, avg=False, rho=1.0)
+        shards = rsb.gather_shards(x, topo.group, topo.world, rank)  # [W, S] fp64
+        err = rsb.hadamard64(out.double() - shards.sum(0), H)
+        _, var, _ = rsb.bounds(shards, n, m, cfg, avg=False, rho=1.0)
         # the steps of both hops, to first order (hop 2 from the exact node partial sums)
-        xh = _hadamard64(shards, H)
+        xh = rsb.hadamard64(shards, H)
         partial = xh.view(m, n, -1).sum(1)
-        steps = (_group_absmax(xh, G_INTRA).sum() / (2 ** (cfg.intra_bits - 1) - 1)
-                 + _group_absmax(partial, G_INTER).sum() / (2 ** (cfg.inter_bits - 1) - 1))
+        steps = (rsb.group_absmax(xh, G_INTRA).sum() / (2 ** (cfg.intra_bits - 1) - 1)
+                 + rsb.group_absmax(partial, G_INTER).sum() / (2 ** (cfg.inter_bits - 1) - 1))
         totals += torch.tensor([err.sum().item(), var.sum().item(), steps.item()])
     dist.all_reduce(totals)
     total_err, v, steps = totals.tolist()

@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from _spawn import spawn
+from tests.helpers.spawn import spawn
 
 pytestmark = pytest.mark.distributed
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.distributed
 def _worker(rank: int, world: int) -> None:
     import torch.distributed as dist
 
-    import _tiny_gpt as T
+    from tests.helpers import tiny_gpt as T
     from megatron.sdp4bit.comm import build_topology
     from megatron.sdp4bit.training.build import detect_dp_ranks_per_node
 

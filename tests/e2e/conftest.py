@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.test_pretrain_gpt import build_corpus
+from tests.helpers.trainer import build_corpus
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,8 @@
-"""The CUDA dry run (integration/cuda_dryrun.py, tools/cuda_dryrun.py): pretrain_gpt.py's
+"""The CUDA dry run (testing/cuda_dryrun.py, dev/cuda_dryrun.py): pretrain_gpt.py's
 CUDA branch on CPU, with NCCL's rules on every collective.
 
 The real code passes it through training, evaluation, a checkpoint save and a resume; each
-of three planted GPU-only bugs (tests/e2e/_dryrun_plant.py) stops it with the one line that
+of three planted GPU-only bugs (tests/helpers/dryrun_plant.py) stops it with the one line that
 names the collective, the group and the host tensor. ``pytest -m dryrun`` runs these alone.
 """
 
@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from tests.e2e import _launch as _launch_module
+from tests.helpers import launch as _launch_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = [pytest.mark.dryrun, pytest.mark.distributed]
@@ -27,7 +27,7 @@ TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32
 
 
 def _launch(script: list[str], args: list[str], nproc: int) -> subprocess.CompletedProcess:
-    """``torchrun --nproc-per-node nproc script...`` through tests/e2e/_launch.py (the ranks
+    """``torchrun --nproc-per-node nproc script...`` through tests/helpers/launch.py (the ranks
     forked from the session's fork server, torchrun's contract kept)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     env.pop("TRITON_INTERPRET", None)
@@ -36,7 +36,7 @@ def _launch(script: list[str], args: list[str], nproc: int) -> subprocess.Comple
 
 
 def _dryrun(args: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
-    return _launch([os.path.join(ROOT, "tools", "cuda_dryrun.py")], args, nproc)
+    return _launch([os.path.join(ROOT, "dev", "cuda_dryrun.py")], args, nproc)
 
 
 def test_trains_evaluates_saves_and_resumes_on_the_cuda_branch(tmp_path):
@@ -86,7 +86,7 @@ def test_tensor_parallel_sdp4bit_on_the_cuda_branch():
 ])
 @pytest.mark.release_independent  # the dry run's rule checks; the trainer: the test above
 def test_planted_gpu_bug_stops_the_dry_run(bug, expected):
-    res = _launch([os.path.join(ROOT, "tests", "e2e", "_dryrun_plant.py"), bug],
+    res = _launch([os.path.join(ROOT, "tests", "helpers", "dryrun_plant.py"), bug],
                   ["--train-iters", "2"], nproc=2)
     assert res.returncode != 0, res.stdout[-3000:]
     lines = [l for l in res.stderr.splitlines() if "cuda_dryrun.py: error:" in l]

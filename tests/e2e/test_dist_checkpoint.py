@@ -20,29 +20,17 @@ import shutil
 
 import pytest
 
-from megatron.sdp4bit.training.checkpoint.dist import (MEGATRON_INTEGRITY,
+from megatron.sdp4bit.training.checkpoint.torch_dist_format import (MEGATRON_INTEGRITY,
                                                        megatron_integrity_check)
-from tests.distributed._spawn import spawn
-from tests.e2e import _launch
-from tests.e2e.test_faults import launch, one_error_line
-from tests.e2e.test_pretrain_gpt import METHODS, ROOT, TINY, _env, torchrun, train_lines
+from tests.helpers.spawn import spawn
+from tests.helpers import launch as _launch
+from tests.helpers.trainer import launch, one_error_line
+from tests.helpers.resume_layouts import BASE, LAYOUTS, noise_bound
+from tests.helpers.trainer import METHODS, ROOT, TINY, torchrun, train_lines, trainer_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-BASE = list(TINY)
-for flag, value in (("--train-iters", "8"), ("--log-interval", "1"), ("--eval-interval", "100")):
-    BASE[BASE.index(flag) + 1] = value
-BASE += ["--hidden-dropout", "0", "--attention-dropout", "0", *METHODS["SDP4Bit"]]
 SAVED_AT = 4
-# The layouts of this module's runs: name -> (processes, flags).
-LAYOUTS = {
-    "dp4": (4, ["--dp-ranks-per-node", "2"]),  # the reference; the TP/PP case resumes on it
-    "dp2": (2, ["--dp-ranks-per-node", "1"]),
-    "dp8": (8, ["--dp-ranks-per-node", "4"]),
-    "tp2pp2dp2": (8, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
-                      "2", "--dp-ranks-per-node", "1"]),
-}
-
 # Bounds on the loss of a resharded resume against its uninterrupted reference.
 #
 # (1) The first iteration after a resume that keeps TP (a DP change; a PP change too, but
@@ -66,31 +54,6 @@ def same_forward_bound(loss: float) -> float:
     return 2 * (MICRO_BATCHES - 1) * U_FP32 * loss + PRINTED
 
 
-# (2) From the second iteration on the runs differ by SDP4Bit's rounding noise: from step 5 the
-#     resumed run draws its stochastic rounding on another topology (other quantization
-#     groups, shards and seeds). Two uninterrupted runs that differ only in --rounding-seed
-#     differ by the same kind of noise, drawn from step 1, so their loss differences are at
-#     least as spread. tools/checkpoint/noise_spread.py launches every layout of LAYOUTS with
-#     4 rounding seeds and takes the RMS of the relative differences |a - b| / a over all
-#     pairs and iterations 5-8; benchmarks/noise_spread.json records it, and the bound is
-#     NOISE_FACTOR x the largest RMS (for a difference of roughly normal spread, |x| > 4 RMS
-#     has a probability of 6e-5; 24 samples per layout estimate the RMS within about 15%).
-#     The first iteration after a TP change differs too: TP splits the row-parallel matmuls
-#     and the vocabulary's softmax differently (partial sums rounded to bf16 before the
-#     all-reduce): rounding noise on part of the model, within (2) (the baseline's first
-#     iteration after TP 2 x PP 2 -> TP 1 moved by 2.3e-5; docs/checkpoints.md).
-NOISE_ITERATIONS = (5, 6, 7, 8)
-NOISE_FACTOR = 4
-NOISE_RECORD = os.path.join(ROOT, "benchmarks", "noise_spread.json")
-
-
-def noise_bound() -> float:
-    """The relative bound of (2): NOISE_FACTOR x the largest RMS that
-    tools/checkpoint/noise_spread.py recorded."""
-    with open(NOISE_RECORD, encoding="utf-8") as f:
-        return NOISE_FACTOR * max(r["rms"] for r in json.load(f)["layouts"].values())
-
-
 def _reference(data_prefix, root, layout: str, extra: list[str]):
     """Launch the uninterrupted run on ``layout``, saving at SAVED_AT; returns (its log lines,
     a folder holding only its iteration-4 checkpoint)."""
@@ -99,7 +62,7 @@ def _reference(data_prefix, root, layout: str, extra: list[str]):
     res = torchrun(BASE + data_prefix + flags + ["--save", str(full), "--save-interval",
                                                  str(SAVED_AT), *extra], nproc=nproc)
     # megatron-core's warning when its fully reshardable save cuts the optimizer state at the
-    # wrong offsets (training/checkpoint/dist.py corrects them first)
+    # wrong offsets (training/checkpoint/torch_dist_format.py corrects them first)
     assert "data corruption" not in res.stdout + res.stderr
     at4 = root / "at4"
     at4.mkdir()
@@ -264,7 +227,7 @@ def _config(**kwargs):
 def _init_one_rank() -> None:
     from megatron.core import tensor_parallel
 
-    from tests.distributed._tiny_gpt import init_parallel
+    from tests.helpers.tiny_gpt import init_parallel
 
     init_parallel()
     tensor_parallel.model_parallel_cuda_manual_seed(1)  # the attention's RNG tracker
@@ -298,7 +261,7 @@ def test_export_to_hugging_face_matches_the_trainers_logits(reference, tmp_path)
 
 def _export(load, hf, architecture: str) -> None:
     res = _launch.python(os.path.join(ROOT, "tools", "checkpoint", "export_hf.py"),
-                         ["--load", str(load), "--output", str(hf)], env=_env(), cwd=ROOT,
+                         ["--load", str(load), "--output", str(hf)], env=trainer_env(), cwd=ROOT,
                          timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.startswith(f"wrote {hf} ({architecture}): "), res.stdout

@@ -22,9 +22,9 @@ import time
 
 import pytest
 
-from tests.e2e import _launch
-from tests.e2e.test_pretrain_gpt import (
-    METHODS, ROOT, TINY, _env, torchrun, train_lines)
+from tests.helpers import launch as _launch
+from tests.helpers.trainer import (
+    METHODS, ROOT, TINY, launch, one_error_line, train_lines, trainer_env)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -35,25 +35,6 @@ SHORT[SHORT.index("--eval-interval") + 1] = "100"
 # The checkpoint probes here break the per-rank files; torch_dist's: test_dist_checkpoint.py.
 SHORT += ["--ckpt-format", "torch"]
 SDP4BIT = METHODS["SDP4Bit"] + ["--dp-ranks-per-node", "2"]
-
-
-def launch(args: list[str], env: dict | None = None, nproc: int = 4, timeout: int = 300,
-           real: bool = False) -> subprocess.CompletedProcess:
-    """test_pretrain_gpt.torchrun without the exit-code check."""
-    return torchrun(args, nproc=nproc, timeout=timeout, env=env, check=False, real=real)
-
-
-def one_error_line(res: subprocess.CompletedProcess) -> str:
-    """The run failed with exactly one error line of the trainer's and no traceback."""
-    assert res.returncode != 0, res.stdout[-2000:]
-    lines = [x for x in (res.stdout + res.stderr).splitlines()
-             if x.startswith("pretrain_gpt.py: error:")]
-    assert len(lines) == 1, res.stdout[-2000:] + res.stderr[-4000:]
-    # No worker prints a traceback; torchrun's own failure report (a ChildFailedError
-    # traceback of the launcher, after the workers are gone) is the launcher's business.
-    for after in (res.stdout + res.stderr).split("Traceback (most recent call last)")[1:]:
-        assert "ChildFailedError" in after.split("Traceback")[0], res.stderr[-4000:]
-    return lines[0][len("pretrain_gpt.py: error: "):]
 
 
 @pytest.mark.release_independent
@@ -291,7 +272,7 @@ def _training_job(extra: list[str]):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
            "--standalone", os.path.join(ROOT, "pretrain_gpt.py"), *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env(), cwd=ROOT, start_new_session=True)
+                            env=trainer_env(), cwd=ROOT, start_new_session=True)
     try:
         if not any(" iteration " in line for line in proc.stdout):
             raise AssertionError("the run ended before training: " + proc.stderr.read()[-3000:])
@@ -390,7 +371,7 @@ def test_port_in_use_is_one_line(tmp_path):
         s.listen()
         port = s.getsockname()[1]
         res = _launch.python(os.path.join(ROOT, "pretrain_gpt.py"), [*SHORT, "--mock-data"],
-                             env={**_env(), "MASTER_PORT": str(port)}, cwd=ROOT, timeout=120)
+                             env={**trainer_env(), "MASTER_PORT": str(port)}, cwd=ROOT, timeout=120)
     assert one_error_line(res) == (f"port {port} on 127.0.0.1 is in use (another run?): set "
                                    "MASTER_PORT to a free port (torchrun: --master-port, or "
                                    "--rdzv-endpoint host:port)")
@@ -413,7 +394,7 @@ def test_preprocess_is_atomic_and_refuses_empty_input(data_prefix, tmp_path):
 
     def preprocess(*args: str) -> subprocess.CompletedProcess:
         return _launch.python(os.path.join(ROOT, "tools", "preprocess_data.py"), tool + list(args),
-                              env=_env(), cwd=ROOT, timeout=120)
+                              env=trainer_env(), cwd=ROOT, timeout=120)
 
     res = preprocess("--input", str(bad))
     assert res.returncode == 1 and f"{bad}:2: not valid JSON" in res.stderr

@@ -11,84 +11,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 
 import pytest
 
-from megatron.sdp4bit.training.observe.logging import parse_log_line
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
-from tests.e2e import _launch  # noqa: E402
-from tests.unit._gpt2_vocab import TEXT, write_gpt2_vocab  # noqa: E402
-
-TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
-        "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 16 "
-        "--train-iters 20 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine "
-        "--lr-warmup-iters 2 --bf16 --use-distributed-optimizer --log-interval 5 "
-        "--eval-interval 10 --eval-iters 2 --split 90,10,0 --seed 7").split()
-GRAD_FLAGS = ("--quantized-gradients --hadamard-transform --gq-group-size-intra 128 "
-              "--gq-group-size-inter 128").split()
-METHODS = {
-    "baseline": [],
-    "qWD": ["--quantized-weights"],
-    "TLq-HS": GRAD_FLAGS,
-    "SDP4Bit": ["--quantized-weights", *GRAD_FLAGS],
-}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    env.pop("TRITON_INTERPRET", None)  # the trainer uses the torch references on CPU
-    return env
-
-
-def torchrun(args: list[str], nproc: int = 4, timeout: int = 300, env: dict | None = None,
-             check: bool = True, real: bool = False) -> subprocess.CompletedProcess:
-    """``torchrun --nproc-per-node nproc pretrain_gpt.py args``: by default through
-    tests/e2e/_launch.py (the ranks forked ready, torchrun's contract kept); ``real=True``
-    starts the real ``torchrun``. ``check`` asserts a zero exit."""
-    script, environ = os.path.join(ROOT, "pretrain_gpt.py"), {**_env(), **(env or {})}
-    if real:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--standalone", script, *args]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                             env=environ, cwd=ROOT)
-    else:
-        res = _launch.torchrun(script, args, nproc=nproc, env=environ, cwd=ROOT,
-                               timeout=timeout)
-    if check:
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    return res
-
-
-def train_lines(stdout: str) -> list[dict]:
-    return [m for m in map(parse_log_line, stdout.splitlines()) if m is not None]
-
-
-def build_corpus(d) -> list[str]:
-    """The tests' corpus in folder ``d`` (a ``pathlib.Path``); returns the flags that use it
-    (also used by tools/checkpoint/noise_spread.py, which measures on the tests' runs)."""
-    vocab, merges = write_gpt2_vocab(d)
-    with open(d / "corpus.jsonl", "w", encoding="utf-8") as f:
-        for i in range(60):
-            f.write(json.dumps({"text": " ".join(TEXT[(i + k) % len(TEXT)] for k in range(3))}) + "\n")
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"),
-                          "--input", str(d / "corpus.jsonl"), "--output-prefix", str(d / "corpus"),
-                          "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab,
-                          "--merge-file", merges, "--append-eod"],
-                         capture_output=True, text=True, timeout=120, env=_env())
-    assert res.returncode == 0, res.stderr
-    return ["--data-path", str(d / "corpus_text_document"), "--vocab-file", vocab,
-            "--merge-file", merges, "--data-cache-path", str(d / "cache")]
+from tests.helpers import launch as _launch
+from tests.helpers.trainer import METHODS, ROOT, TINY, free_port, torchrun, train_lines, trainer_env
 
 
 def check_run(lines: list[dict], method: str) -> None:
@@ -240,13 +169,13 @@ def test_sdp4bit_under_model_parallelism(parallel):
 def test_two_node_rendezvous_detects_topology(tmp_path):
     """Two ``torchrun --nnodes 2 --nproc-per-node 2`` launches on localhost (c10d rendezvous):
     no override, the trainer must find N = 2 DP ranks per node on M = 2 nodes."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
            "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
            "--rdzv-id", "e2e", os.path.join(ROOT, "pretrain_gpt.py"), *TINY, "--mock-data",
            *METHODS["SDP4Bit"]]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=_env(), cwd=ROOT) for _ in range(2)]
+                              env=trainer_env(), cwd=ROOT) for _ in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, out[-2000:] + err[-4000:]
@@ -271,7 +200,7 @@ def test_bad_flags_exit_with_one_line():
     base = base[:base.index("--global-batch-size")] + base[base.index("--global-batch-size") + 2:]
     for name, (extra, message) in BAD.items():
         res = _launch.python(os.path.join(ROOT, "pretrain_gpt.py"), [*base, "--mock-data", *extra],
-                             env=_env(), cwd=ROOT, timeout=60)
+                             env=trainer_env(), cwd=ROOT, timeout=60)
         assert res.returncode == 2, name
         assert res.stdout == ""
         assert res.stderr.splitlines() == [f"pretrain_gpt.py: error: {message}"], name

@@ -25,14 +25,13 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
-import prepare_default_data as pdd  # noqa: E402
+from tests.helpers.corpora import TEXT
+from tests.helpers.job import run_job
+from tests.helpers.scripts import load_tool
+from tests.helpers.trainer import train_lines, trainer_env
 
-from tests.e2e._job import run_job  # noqa: E402
-from tests.e2e.test_pretrain_gpt import _env, train_lines  # noqa: E402
-from tests.unit._gpt2_vocab import TEXT  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+pdd = load_tool("tools/prepare_default_data.py")
 
 START, END = "<!-- own-text:start -->", "<!-- own-text:end -->"
 SHORT_RUN = ["--train-iters", "1", "--lr-warmup-iters", "0", "--log-interval", "1",
@@ -110,7 +109,7 @@ def test_readme_own_text_commands_run_as_written(tmp_path):
     (fake / "torchrun").write_text(FAKE_TORCHRUN)
     (fake / "torchrun").chmod(0o755)
 
-    env = _env()
+    env = trainer_env()
     env.update(PATH=os.pathsep.join([str(fake), os.path.dirname(sys.executable), env["PATH"]]),
                README_TEST_PYTHON=sys.executable, README_TEST_SHORT_RUN=" ".join(SHORT_RUN))
     script = tmp_path / "own_text.sh"

@@ -20,10 +20,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-from tests.e2e._job import run_job  # noqa: E402
-from tests.e2e.test_pretrain_gpt import _env, _free_port, train_lines  # noqa: E402
-from tests.unit._gpt2_vocab import TEXT, write_gpt2_vocab  # noqa: E402
+from tests.helpers.job import run_job  # noqa: E402
+from tests.helpers.trainer import free_port, train_lines, trainer_env  # noqa: E402
+from tests.helpers.corpora import TEXT, write_gpt2_vocab  # noqa: E402
 
 TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
         "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 4 "
@@ -43,16 +42,16 @@ def test_accuracy_script_trains_on_cpu_with_selective_recompute(tmp_path):
                           "--input", str(corpus), "--output-prefix", str(tmp_path / "corpus"),
                           "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab,
                           "--merge-file", merges, "--append-eod"],
-                         capture_output=True, text=True, timeout=120, env=_env())
+                         capture_output=True, text=True, timeout=120, env=trainer_env())
     assert res.returncode == 0, res.stderr
 
-    env = {k: v for k, v in _env().items() if not k.startswith("SLURM_")}
+    env = {k: v for k, v in trainer_env().items() if not k.startswith("SLURM_")}
     for name in ("CLUSTER", "MASTER_ADDR", "SDP4BIT_HOME", "MICRO_BATCH_SIZE", "WANDB_PROJECT"):
         env.pop(name, None)
     runs = tmp_path / "runs"
     # the script runs torchrun from PATH, as a job does: this interpreter's environment
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env["PATH"]])
-    env.update(LAUNCHER="torchrun", NNODES="1", GPUS_PER_NODE="2", MASTER_PORT=str(_free_port()),
+    env.update(LAUNCHER="torchrun", NNODES="1", GPUS_PER_NODE="2", MASTER_PORT=str(free_port()),
                TRAIN_ITERS="2", RUN_ROOT=str(runs),
                DATA_PATH=str(tmp_path / "corpus_text_document"), VOCAB_FILE=vocab,
                MERGE_FILE=merges, EXTRA_ARGS=TINY)

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
+from megatron.sdp4bit.training.tokenizers import GPT2BPETokenizer
+
+from tests.helpers.scripts import load_tool
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tools"))
-
-import prepare_default_data as pdd  # noqa: E402
-import summarize_metrics as sm  # noqa: E402
-
-from megatron.sdp4bit.training.tokenizers import GPT2BPETokenizer  # noqa: E402
+pdd = load_tool("tools/prepare_default_data.py")
+sm = load_tool("tools/summarize_metrics.py")
 
 
 def test_packaged_vocabulary_is_gpt2s():

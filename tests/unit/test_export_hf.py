@@ -4,19 +4,17 @@ tests/e2e/test_dist_checkpoint.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 
 import pytest
 import torch
 
+from megatron.sdp4bit.training.checkpoint import hf_mappings
+
+from tests.helpers.scripts import load_tool
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_spec = importlib.util.spec_from_file_location(
-    "export_hf", os.path.join(ROOT, "tools", "checkpoint", "export_hf.py"))
-export_hf = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(export_hf)
-hf_mappings = sys.modules["hf_mappings"]  # its sibling, imported by it
+export_hf = load_tool("tools/checkpoint/export_hf.py")
 
 DEFAULT = {"num_layers": 2, "hidden_size": 8, "ffn_hidden_size": 32, "num_attention_heads": 2,
            "kv_channels": None, "group_query_attention": False, "num_query_groups": 1,

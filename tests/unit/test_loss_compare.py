@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
 
-_TOOL = Path(__file__).resolve().parents[2] / "tools" / "loss_compare.py"
-_spec = importlib.util.spec_from_file_location("loss_compare", _TOOL)
-lc = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(lc)
+from tests.helpers.scripts import load_tool
+
+lc = load_tool("tools/loss_compare.py")
 
 
 def _curve(losses: dict[int, float], vals: dict[int, float]) -> tuple[list[dict], list[dict]]:

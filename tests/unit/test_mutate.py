@@ -1,4 +1,4 @@
-"""tools/mutate.py stays runnable: every mutation still applies to the source as written,
+"""dev/mutate.py stays runnable: every mutation still applies to the source as written,
 every target exists, and the tool restores what it mutates (CI does not run the mutations
 themselves: the whole list takes about 7 minutes on 2 cores)."""
 
@@ -14,7 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("mutate", ROOT / "tools" / "mutate.py")
+    spec = importlib.util.spec_from_file_location("mutate", ROOT / "dev" / "mutate.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["mutate"] = module
     spec.loader.exec_module(module)

@@ -1,22 +1,17 @@
-"""tools/checkpoint/noise_spread.py: its arithmetic, and that the recorded figure is the one
+"""benchmarks/noise_spread.py: its arithmetic, and that the recorded figure is the one
 tests/e2e/test_dist_checkpoint.py's bound is made of (same layouts, iterations, factor)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _tool():
-    spec = importlib.util.spec_from_file_location(
-        "noise_spread", ROOT / "tools" / "checkpoint" / "noise_spread.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from benchmarks import noise_spread
+
+    return noise_spread
 
 
 def test_pair_differences_and_rms():
@@ -30,8 +25,8 @@ def test_pair_differences_and_rms():
 
 
 def test_recorded_spread_matches_the_test():
-    from tests.e2e.test_dist_checkpoint import (LAYOUTS, NOISE_FACTOR, NOISE_ITERATIONS,
-                                                NOISE_RECORD, noise_bound)
+    from tests.helpers.resume_layouts import (LAYOUTS, NOISE_FACTOR, NOISE_ITERATIONS,
+                                              NOISE_RECORD, noise_bound)
 
     record = json.loads(Path(NOISE_RECORD).read_text())
     assert record["iterations"] == list(NOISE_ITERATIONS)

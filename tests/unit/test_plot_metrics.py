@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import struct
 import sys
@@ -10,18 +9,10 @@ from pathlib import Path
 
 import pytest
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
+from tests.helpers.scripts import load_tool
 
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-pm = _load("plot_metrics")
-lc = _load("loss_compare")
+pm = load_tool("tools/plot_metrics.py")
+lc = load_tool("tools/loss_compare.py")
 
 
 def png_size(path: Path) -> tuple[int, int]:

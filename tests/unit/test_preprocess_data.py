@@ -11,8 +11,8 @@ import pytest
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.sdp4bit.training.tokenizers import GPT2BPETokenizer
-from tests.e2e import _launch
-from tests.unit._gpt2_vocab import TEXT, write_gpt2_vocab
+from tests.helpers import launch as _launch
+from tests.helpers.corpora import TEXT, write_gpt2_vocab
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOL = os.path.join(ROOT, "tools", "preprocess_data.py")

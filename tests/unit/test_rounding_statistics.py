@@ -4,7 +4,7 @@ Run on the backends that execute on CPU: the compiled CPU kernels (what ``auto``
 tensors) and the torch references. The Triton kernels give the references' bytes bit for bit
 (test_triton_kernels.py, stochastic cases included), so whatever holds here holds for them.
 The statistics read each rounding off the wire next to the quantizer's input
-(``tests/_noise.py``, [Note: rounding errors in steps]).
+(``tests/helpers/noise.py``, [Note: rounding errors in steps]).
 
 Sample sizes: a bin of f (10 bins) holds ~100k roundings of variance f(1-f) <= 1/4, so its
 mean has a standard error <= 0.0016 step and the 6-sigma bound stays below 0.01 step
@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import _noise
+from tests.helpers import noise as _noise
 from megatron.sdp4bit.quantization import derive_seed, ops, quantize
 from megatron.sdp4bit.quantization import format as fmt
 

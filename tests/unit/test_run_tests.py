@@ -1,4 +1,4 @@
-"""tools/run_tests.sh (the README's test command, CI's entry) returns what its passes return.
+"""dev/run_tests.sh (the README's test command, CI's entry) returns what its passes return.
 
 The real script runs in a scratch tree holding a copy of it, a ``setup_env.sh`` stand-in that
 keeps this interpreter (so no environment is created), a requirements.txt naming the second
@@ -33,7 +33,8 @@ def test_in_this_pass():
 @pytest.fixture
 def tree(tmp_path: Path) -> Path:
     (tmp_path / "tools").mkdir()
-    shutil.copy(REPO / "tools" / "run_tests.sh", tmp_path / "tools" / "run_tests.sh")
+    (tmp_path / "dev").mkdir()
+    shutil.copy(REPO / "dev" / "run_tests.sh", tmp_path / "dev" / "run_tests.sh")
     # the stand-in: this interpreter's environment, whatever SDP4BIT_VENV says
     (tmp_path / "tools" / "setup_env.sh").write_text(
         f'export PATH="{Path(sys.executable).parent}:$PATH" PYTHONPATH="{tmp_path / "stub"}"\n')
@@ -57,7 +58,7 @@ def run(tree: Path, fail_in: str = "", **env: str) -> subprocess.CompletedProces
     environ = {k: v for k, v in os.environ.items()
                if not k.startswith(("SDP4BIT_", "PYTEST_"))}
     environ.update(FAIL_IN=fail_in, PYTHON=sys.executable, **env)
-    return subprocess.run(["bash", "tools/run_tests.sh", "-p", "no:cacheprovider"],
+    return subprocess.run(["bash", "dev/run_tests.sh", "-p", "no:cacheprovider"],
                           cwd=tree, env=environ, capture_output=True, text=True, timeout=120)
 
 

@@ -1,4 +1,4 @@
-"""tools/scale_dryrun.py on a tiny GPT: the wire bytes it reports follow the paper's bits.
+"""benchmarks/scale.py on a tiny GPT: the wire bytes it reports follow the paper's bits.
 
 The build runs in a subprocess: it initializes a fake process group and megatron-core's CPU
 mode, neither of which this test process should keep.
@@ -17,8 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 _BUILD = """
 import json, sys, warnings
 warnings.filterwarnings("ignore")
-sys.path.insert(0, "tools")
-import scale_dryrun as s
+from benchmarks import scale as s
 from megatron.sdp4bit.integration.cpu_mode import enable_cpu_mode
 enable_cpu_mode()
 s.MODELS["tiny"] = (2, 256, 4)

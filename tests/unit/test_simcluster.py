@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "simcluster"))
-import netns  # noqa: E402
-import report  # noqa: E402
-from launch import _bytes_at  # noqa: E402
+from dev.simcluster import netns, report
+from dev.simcluster.launch import _bytes_at
 
 
 def test_rates_parse():

@@ -8,7 +8,7 @@ no fused multiply-add in any kernel (every kernel, Hadamard included, must match
 references bit for bit). The launches are specialised as Triton's launcher specialises them
 (16-byte divisibility of aligned buffers and sizes), and no pointer offset may be computed
 with 32-bit arithmetic on sizes, program ids or loop counters: production wire buffers
-exceed 2**31 bytes (``_triton_ir.py``, [Note: which offsets must be 64-bit]).
+exceed 2**31 bytes (``tests/helpers/triton_ir.py``, [Note: which offsets must be 64-bit]).
 """
 
 import json
@@ -21,9 +21,9 @@ import pytest
 
 pytest.importorskip("triton")
 
-import _triton_ir  # noqa: E402
+from tests.helpers import triton_ir as _triton_ir
 
-SCRIPT = pathlib.Path(__file__).with_name("_compile_check.py")
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 KERNELS = {"_qwd_sender_kernel", "_qwd_receiver_kernel", "_tlq_sender_kernel",
            "_tlq_middle_kernel", "_tlq_receiver_kernel"}
 CASES = [  # arch, bits, hadamard, input dtype, output dtype, rounding
@@ -37,11 +37,11 @@ CASES = [  # arch, bits, hadamard, input dtype, output dtype, rounding
 def _compile(tmp_path, arch, bits, hadamard, in_dtype, out_dtype, rounding) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    cmd = [sys.executable, str(SCRIPT), "--arch", str(arch), "--bits", str(bits),
+    cmd = [sys.executable, "-m", "tests.helpers.compile_check", "--arch", str(arch), "--bits", str(bits),
            "--hadamard", str(hadamard), "--in-dtype", in_dtype, "--out-dtype", out_dtype]
     if rounding == "nearest":
         cmd.append("--nearest")
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 

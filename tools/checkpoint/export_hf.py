@@ -30,15 +30,12 @@ import sys
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
-from hf_mappings import READS, STATES, ExportError, hf_config, with_defaults  # noqa: E402 (sibling)
+from megatron.sdp4bit.training.checkpoint.hf_mappings import (
+    READS, STATES, ExportError, hf_config, with_defaults)
 
 
 def _checkpoint_dir(load: str, iteration: int | None) -> str:
-    from megatron.sdp4bit.training.checkpoint import dist as dist_ckpt, files
+    from megatron.sdp4bit.training.checkpoint import files, torch_dist_format
 
     if iteration is None:
         iteration = files.latest_iteration(load)
@@ -47,7 +44,7 @@ def _checkpoint_dir(load: str, iteration: int | None) -> str:
     directory = files.iteration_dir(load, iteration)
     if not os.path.isdir(directory):
         raise ExportError(f"{directory} does not exist")
-    if not dist_ckpt.is_dist_checkpoint(directory):
+    if not torch_dist_format.is_dist_checkpoint(directory):
         raise ExportError(f"{directory} is a per-rank (--ckpt-format torch) checkpoint: resume "
                           "it once with --auto-detect-ckpt-format (saves in torch_dist), then "
                           "export that")
@@ -69,13 +66,13 @@ def read_model_tensors(directory: str) -> dict[str, torch.Tensor]:
 
 
 def _verify(directory: str) -> None:
-    from megatron.sdp4bit.training.checkpoint import dist as dist_ckpt, files
+    from megatron.sdp4bit.training.checkpoint import files, torch_dist_format
 
     manifest = files.read_manifest(directory)
     if manifest is None:
         raise ExportError(f"{directory} has no {files.MANIFEST}: not saved by this trainer")
     for name, entry in sorted(manifest["files"].items()):
-        if dist_ckpt._hash(os.path.join(directory, name)) != entry:
+        if torch_dist_format._hash(os.path.join(directory, name)) != entry:
             raise ExportError(f"checkpoint file {os.path.join(directory, name)} does not match "
                               "its manifest: it is damaged; export an earlier checkpoint")
 
@@ -132,5 +129,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, ROOT)
     sys.exit(main())

@@ -17,7 +17,7 @@ Quantized byte counts are exact wire sizes (fp32 scales + packed payload,
 These are *computed* figures: the sizes of the messages handed to the collectives. What a
 backend puts on a link can differ (gloo's ``reduce_scatter_tensor`` runs a whole all-reduce,
 about 3x an ideal reduce-scatter; a ring moves the messages of other ranks too); the
-cluster benchmark (``tools/simcluster``) measures the interface counters next to them.
+cluster benchmark (``dev/simcluster``) measures the interface counters next to them.
 
 Baselines ("what an ideal unquantized collective sends from this rank"):
 

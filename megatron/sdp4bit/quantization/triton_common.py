@@ -21,7 +21,7 @@ for 8 ranks), and Triton computes in int32 whatever it types int32: scalar kerne
 below 2**31, loop counters, ``tl.arange``, ``tl.program_id``. So every offset that involves a
 size argument, a program id or a loop counter is formed in int64 *before* it is multiplied
 or added: row indices start from ``tl.program_id(0).to(tl.int64)``, message indices are cast
-with ``tl.cast(k, tl.int64)``, group counts times 4 likewise. ``tests/unit/_triton_ir.py``
+with ``tl.cast(k, tl.int64)``, group counts times 4 likewise. ``tests/helpers/triton_ir.py``
 checks the compiled IR of every kernel for this.
 """
 

@@ -54,7 +54,7 @@ def mean_loss(losses: list[dict], group) -> float:
     """Mean of the micro-batch losses over the DP group; NaN-preserving.
 
     The sum stays on the device: on a GPU run the DP group is NCCL, which refuses host
-    tensors (the CUDA dry run, integration/cuda_dryrun.py, checks it on CPU)."""
+    tensors (the CUDA dry run, testing/cuda_dryrun.py, checks it on CPU)."""
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     if losses:
         value = torch.stack([d["lm loss"].float() for d in losses]).mean().reshape(1).to(device)

@@ -15,7 +15,7 @@ from megatron.sdp4bit.training.tokenizers import (
     build_tokenizer,
     padded_vocab_size,
 )
-from tests.unit._gpt2_vocab import TEXT, write_gpt2_vocab
+from tests.helpers.corpora import TEXT, write_gpt2_vocab
 
 
 @pytest.fixture(scope="module")

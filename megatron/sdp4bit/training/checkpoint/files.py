@@ -148,7 +148,7 @@ def _check_manifest(manifest: Any) -> None:
 
 def read_manifest(directory: str) -> dict[str, Any] | None:
     """The manifest, or None when the folder has none (refused by the load unless asked
-    for: see :mod:`.checkpointing`)."""
+    for: see :mod:`.torch_format`)."""
     path = os.path.join(directory, MANIFEST)
     if not os.path.lexists(path):
         return None

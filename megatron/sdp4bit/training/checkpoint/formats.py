@@ -1,7 +1,7 @@
 """``--ckpt-format``: which format a save writes and which a load accepts.
 
 ``torch_dist`` (the default, :mod:`.dist`) and ``torch`` (one file per rank,
-:mod:`.checkpointing`). A load finds the format of the folder the tracker names; one that
+:mod:`.torch_format`). A load finds the format of the folder the tracker names; one that
 is not ``--ckpt-format`` is refused unless ``--auto-detect-ckpt-format``, which is also how
 a checkpoint is converted: load it with that flag and save with the other format.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron.sdp4bit.training.checkpoint import checkpointing, dist as dist_ckpt, files
+from megatron.sdp4bit.training.checkpoint import files, torch_dist_format, torch_format
 from megatron.sdp4bit.training.checkpoint.files import CheckpointError
 
 
@@ -26,11 +26,11 @@ def save(args: argparse.Namespace, iteration: int, consumed_samples: int, model_
          optimizer, scheduler, settings: dict[str, Any]) -> str:
     """Collective: save in ``--ckpt-format``; returns the folder."""
     if args.ckpt_format == "torch_dist":
-        return dist_ckpt.save_checkpoint(
+        return torch_dist_format.save_checkpoint(
             args.save, iteration, consumed_samples, model_chunks, optimizer, scheduler,
             settings, sharding_type=sharding_type(args),
             fully_parallel=args.ckpt_fully_parallel_save)
-    return checkpointing.save_checkpoint(args.save, iteration, consumed_samples, model_chunks,
+    return torch_format.save_checkpoint(args.save, iteration, consumed_samples, model_chunks,
                                          optimizer, scheduler, settings)
 
 
@@ -43,7 +43,7 @@ def _probe(root: str) -> tuple[str | None, dict | None, str | None]:
         directory = files.iteration_dir(root, iteration)
         if not os.path.isdir(directory):
             return None, None, None  # the per-rank loader names this problem
-        if dist_ckpt.is_dist_checkpoint(directory):
+        if torch_dist_format.is_dist_checkpoint(directory):
             return "torch_dist", files.read_manifest(directory), None
         return "torch", None, None
     except CheckpointError as err:
@@ -71,10 +71,10 @@ def load(args: argparse.Namespace, model_chunks, optimizer, scheduler,
                    allow_data_change=args.allow_changed_data)
     if found == "torch_dist":
         directory = files.iteration_dir(args.load, files.latest_iteration(args.load))
-        return dist_ckpt.load_checkpoint(directory, manifest, model_chunks, optimizer,
+        return torch_dist_format.load_checkpoint(directory, manifest, model_chunks, optimizer,
                                          scheduler, settings,
                                          fully_parallel=args.ckpt_fully_parallel_load,
                                          **options)
-    return checkpointing.load_checkpoint(args.load, model_chunks, optimizer, scheduler,
+    return torch_format.load_checkpoint(args.load, model_chunks, optimizer, scheduler,
                                          settings, allow_no_manifest=args.load_without_manifest,
                                          **options)

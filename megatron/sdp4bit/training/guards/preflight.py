@@ -20,7 +20,7 @@ every rank stops together with the same message (``pretrain_gpt.py`` prints it o
   documents and tokens within bounds (:mod:`~megatron.sdp4bit.training.guards.index_cache`).
 
 Checkpoints are checked where they are read
-(:mod:`megatron.sdp4bit.training.checkpoint.checkpointing`).
+(:mod:`megatron.sdp4bit.training.checkpoint.torch_format`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""What a torch_dist checkpoint may change on resume (training/checkpoint/dist.py)."""
+"""What a torch_dist checkpoint may change on resume (training/checkpoint/torch_dist_format.py)."""
 
 from __future__ import annotations
 
-from megatron.sdp4bit.training.checkpoint.dist import settings_problem
+from megatron.sdp4bit.training.checkpoint.torch_dist_format import settings_problem
 
 LAYOUT = {"world_size": 4, "tp": 1, "pp": 1, "dp": 4, "ddp_bucket_size": None}
 MODEL = {"num_layers": 2, "hidden_size": 64}

@@ -1,4 +1,4 @@
-"""What a resume must agree with (rank 0's checks of checkpointing.py, without processes):
+"""What a resume must agree with (rank 0's checks of torch_format.py, without processes):
 the data blend, split and seed, and a manifest to check at all."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from megatron.sdp4bit.training.checkpoint import checkpointing
+from megatron.sdp4bit.training.checkpoint import common, torch_format
 from megatron.sdp4bit.training.checkpoint import files as cf
 
 
@@ -43,23 +43,23 @@ def test_the_data_blend_is_recorded_in_a_comparable_form(tmp_path, monkeypatch):
 ])
 def test_a_resume_on_other_data_is_refused_unless_asked(change, said):
     saved, now = _settings(), _settings(**change)
-    problem = checkpointing._settings_problem(saved, now, "D", False)
+    problem = common.settings_problem(saved, now, "D", False)
     assert problem == (f"checkpoint D was trained with {said.format(cwd=os.getcwd())}: resume "
                        "with the checkpoint's --data-path, --split and --seed, or pass "
                        "--allow-changed-data to continue on other data")
-    assert checkpointing._settings_problem(saved, now, "D", False, allow_data_change=True) is None
-    assert checkpointing._settings_problem(saved, _settings(), "D", False) is None
+    assert common.settings_problem(saved, now, "D", False, allow_data_change=True) is None
+    assert common.settings_problem(saved, _settings(), "D", False) is None
 
 
 def test_a_checkpoint_without_manifest_is_refused_unless_asked(tmp_path):
     root = str(tmp_path)
     os.makedirs(cf.iteration_dir(root, 8))
     cf.write_tracker(root, 8)
-    iteration, manifest, problem = checkpointing._inspect(root, _settings(), False)
+    iteration, manifest, problem = torch_format._inspect(root, _settings(), False)
     assert (iteration, manifest) == (None, None)
     assert problem == (f"checkpoint {root}/iter_0000008 has no manifest.json: nothing in it "
                        "can be verified (checksums, layout, settings); restore the manifest, "
                        "load an earlier checkpoint, or pass --load-without-manifest to load it "
                        "unchecked")
-    assert checkpointing._inspect(root, _settings(), False, allow_no_manifest=True) == (
+    assert torch_format._inspect(root, _settings(), False, allow_no_manifest=True) == (
         8, None, None)

@@ -19,7 +19,7 @@ from megatron.sdp4bit.training.data import build_datasets, dataset_config
 from megatron.sdp4bit.training.guards import index_cache as ic
 from megatron.sdp4bit.training.guards import preflight as pf
 from megatron.sdp4bit.training.tokenizers import build_tokenizer
-from tests.unit.training.guards.test_preflight import _dataset
+from tests.helpers.corpora import write_indexed_dataset as _dataset
 
 # 50 train samples of 8 tokens from 24 documents of 1 to 13 tokens (162 tokens): three
 # epochs, the last shuffled on its own (megatron-core's separate_final_epoch)

@@ -16,20 +16,7 @@ import pytest
 
 from megatron.sdp4bit.training.guards import preflight as pf
 from megatron.sdp4bit.training.tokenizers import build_tokenizer
-from tests.unit._gpt2_vocab import write_gpt2_vocab
-
-
-def _dataset(tmp_path, docs=((1, 2, 3), (4, 5)), dtype=numpy.uint16) -> str:
-    """A megatron-core .bin/.idx pair written by megatron-core's own builder."""
-    import torch
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-    prefix = str(tmp_path / "corpus")
-    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
-    for doc in docs:
-        builder.add_document(torch.tensor(doc), [len(doc)])
-    builder.finalize(prefix + ".idx")
-    return prefix
+from tests.helpers.corpora import write_gpt2_vocab, write_indexed_dataset as _dataset
 
 
 def test_a_good_dataset_passes(tmp_path):

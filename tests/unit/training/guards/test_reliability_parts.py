@@ -7,8 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
-import threading
 import time
 
 import pytest

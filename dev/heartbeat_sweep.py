@@ -7,7 +7,7 @@ one ``get`` per rank (the former sweep), one ``multi_get`` of all counters, and
 ``multi_get`` in batches of 256 keys (the current sweep, the watchdog's own ``_check``).
 Prints a table; nothing is written.
 
-    python tools/heartbeat_sweep.py [--ranks 1024 4096 16384] [--repeats 3]
+    python -m dev.heartbeat_sweep [--ranks 1024 4096 16384] [--repeats 3]
 """
 
 from __future__ import annotations

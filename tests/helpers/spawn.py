@@ -6,7 +6,7 @@ the test process's environment plus the usual torchrun variables (``MASTER_ADDR`
 a port the OS picks, as torchrun's agent hosts it), initialises the default process group on
 gloo, calls ``fn(rank, world_size, *args)``, and destroys the group.
 
-The processes are forks of the session's fork server (``tests/_forkserver.py``: torch and
+The processes are forks of the session's fork server (``tests/helpers/forkserver.py``: torch and
 megatron-core imported once); the test process's environment is sent with every start.
 
 The parent never hangs: it raises ``RuntimeError`` carrying the child's traceback as soon
@@ -20,7 +20,6 @@ from __future__ import annotations
 import datetime
 import os
 import queue
-import sys
 import time
 import traceback
 from typing import Any, Callable
@@ -28,12 +27,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-# tests/ holds the fork server's module; imported as tests.distributed._spawn (by tools that
-# reuse the tests) it is not on sys.path yet.
-_TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _TESTS not in sys.path:
-    sys.path.insert(0, _TESTS)
-import _forkserver  # noqa: E402
+from tests.helpers import forkserver as _forkserver
 
 __all__ = ["spawn"]
 

@@ -4,20 +4,20 @@
 Each mutation below is a realistic bug (a wrong seed, a dropped factor, a 32-bit offset, a
 biased rounding...) written as exact text edits of the source, and names the test files (or
 test ids) expected to catch it. For every mutation the tool applies the edits, runs each
-named target with ``pytest -x`` (as ``tools/run_tests.sh`` does: ``TRITON_INTERPRET=1``,
+named target with ``pytest -x`` (as ``dev/run_tests.sh`` does: ``TRITON_INTERPRET=1``,
 and a private cache for the CPU kernels, which rebuild from the mutated C source), restores
 the files, and reports per target whether it failed ("caught"), passed ("SURVIVED") or hit
 a timeout. Before the mutations it runs every target once unmutated: a target that already
 fails proves nothing, so the tool stops there.
 
-    python tools/mutate.py --list                    # the mutations and their targets
-    python tools/mutate.py                           # all of them (about 7 minutes on 2 cores)
-    python tools/mutate.py --only seed-without-iteration grad-scaling-factor-dropped
-    python tools/mutate.py --write-results           # also record the table in docs/testing.md
+    python -m dev.mutate --list                    # the mutations and their targets
+    python -m dev.mutate                           # all of them (about 7 minutes on 2 cores)
+    python -m dev.mutate --only seed-without-iteration grad-scaling-factor-dropped
+    python -m dev.mutate --write-results           # also record the table in docs/testing.md
 
 It refuses to start when a file it mutates has uncommitted changes (so that ``git checkout``
 can always restore it), and restores every file on success, failure or Ctrl-C. It is not
-part of CI (``tools/run_tests.sh`` never runs it): it takes far longer than the suite.
+part of CI (``dev/run_tests.sh`` never runs it): it takes far longer than the suite.
 Run it on a quiet machine; the distributed tests have timeouts that heavy load can reach.
 """
 
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     table = _table(rows)
     print(table)
     survived = [m.name for m, results in rows if any(r[1] != "caught" for r in results)]
-    header = (f"Measured {started} with `python tools/mutate.py"
+    header = (f"Measured {started} with `python -m dev.mutate"
               f"{' --only ' + ' '.join(args.only) if args.only else ''}` on {machine}; "
               f"{len(rows)} mutations, {time.time() - t0:.0f} s in all"
               f"{'' if args.no_baseline else ', after an unmutated baseline run of every target'}.")

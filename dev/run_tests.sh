@@ -12,7 +12,7 @@
 # with the unit tests (one core each, mostly), while pass 2 creates its environment and runs
 # its multi-process tests on the other core; pass 2's output is printed when both are done.
 # SDP4BIT_SEQUENTIAL=1 runs them one after the other. Usage:
-#   bash tools/run_tests.sh [pytest arguments]
+#   bash dev/run_tests.sh [pytest arguments]
 # Test paths among the arguments select what runs: pass 1 runs them, pass 2 those of them that
 # are integration or end-to-end tests. SDP4BIT_SKIP_MCORE019=1 skips pass 2.
 set -euo pipefail

@@ -11,9 +11,9 @@ The table is printed; with ``--write-results`` it also goes to
 ``benchmarks/quantization.json`` (one entry per device kind and backend, so CPU, reference
 and GPU runs coexist) and ``benchmarks/quantization.md`` (regenerated from the JSON).
 
-    python tools/bench_quantization.py                      # CUDA if present, else CPU
-    python tools/bench_quantization.py --device cpu --threads 1 --backend torch
-    python tools/bench_quantization.py --device cpu --threads 1 --write-results
+    python -m benchmarks.quantization                      # CUDA if present, else CPU
+    python -m benchmarks.quantization --device cpu --threads 1 --backend torch
+    python -m benchmarks.quantization --device cpu --threads 1 --write-results
 
 On CUDA run it without ``TRITON_INTERPRET=1`` (the kernels would be interpreted).
 """
@@ -35,7 +35,6 @@ from typing import Callable
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from megatron.sdp4bit.quantization import format as fmt  # noqa: E402
 from megatron.sdp4bit.quantization import ops  # noqa: E402
@@ -187,7 +186,7 @@ def render_markdown(runs: dict) -> str:
              "GB/s moved = (bytes read + bytes written) / time, median of the timed calls; "
              "\"vs copy\" divides by `dst.copy_(src)` of the same fp32 buffer measured in the "
              "same run. Size = fp32 size of the buffer each operation works on (see "
-             "`build_cases` in `tools/bench_quantization.py` for the exact shapes: qWD 4-bit "
+             "`build_cases` in `benchmarks/quantization.py` for the exact shapes: qWD 4-bit "
              f"groups of {QWD_GROUP} over {QWD_WORLD} shards; TLq N={LOCAL}, M={NODES}, "
              f"{TLQ_INTRA_BITS}-bit then {TLQ_INTER_BITS}-bit, groups of {TLQ_GROUP}, "
              "Hadamard block 32 where H=32; senders use stochastic rounding).", "",
@@ -197,7 +196,7 @@ def render_markdown(runs: dict) -> str:
              ">= 20% of the copy. Every backend produces the same bytes.", ""]
     if not any(kind.startswith("cuda") for kind in runs):
         lines += ["**GPU figures are not yet measured**: no GPU was available when this file "
-                  "was written. Run `python tools/bench_quantization.py` on a CUDA machine "
+                  "was written. Run `python -m benchmarks.quantization` on a CUDA machine "
                   "(Triton backend) to add them.", ""]
     for kind in sorted(runs):
         r = runs[kind]

@@ -6,7 +6,7 @@ written by megatron-core's ``torch_dist`` strategy (PyTorch Distributed Checkpoi
 Replicas are written once (megatron-core keeps only the main replica), and a load reads
 only the slices this rank needs, so the data-parallel size may change on resume
 (``dp_reshardable``), and TP/PP too with ``fully_reshardable``. What this module adds on
-top is what the per-rank format (:mod:`.checkpointing`) has: the settings recorded and
+top is what the per-rank format (:mod:`.torch_format`) has: the settings recorded and
 checked, a SHA-256 manifest, no non-finite checkpoint, and a folder that becomes visible
 (renamed, synced) only when complete. See docs/checkpoints.md.
 
@@ -65,7 +65,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     TorchDistSaveShardedStrategy,
 )
 
-from megatron.sdp4bit.training.checkpoint import checkpointing as per_rank
+from megatron.sdp4bit.training.checkpoint import common
 from megatron.sdp4bit.training.checkpoint import files
 from megatron.sdp4bit.training.checkpoint.files import CheckpointError
 from megatron.sdp4bit.training.guards import faults
@@ -147,7 +147,7 @@ def _rng_object() -> ShardedObject:
     shape = (parallel_state.get_pipeline_model_parallel_world_size(),
              parallel_state.get_tensor_model_parallel_world_size(),
              parallel_state.get_data_parallel_world_size())
-    return ShardedObject("rng_state", per_rank._rng_state(), shape, (pp, tp, dp), replica_id=0)
+    return ShardedObject("rng_state", common.rng_state(), shape, (pp, tp, dp), replica_id=0)
 
 
 def _model_state(model_chunks) -> dict[str, Any]:
@@ -200,7 +200,7 @@ def _sharded_state(model_chunks, optimizer, sharding_type: str, *, is_loading: b
     state = _model_state(model_chunks)
     if with_optimizer:
         model_sd = {k: v for part in state.values() for k, v in part.items()}
-        opts = per_rank._inner_optimizers(optimizer)
+        opts = common.inner_optimizers(optimizer)
         if sharding_type == "fully_reshardable":
             for opt in opts:
                 _bucket_space_world_tensors(opt)
@@ -246,7 +246,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
                     scheduler, settings: dict[str, Any], *, sharding_type: str,
                     fully_parallel: bool = False) -> str:
     """Collective: write this iteration's torch_dist checkpoint; returns its folder."""
-    if not per_rank._weights_finite(model_chunks, optimizer):
+    if not common.weights_finite(model_chunks, optimizer):
         raise CheckpointError(f"not saving iteration {iteration}: the weights hold NaN or Inf; "
                               f"the last complete checkpoint in {root} stays current")
     final = files.iteration_dir(root, iteration)
@@ -296,7 +296,7 @@ def settings_problem(saved: dict[str, Any], current: dict[str, Any], directory: 
     # dp_reshardable keeps the optimizer's buckets: with bucketing on, their size must stay.
     strip = lambda s: {**s, "layout": {k: v for k, v in s.get("layout", {}).items()  # noqa: E731
                                        if k not in free}}
-    problem = per_rank._settings_problem(strip(saved), strip(current), directory,
+    problem = common.settings_problem(strip(saved), strip(current), directory,
                                          allow_sdp4bit_change, allow_data_change)
     if problem is not None and sharding == "dp_reshardable" and (
             saved.get("layout", {}).get("tp") != current["layout"]["tp"]
@@ -373,7 +373,7 @@ def _restore_steps(optimizer, loaded: dict[str, Any]) -> None:
     held *before* the load (kept in the load dict as a non-persistent object). Either makes
     the bias correction of the next steps wrong.
     """
-    opts = per_rank._inner_optimizers(optimizer)
+    opts = common.inner_optimizers(optimizer)
     parts = [loaded] if len(opts) == 1 else [loaded[i] for i in range(len(opts))]
     for opt, part in zip(opts, parts):
         steps = {g["step"] for g in part["optimizer"]["param_groups"] if "step" in g}
@@ -407,12 +407,12 @@ def load_checkpoint(directory: str, manifest: dict[str, Any] | None, model_chunk
     same_layout = saved["layout"] == settings["layout"]
     common = dist_checkpointing.load_common_state_dict(directory)
     if load_optim:
-        per_rank._check_schedule(scheduler, common["opt_param_scheduler"], directory)
+        common.check_schedule(scheduler, common["opt_param_scheduler"], directory)
     if load_optim:
         # The optimizer's sharded_state_dict() reads the step count of the Adam state, which
         # exists only after a first step: take one with zero gradients, as megatron-core does
         # for its FSDP format; the load overwrites every value it made.
-        for opt in per_rank._inner_optimizers(optimizer):
+        for opt in common.inner_optimizers(optimizer):
             if not opt.optimizer.state:
                 opt._init_optimizer_states_with_dummy_values()
     # RNG streams belong to ranks: they are restored only when every rank is where it was.
@@ -442,7 +442,7 @@ def load_checkpoint(directory: str, manifest: dict[str, Any] | None, model_chunk
     for key, chunk in zip(keys, model_chunks):
         _unwrap(chunk).load_state_dict(loaded[key], strict=True)
     if load_optim:
-        opts = per_rank._inner_optimizers(optimizer)
+        opts = common.inner_optimizers(optimizer)
         for opt in opts:
             _tolerate_missing_step(opt)
         try:
@@ -453,8 +453,8 @@ def load_checkpoint(directory: str, manifest: dict[str, Any] | None, model_chunk
         _restore_steps(optimizer, loaded["optimizer"])
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     else:
-        for opt in per_rank._inner_optimizers(optimizer):
+        for opt in common.inner_optimizers(optimizer):
             opt.reload_model_params()
     if with_rng:
-        per_rank._set_rng_state(loaded["rng_state"])
+        common.set_rng_state(loaded["rng_state"])
     return loaded["iteration"], loaded["consumed_samples"]

@@ -1,7 +1,7 @@
-"""Run the kernel-versus-reference checks of ``tests/unit/_kernel_checks.py`` on CUDA at
+"""Run the kernel-versus-reference checks of ``tests/helpers/kernel_checks.py`` on CUDA at
 production-like sizes (groups of 2048 and 128, Hadamard block 32, several MB per call).
 
-Run as ``python -m tests.gpu._cuda_checks OP`` from the repository root with
+Run as ``python -m tests.helpers.cuda_checks OP`` from the repository root with
 ``TRITON_INTERPRET`` unset, so that the kernels are compiled, not interpreted (Triton decides
 when the kernel modules are imported). ``test_kernels_cuda.py`` does that in a subprocess.
 """
@@ -14,7 +14,7 @@ import traceback
 
 import torch
 
-from tests.unit import _kernel_checks as kc
+from tests.helpers import kernel_checks as kc
 
 DEV = "cuda"
 SEED = (0x9E3779B9 << 32) | 0x80000001

@@ -23,7 +23,7 @@ one process behave, as far as Python code can tell, like a rank of a CUDA run:
    with one line naming the collective, the group and the tensor. Object collectives
    (``all_gather_object``...) are exempt: torch moves their bytes to the device itself.
 
-Only :func:`enable_cuda_dryrun` switches it on (``tools/cuda_dryrun.py`` calls it before
+Only :func:`enable_cuda_dryrun` switches it on (``dev/cuda_dryrun.py`` calls it before
 importing the trainer); nothing else imports this module. Limits: docs/cuda_dryrun.md.
 """
 

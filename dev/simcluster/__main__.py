@@ -1,11 +1,11 @@
 """Speed of SDP4Bit on a simulated two-node cluster with a slow link between the nodes.
 
-    sudo bash tools/simcluster.sh                         # none 1gbit 300mbit 100mbit
-    sudo bash tools/simcluster.sh 1gbit 100mbit --rounds 5
-    sudo bash tools/simcluster.sh --write-results         # benchmarks/simcluster.*
-    python tools/simcluster --render benchmarks/simcluster.json   # redraw, no root needed
+    sudo bash benchmarks/simcluster.sh                         # none 1gbit 300mbit 100mbit
+    sudo bash benchmarks/simcluster.sh 1gbit 100mbit --rounds 5
+    sudo bash benchmarks/simcluster.sh --write-results         # benchmarks/simcluster.*
+    python -m dev.simcluster --render benchmarks/simcluster.json   # redraw, no root needed
 
-(``tools/simcluster.sh`` sets up ``.venv`` first; inside it, ``python tools/simcluster``.)
+(``benchmarks/simcluster.sh`` sets up ``.venv`` first; inside it, ``python -m dev.simcluster``.)
 
 Two network namespaces stand in for two nodes of 2 ranks each (``netns.py``), joined by a
 veth pair shaped with ``tc tbf`` at each link rate. For every rate, the link's real TCP
@@ -37,9 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import launch
-import netns
-import report
+from dev.simcluster import launch, netns, report
 
 MODEL = ["--num-layers", "2", "--hidden-size", "512", "--num-attention-heads", "8",
          "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1",
@@ -171,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     result = report.summarize(links, runs, args.methods)
     result.update(command="sudo bash " + shlex.join(
-        ["tools/simcluster.sh", *(sys.argv[1:] if argv is None else argv)]),
+        ["benchmarks/simcluster.sh", *(sys.argv[1:] if argv is None else argv)]),
         trainer_flags={m: trainer_args(m, args) for m in args.methods},
         minutes=round((time.time() - started) / 60, 1), load_before=load_before,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -2,9 +2,9 @@
 """Peak memory of saving and loading a ``--ckpt-format torch_dist`` checkpoint, per rank,
 next to the model and optimizer state the rank holds; and the checkpoint's size on disk.
 
-    python tools/checkpoint/load_memory.py                        # every case below (~5 min)
-    python tools/checkpoint/load_memory.py --cases quickstart-dp4
-    python tools/checkpoint/load_memory.py --write-results        # also benchmarks/load_memory.{md,json}
+    python -m benchmarks.load_memory                        # every case below (~5 min)
+    python -m benchmarks.load_memory --cases quickstart-dp4
+    python -m benchmarks.load_memory --write-results        # also benchmarks/load_memory.{md,json}
 
 Each case launches ``torchrun`` on this file: the ranks build the trainer's model, DDP
 buffers and distributed optimizer exactly as ``pretrain_gpt.py`` does (``training/build.py``,
@@ -35,9 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import results  # noqa: E402  (tools/checkpoint/results.py)
+from benchmarks import results
+
+ROOT = Path(__file__).resolve().parents[1]
 
 _SDP4BIT = ("--use-distributed-optimizer --quantized-weights --quantized-gradients "
             "--hadamard-transform --gq-group-size-intra 128 --gq-group-size-inter 128").split()
@@ -82,7 +82,7 @@ def _reset_peak() -> int:
 def _state_bytes(state) -> dict[str, int]:
     """What this rank holds: 16-bit weights and fp32 gradients (DDP buffers, the whole model
     on every DP rank) and the optimizer's fp32 main weights and Adam moments (its shard)."""
-    from megatron.sdp4bit.training.checkpoint.checkpointing import _inner_optimizers
+    from megatron.sdp4bit.training.checkpoint.common import inner_optimizers as _inner_optimizers
 
     weights = grads = 0
     for chunk in state.model:
@@ -103,7 +103,6 @@ def _state_bytes(state) -> dict[str, int]:
 
 def worker(out: str, flags: list[str]) -> None:
     """One rank (under torchrun): build, save, load; rank 0 writes every rank's figures."""
-    sys.path.insert(0, str(ROOT))
     from megatron.sdp4bit.training.observe.noise import quiet_megatron_core
 
     quiet_megatron_core()
@@ -111,7 +110,7 @@ def worker(out: str, flags: list[str]) -> None:
 
     from megatron.sdp4bit.training import build, sdp4bit_setup
     from megatron.sdp4bit.training.checkpoint import formats
-    from megatron.sdp4bit.training.checkpoint.checkpointing import _inner_optimizers
+    from megatron.sdp4bit.training.checkpoint.common import inner_optimizers as _inner_optimizers
     from megatron.sdp4bit.training.cli.arguments import parse_args, sdp4bit_config_from_args
 
     args = parse_args(flags)
@@ -162,7 +161,7 @@ def run_case(name: str, work: Path) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("TRITON_INTERPRET", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(nproc), __file__, "--worker", str(out), "--", *flags]
+           str(nproc), "-m", "benchmarks.load_memory", "--worker", str(out), "--", *flags]
     t0 = time.time()
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if res.returncode != 0:
@@ -191,7 +190,7 @@ def _row(name: str, r: dict) -> str:
 
 def render(record: dict) -> str:
     lines = ["# Checkpoint memory and size (torch_dist)", "",
-             "Written by `tools/checkpoint/load_memory.py` (see its docstring). MB = 2**20 "
+             "Written by `benchmarks/load_memory.py` (see its docstring). MB = 2**20 "
              "bytes. Held: the state a rank holds (bf16 weights + fp32 gradient buffer, both "
              "the whole model, + its shard of the fp32 main weights and Adam moments; the "
              "largest over the ranks). Load: the resident size just before the load -> the "

@@ -1,20 +1,15 @@
-"""Run tools/cuda_dryrun.py with one planted GPU-only bug (tests/e2e/test_cuda_dryrun.py).
+"""Run dev/cuda_dryrun.py with one planted GPU-only bug (tests/e2e/test_cuda_dryrun.py).
 
-    torchrun ... tests/e2e/_dryrun_plant.py <bug> <pretrain_gpt.py flags>
+    torchrun ... tests/helpers/dryrun_plant.py <bug> <pretrain_gpt.py flags>
 
 Each bug is put back by monkeypatching in this process only; no file changes.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-sys.path.insert(0, ROOT)
-
-import cuda_dryrun as tool  # noqa: E402  (tools/cuda_dryrun.py)
+from dev import cuda_dryrun as tool
 
 
 def _mean_loss_copied_to_host() -> None:
@@ -42,7 +37,7 @@ def _finite_flag_on_host() -> None:
     import torch.distributed as dist
 
     from megatron.sdp4bit.training import step
-    from megatron.sdp4bit.training.checkpoint import checkpointing
+    from megatron.sdp4bit.training.checkpoint import common
     from megatron.sdp4bit.training.guards import finite
 
     def all_finite(tensors):
@@ -50,7 +45,7 @@ def _finite_flag_on_host() -> None:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         return not bool(bad.item())
 
-    for module in (finite, step, checkpointing):
+    for module in (finite, step, common):
         if hasattr(module, "all_finite"):
             module.all_finite = all_finite
 

@@ -1,6 +1,6 @@
 """``torchrun --nproc-per-node N script.py ARGS`` (``torchrun()``) and ``python script.py ARGS``
 (``python()``) for the end-to-end tests, with the processes forked from the session's fork
-server (tests/_forkserver.py) instead of started as fresh interpreters.
+server (tests/helpers/forkserver.py) instead of started as fresh interpreters.
 
 A four-rank ``torchrun`` of the tiny GPT spends most of its time starting and ending
 interpreters: 3-5 s of CPU per rank importing torch and megatron-core, 1-3 s finalizing
@@ -39,7 +39,7 @@ import tempfile
 import time
 import uuid
 
-from tests import _forkserver
+from tests.helpers import forkserver as _forkserver
 
 GRACE_S = 5.0  # between SIGTERM and SIGKILL, as torchrun's agent waits for its workers
 

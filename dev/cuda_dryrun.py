@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Run pretrain_gpt.py's CUDA branch on a CPU-only machine, with NCCL's rules on collectives.
 
-    torchrun --nproc-per-node 2 tools/cuda_dryrun.py <pretrain_gpt.py flags>
+    torchrun --nproc-per-node 2 dev/cuda_dryrun.py <pretrain_gpt.py flags>
 
 Every rank believes it has a GPU (``torch.cuda.is_available()`` is True), computes on the
 CPU for real, and talks gloo underneath; a collective that NCCL would refuse on a GPU run
@@ -19,10 +19,9 @@ import time
 from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 TRAINER = os.path.join(ROOT, "pretrain_gpt.py")
 
-from megatron.sdp4bit.integration import cuda_dryrun  # noqa: E402
+from megatron.sdp4bit.testing import cuda_dryrun  # noqa: E402
 
 
 def _run_trainer(argv: list[str]) -> int:

@@ -1,7 +1,7 @@
 """A tiny megatron-core GPT trained with DDP + the distributed optimizer, for gloo tests.
 
 Test code only (the trainer builds its own model in ``megatron.sdp4bit.training``).
-Every function runs inside a rank started by ``_spawn.spawn``.
+Every function runs inside a rank started by ``tests.helpers.spawn.spawn``.
 """
 
 from __future__ import annotations

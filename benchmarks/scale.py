@@ -12,9 +12,9 @@ reads off the buckets, sizes SDP4Bit's wire buffers with the comm layer's own fu
 project's accounting (``CommStats``, ``observe.comm_counters``), and evaluates a stated
 *model* of step time against link bandwidth next to the paper's Table 2.
 
-    python tools/scale_dryrun.py                  # prints the report (a few minutes)
-    python tools/scale_dryrun.py --write-results  # also benchmarks/scale.{md,json}
-    python tools/scale_dryrun.py --models 1.3B --worlds 16 --cluster a100   # one case
+    python -m benchmarks.scale                  # prints the report (a few minutes)
+    python -m benchmarks.scale --write-results  # also benchmarks/scale.{md,json}
+    python -m benchmarks.scale --models 1.3B --worlds 16 --cluster a100   # one case
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 # (layers, hidden, heads): sample_scripts/common.sh's model cards.
 MODELS = {"1.3B": (24, 2048, 16), "6.7B": (32, 4096, 32), "13B": (40, 5120, 40)}
@@ -308,7 +307,7 @@ def markdown(results: list[dict], meta: dict) -> str:
     """The report: memory, messages, bytes per step, the step-time model beside Table 2."""
     lines = [
         "# The paper's sizes, on paper (a dry run, not a measurement on GPUs)", "",
-        "Written by `tools/scale_dryrun.py` (do not edit by hand).", "",
+        "Written by `benchmarks/scale.py` (do not edit by hand).", "",
         f"Command: `{meta['command']}`  ",
         f"Machine: {meta['machine']}; date {meta['date']}; load average {meta['load']}; "
         f"{meta['seconds']:.0f} s.", "",
@@ -436,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     results = run(args.models, args.cluster, args.worlds,
                   lambda msg: print(msg, file=sys.stderr, flush=True))
-    meta = {"command": "python tools/scale_dryrun.py " + " ".join(sys.argv[1:] if argv is None
+    meta = {"command": "python -m benchmarks.scale " + " ".join(sys.argv[1:] if argv is None
                                                                      else argv),
             "machine": machine(),
             "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),

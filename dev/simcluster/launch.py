@@ -24,12 +24,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from netns import Cluster
+from dev.simcluster.netns import Cluster
+from megatron.sdp4bit.training.observe.metrics_file import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-from summarize_metrics import read_metrics  # noqa: E402  (a sibling tool, not a package)
 
 
 @dataclass

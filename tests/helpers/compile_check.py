@@ -9,7 +9,7 @@ is what a GPU would run for the same arguments; the sizes below are chosen so th
 argument is 1 (production sizes never are). Prints one JSON line per compiled kernel: name,
 arch, cubin size, the PTX facts the numerics rely on (IEEE division, no approximate
 instructions, where fused multiply-adds appear) and the 32-bit offset arithmetic of the IR
-(``_triton_ir.offset_violations``).
+(``triton_ir.offset_violations``).
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime import jit  # noqa: E402
 
-import _triton_ir  # noqa: E402
-
 from megatron.sdp4bit.quantization import format as fmt  # noqa: E402
 from megatron.sdp4bit.quantization import triton_kernels as tk  # noqa: E402
+
+from tests.helpers import triton_ir as _triton_ir  # noqa: E402
 
 def _compile_instead_of_run(arch: int, seen: list[dict]):
     target = GPUTarget("cuda", arch, 32)

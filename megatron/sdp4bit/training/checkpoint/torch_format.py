@@ -35,31 +35,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core import tensor_parallel
 
-from megatron.sdp4bit.training.checkpoint import files
+from megatron.sdp4bit.training.checkpoint import common, files
 from megatron.sdp4bit.training.guards import faults
 from megatron.sdp4bit.training.checkpoint.files import CheckpointError
-from megatron.sdp4bit.training.guards.finite import all_finite
-
-# Schedule fields of megatron-core's OptimizerParamScheduler.state_dict() and their flags
-# (steps are counted in samples, as Megatron-LM does).
-SCHEDULE_FLAGS = {
-    "max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-* (samples)",
-    "lr_decay_steps": "--lr-decay-iters/--train-iters (decay samples)",
-    "lr_decay_style": "--lr-decay-style", "start_wd": "--start-weight-decay",
-    "end_wd": "--end-weight-decay", "wd_incr_steps": "--train-iters (weight-decay samples)",
-    "wd_incr_style": "--weight-decay-incr-style",
-}
-
-
-def _inner_optimizers(optimizer) -> list:
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
 
 def _optimizer_state(optimizer) -> list[dict[str, Any]]:
     states = []
-    for opt in _inner_optimizers(optimizer):
+    for opt in common.inner_optimizers(optimizer):
         inner = opt.optimizer
         scaler = getattr(opt, "grad_scaler", None)
         states.append({
@@ -71,7 +54,7 @@ def _optimizer_state(optimizer) -> list[dict[str, Any]]:
 
 
 def _load_optimizer_state(optimizer, states: list[dict[str, Any]], directory: str) -> None:
-    opts = _inner_optimizers(optimizer)
+    opts = common.inner_optimizers(optimizer)
     if len(opts) != len(states):
         raise CheckpointError(f"checkpoint {directory} has {len(states)} optimizers, this run "
                               f"{len(opts)}: resume with the same model and precision flags")
@@ -92,21 +75,6 @@ def _load_optimizer_state(optimizer, states: list[dict[str, Any]], directory: st
             scaler.load_state_dict(state["grad_scaler"])
 
 
-def _rng_state() -> dict[str, Any]:
-    state = {"cpu": torch.get_rng_state(),
-             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
-
-
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     # DDP and Float16Module forward load_state_dict without returning torch's key report.
     while hasattr(chunk, "module"):
@@ -121,27 +89,11 @@ def _model_state(model_chunks) -> list[dict[str, torch.Tensor]]:
             for m in model_chunks]
 
 
-def _first_error(message: str | None) -> None:
-    """Collective: raise on every rank the first (by rank) non-None message of any rank."""
-    messages: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, message)
-    first = next((m for m in messages if m is not None), None)
-    if first is not None:
-        raise CheckpointError(first)
-
-
-def _weights_finite(model_chunks, optimizer) -> bool:
-    tensors = [p for m in model_chunks for p in m.parameters()]
-    for opt in _inner_optimizers(optimizer):
-        tensors += [p for g in opt.optimizer.param_groups for p in g["params"]]
-    return all_finite(tensors)
-
-
 def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chunks, optimizer,
                     scheduler, settings: dict[str, Any]) -> str:
     """Collective: write this iteration's checkpoint; returns its folder. Refuses (with
     :class:`CheckpointError`, on every rank, writing nothing) when weights are non-finite."""
-    if not _weights_finite(model_chunks, optimizer):
+    if not common.weights_finite(model_chunks, optimizer):
         raise CheckpointError(f"not saving iteration {iteration}: the weights hold NaN or Inf; "
                               f"the last complete checkpoint in {root} stays current")
     rank = dist.get_rank()
@@ -152,7 +104,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
         files.make_dir(directory)
         entry = files.save_file({"model": _model_state(model_chunks),
                                  "optimizer": _optimizer_state(optimizer),
-                                 "rng": _rng_state()}, os.path.join(directory, name))
+                                 "rng": common.rng_state()}, os.path.join(directory, name))
     except CheckpointError as err:
         error = str(err)
     if faults.active("die-saving", iteration, rank):
@@ -171,59 +123,14 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
             files.write_manifest(directory, iteration, manifest, settings)
         except CheckpointError as err:
             error = str(err)
-    _first_error(error)  # every file and the manifest are complete: now the tracker
+    common.first_error(error)  # every file and the manifest are complete: now the tracker
     if rank == 0:
         try:
             files.write_tracker(root, iteration)
         except CheckpointError as err:
             error = str(err)
-    _first_error(error)
+    common.first_error(error)
     return directory
-
-
-def _describe(values: dict[str, Any]) -> str:
-    return ", ".join(f"{k} {v}" for k, v in values.items())
-
-
-# Model settings recorded since the Llama export (tools/checkpoint/export_hf.py): a manifest
-# written before lacks them, and such a checkpoint still resumes (they are not compared).
-LATER_MODEL_SETTINGS = ("norm_epsilon", "rotary_base", "rotary_percent")
-
-
-def _settings_problem(saved: dict[str, Any], current: dict[str, Any], directory: str,
-                      allow_sdp4bit_change: bool, allow_data_change: bool = False) -> str | None:
-    if "model" in saved:
-        unrecorded = [k for k in LATER_MODEL_SETTINGS if k not in saved["model"]]
-        current = {**current, "model": {k: v for k, v in current["model"].items()
-                                        if k not in unrecorded}}
-    for part, fix in (("layout", "resume with the same layout (or start a new run)"),
-                      ("model", "resume with the same model flags")):
-        if saved.get(part) != current[part]:
-            diff = {k for k in set(saved.get(part, {})) | set(current[part])
-                    if saved.get(part, {}).get(k) != current[part].get(k)}
-            was = {k: saved.get(part, {}).get(k) for k in sorted(diff)}
-            now = {k: current[part].get(k) for k in sorted(diff)}
-            return (f"checkpoint {directory} was saved with {part} {_describe(was)}; this run "
-                    f"has {_describe(now)}: {fix}")
-    if "data" in current and saved.get("data") != current["data"] and not allow_data_change:
-        old, new = saved.get("data") or {}, current["data"]
-        diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-        was = {k: old.get(k, "unrecorded") for k in diff}
-        now = {k: new.get(k) for k in diff}
-        return (f"checkpoint {directory} was trained with {_describe(was)}; this run has "
-                f"{_describe(now)}: resume with the checkpoint's --data-path, --split and "
-                "--seed, or pass --allow-changed-data to continue on other data")
-    if saved.get("sdp4bit") != current["sdp4bit"] and not allow_sdp4bit_change:
-        old, new = saved.get("sdp4bit", {}), current["sdp4bit"]
-        diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-        switches = [k for k in ("quantized_weights", "quantized_gradients") if k in diff]
-        diff = switches or diff  # a part switched on or off: its own flags follow it
-        was = {k: old.get(k, "off") for k in diff}
-        now = {k: new.get(k, "off") for k in diff}
-        return (f"checkpoint {directory} was trained with SDP4Bit {_describe(was)}; this run "
-                f"has {_describe(now)}: use the same SDP4Bit flags, or pass "
-                "--allow-changed-sdp4bit-settings to change the method on resume")
-    return None
 
 
 def _inspect(root: str, settings: dict[str, Any], allow_sdp4bit_change: bool,
@@ -247,7 +154,7 @@ def _inspect(root: str, settings: dict[str, Any], allow_sdp4bit_change: bool,
                                 "can be verified (checksums, layout, settings); restore the "
                                 "manifest, load an earlier checkpoint, or pass "
                                 "--load-without-manifest to load it unchecked")
-        problem = _settings_problem(manifest["settings"], settings, directory,
+        problem = common.settings_problem(manifest["settings"], settings, directory,
                                     allow_sdp4bit_change, allow_data_change)
         expected = {f"rank_{r:05d}.pt" for r in range(dist.get_world_size())} | {"common.pt"}
         for name in sorted(expected - set(manifest["files"])):
@@ -263,19 +170,6 @@ def _inspect(root: str, settings: dict[str, Any], allow_sdp4bit_change: bool,
         return iteration, manifest, problem
     except CheckpointError as err:
         return None, None, str(err)
-
-
-def _check_schedule(scheduler, saved: dict[str, Any], directory: str) -> None:
-    if scheduler.override_opt_param_scheduler or scheduler.use_checkpoint_opt_param_scheduler:
-        return
-    current = scheduler.state_dict()
-    diff = [k for k in SCHEDULE_FLAGS if k in saved and saved[k] != current.get(k)]
-    if diff:
-        changes = ", ".join(f"{SCHEDULE_FLAGS[k]} {saved[k]} -> {current.get(k)}" for k in diff)
-        raise CheckpointError(f"resuming {directory} would change its schedule: {changes}; "
-                              "pass --override-opt_param-scheduler to use this command line's "
-                              "schedule, or --use-checkpoint-opt_param-scheduler to keep the "
-                              "checkpoint's")
 
 
 def load_checkpoint(root: str, model_chunks, optimizer, scheduler, settings: dict[str, Any], *,
@@ -304,7 +198,7 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler, settings: dic
         own = files.read_verified(os.path.join(directory, name), entries.get(name))
     except CheckpointError as err:
         error = str(err)
-    _first_error(error)
+    common.first_error(error)
     error = None
     try:
         for chunk, state in zip(model_chunks, own["model"]):
@@ -314,16 +208,16 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler, settings: dic
                 raise CheckpointError(f"model in {directory} does not match this model: "
                                       f"missing {missing[:3]}, unexpected {unexpected[:3]}")
         if load_optim:
-            _check_schedule(scheduler, common["scheduler"], directory)
+            common.check_schedule(scheduler, common["scheduler"], directory)
             _load_optimizer_state(optimizer, own["optimizer"], directory)
             scheduler.load_state_dict(common["scheduler"])
     except CheckpointError as err:
         error = str(err)
-    _first_error(error)
+    common.first_error(error)
     if not load_optim:
         # The fp32 main params still hold the random initialization: take the loaded model.
-        for opt in _inner_optimizers(optimizer):
+        for opt in common.inner_optimizers(optimizer):
             opt.reload_model_params()
     if load_rng:
-        _set_rng_state(own["rng"])
+        common.set_rng_state(own["rng"])
     return common["iteration"], common["consumed_samples"]

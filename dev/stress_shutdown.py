@@ -7,7 +7,7 @@ it happens in a few runs out of many, so one run proves nothing. This tool repea
 ``--save`` then ``--load`` (the resume with ``--dp-ranks-per-node 4``) and counts the
 launches that did not exit 0 or printed ``terminate called``.
 
-    python tools/stress_shutdown.py --runs 12 [--heartbeat-timeout-seconds 120]
+    python -m dev.stress_shutdown --runs 12 [--heartbeat-timeout-seconds 120]
 
 Data: the default corpus (tools/prepare_default_data.py, cached in data/cache).
 """

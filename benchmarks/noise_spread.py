@@ -2,9 +2,9 @@
 """The run-to-run spread of the loss that SDP4Bit's rounding noise alone causes, on the runs of
 tests/e2e/test_dist_checkpoint.py: the figure behind that test's bound for resharded resumes.
 
-    python tools/checkpoint/noise_spread.py                    # every layout, seeds 7-10
-    python tools/checkpoint/noise_spread.py --layouts dp4 --seeds 7 8
-    python tools/checkpoint/noise_spread.py --write-results    # also benchmarks/noise_spread.{md,json}
+    python -m benchmarks.noise_spread                    # every layout, seeds 7-10
+    python -m benchmarks.noise_spread --layouts dp4 --seeds 7 8
+    python -m benchmarks.noise_spread --write-results    # also benchmarks/noise_spread.{md,json}
 
 For each layout of the test (processes and parallel flags: ``LAYOUTS`` there) the test's
 uninterrupted run (``BASE``: the tiny GPT on the tests' corpus, SDP4Bit, dropout off, 8
@@ -34,10 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import results  # noqa: E402  (tools/checkpoint/results.py)
-sys.path.insert(0, str(ROOT))
+from benchmarks import results
+
+ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULT_SEEDS = (7, 8, 9, 10)  # 7 is the test's --seed: its reference run is among them
 
@@ -58,8 +57,8 @@ def rms(values: list[float]) -> float:
 
 
 def measure(layouts: list[str], seeds: list[int], work: Path) -> dict:
-    from tests.e2e.test_dist_checkpoint import BASE, LAYOUTS, NOISE_ITERATIONS
-    from tests.e2e.test_pretrain_gpt import build_corpus, torchrun, train_lines
+    from tests.helpers.resume_layouts import BASE, LAYOUTS, NOISE_ITERATIONS
+    from tests.helpers.trainer import build_corpus, torchrun, train_lines
 
     data = build_corpus(work / "data")
     result = {}
@@ -82,7 +81,7 @@ def measure(layouts: list[str], seeds: list[int], work: Path) -> dict:
 
 def render(record: dict) -> str:
     lines = ["# Rounding-noise spread of the resharding tests' runs", "",
-             "Written by `tools/checkpoint/noise_spread.py` (see its docstring). Each layout's "
+             "Written by `benchmarks/noise_spread.py` (see its docstring). Each layout's "
              "run of `tests/e2e/test_dist_checkpoint.py` launched once per `--rounding-seed` "
              "(nothing else differs); relative loss differences |a - b| / a of every pair of "
              f"seeds at iterations {record['iterations'][0]}-{record['iterations'][-1]}.", "",
@@ -102,7 +101,7 @@ def render(record: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from tests.e2e.test_dist_checkpoint import LAYOUTS, NOISE_FACTOR, NOISE_ITERATIONS
+    from tests.helpers.resume_layouts import LAYOUTS, NOISE_FACTOR, NOISE_ITERATIONS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
