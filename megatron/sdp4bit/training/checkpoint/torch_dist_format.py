@@ -405,9 +405,9 @@ def load_checkpoint(directory: str, manifest: dict[str, Any] | None, model_chunk
     if problem is not None:
         raise CheckpointError(problem)
     same_layout = saved["layout"] == settings["layout"]
-    common = dist_checkpointing.load_common_state_dict(directory)
+    saved_common = dist_checkpointing.load_common_state_dict(directory)
     if load_optim:
-        common.check_schedule(scheduler, common["opt_param_scheduler"], directory)
+        common.check_schedule(scheduler, saved_common["opt_param_scheduler"], directory)
     if load_optim:
         # The optimizer's sharded_state_dict() reads the step count of the Adam state, which
         # exists only after a first step: take one with zero gradients, as megatron-core does
