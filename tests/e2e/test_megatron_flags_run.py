@@ -80,3 +80,20 @@ def test_train_samples_and_exit_duration(tmp_path):
     (loss,) = events.Scalars("lm loss")
     assert loss.step == 1 and abs(loss.value - record["lm_loss"]) <= 1e-6 * record["lm_loss"]
     assert [e.step for e in events.Scalars("lm loss vs samples")] == [16]
+
+
+@pytest.mark.release_independent
+def test_transformer_engine_without_cuda_is_refused_before_start_up():
+    """pretrain_gpt.py checks what the machine has right after parsing: one line, exit 2,
+    nothing started (CUDA_VISIBLE_DEVICES= hides any GPU, so every machine lacks CUDA)."""
+    cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"),
+           *("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+             "--micro-batch-size 2 --train-iters 2 --lr 1e-3 --mock-data "
+             "--transformer-impl transformer_engine").split()]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    assert res.stderr.splitlines() == [
+        "pretrain_gpt.py: error: --transformer-impl transformer_engine runs Transformer "
+        "Engine's CUDA kernels and there is no CUDA device here: --transformer-impl local"]
+    assert "initializing torch.distributed" not in res.stdout and "arguments" not in res.stdout

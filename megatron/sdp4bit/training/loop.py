@@ -194,7 +194,8 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None) -> Tra
             state.last_loss = loss
             window_loss += loss
             window_iters += 1
-            if metrics is not None:  # Megatron-LM's per-iteration TensorBoard/W&B scalars
+            if metrics is not None and metrics.iteration_due(state.iteration):
+                # Megatron-LM's per-iteration TensorBoard/W&B scalars
                 metrics.iteration(state.iteration, state.consumed_samples, loss,
                                   state.optimizer.param_groups[0]["lr"],
                                   state.optimizer.get_loss_scale().item(), float(grad_norm))
@@ -232,7 +233,7 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None) -> Tra
                     state.last_val_loss = val
                     if metrics is not None:
                         print(format_eval_lines(state.iteration, val), flush=True)
-                        metrics.evaluation(state.iteration, val)
+                        metrics.evaluation(state.iteration, state.consumed_samples, val)
                 window_start = time.time()  # evaluation time is not iteration time
             if faults.active("flip-replica", state.iteration, dist.get_rank()):
                 with torch.no_grad():
@@ -268,7 +269,8 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None) -> Tra
                 state.last_test_loss = test
                 if metrics is not None:
                     print(format_eval_lines(state.iteration, test, split="test"), flush=True)
-                    metrics.evaluation(state.iteration, test, split="test")
+                    metrics.evaluation(state.iteration, state.consumed_samples, test,
+                                       split="test")
     finally:
         if metrics is not None:
             metrics.close()

@@ -69,7 +69,6 @@ class MetricsWriter:
         self._world_size = args.world_size if args.log_world_size_to_tensorboard else None
         self._batch_size = args.global_batch_size
         self._seq_length = args.seq_length  # for consumed_tokens in --metrics-jsonl
-        self._samples = 0  # consumed samples at the last iteration seen (for "vs samples")
         self._tb = None
         if args.tensorboard_dir:
             # Importable: argument checking refuses --tensorboard-dir without it.
@@ -83,23 +82,29 @@ class MetricsWriter:
             self._wandb = wandb.init(project=args.wandb_project, name=args.wandb_exp_name or None,
                                      dir=args.wandb_save_dir or None, config=vars(args))
 
-    def _scalars(self, values: dict[str, float], step: int, vs_samples: bool) -> None:
-        """``values`` to TensorBoard (also against the consumed samples when
-        ``vs_samples``) and W&B, under the same names."""
+    def _scalars(self, values: dict[str, float], step: int,
+                 samples: int | None = None) -> None:
+        """``values`` to TensorBoard (also against the consumed ``samples`` when given)
+        and W&B, under the same names."""
         if self._tb is not None:
             for tag, value in values.items():
                 self._tb.add_scalar(tag, value, step)
-                if vs_samples:
-                    self._tb.add_scalar(f"{tag} vs samples", value, self._samples)
+                if samples is not None:
+                    self._tb.add_scalar(f"{tag} vs samples", value, samples)
         if self._wandb is not None and values:
             self._wandb.log(dict(values), step=step)
 
+    def iteration_due(self, iteration: int) -> bool:
+        """Whether :meth:`iteration` writes anything at ``iteration`` (the caller then
+        reads the loss scale, a device synchronization on GPU)."""
+        return (self._tb is not None or self._wandb is not None) and \
+            iteration % self._tb_interval == 0
+
     def iteration(self, iteration: int, consumed_samples: int, loss: float,
                   learning_rate: float, loss_scale: float, grad_norm: float) -> None:
-        """One training iteration's values (called after every iteration; written every
-        ``--tensorboard-log-interval``)."""
-        self._samples = consumed_samples
-        if iteration % self._tb_interval:
+        """One training iteration's values, written every ``--tensorboard-log-interval``
+        iterations."""
+        if not self.iteration_due(iteration):
             return
         if self._wandb is not None:
             self._wandb.log({"samples vs steps": consumed_samples}, step=iteration)
@@ -113,20 +118,20 @@ class MetricsWriter:
         if self._world_size is not None:
             values["world-size"] = self._world_size
         values["grad-norm"] = grad_norm
-        self._scalars(values, iteration, vs_samples=True)
+        self._scalars(values, iteration, samples=consumed_samples)
 
     def train(self, m: dict[str, Any]) -> None:
         """A logged iteration's record (the averages over the log interval)."""
-        self._samples = m["consumed_samples"]
         self._write({**m, "consumed_tokens": m["consumed_samples"] * self._seq_length})
         values = {"iteration-time": m["elapsed_ms"] / 1e3, "throughput": m["tflops_per_gpu"]}
         values.update({tag: m[key] for key, tag in SDP4BIT_TAGS.items() if key in m})
         if self._tb_timers:
             values.update({_timer_tag(name): ms / 1e3
                            for name, ms in m.get("timers_ms", {}).items()})
-        self._scalars(values, m["iteration"], vs_samples=False)
+        self._scalars(values, m["iteration"])
 
-    def evaluation(self, iteration: int, loss: float, split: str = "validation") -> None:
+    def evaluation(self, iteration: int, consumed_samples: int, loss: float,
+                   split: str = "validation") -> None:
         """A validation loss, or with ``split="test"`` the test set's (keys ``test_lm_*``)."""
         key = "val" if split == "validation" else split
         ppl = math.exp(min(20.0, loss))
@@ -134,10 +139,10 @@ class MetricsWriter:
         tag = f"lm loss {split}"
         if self._tb is not None:
             self._tb.add_scalar(tag, loss, iteration)
-            self._tb.add_scalar(f"{tag} vs samples", loss, self._samples)
+            self._tb.add_scalar(f"{tag} vs samples", loss, consumed_samples)
             if self._tb_ppl:
                 self._tb.add_scalar(f"{tag} ppl", ppl, iteration)
-                self._tb.add_scalar(f"{tag} ppl vs samples", ppl, self._samples)
+                self._tb.add_scalar(f"{tag} ppl vs samples", ppl, consumed_samples)
         if self._wandb is not None:
             self._wandb.log({tag: loss}, step=iteration)
 

@@ -103,3 +103,28 @@ def test_an_untested_megatron_core_is_refused_or_said_loudly(monkeypatch, capsys
                         lambda allow_untested_version=False: "0.19.2")
     check("--allow-untested-megatron-core", quantized=True)  # a tested release: nothing said
     assert capsys.readouterr().err == ""
+
+
+def test_the_flag_reaches_the_integrations_version_check(monkeypatch):
+    """pretrain_gpt.py passes --allow-untested-megatron-core to install_sdp4bit, whose own
+    version check would otherwise stop the run after the model was built."""
+    import types
+
+    import megatron.sdp4bit.integration as integration
+    from megatron.sdp4bit.config import SDP4BitConfig
+    from megatron.sdp4bit.training import sdp4bit_setup
+    from megatron.sdp4bit.training.loop import TrainState
+
+    given = []
+
+    def install_sdp4bit(model, optimizer, config, *, allow_untested_version=False):
+        given.append(allow_untested_version)
+        return types.SimpleNamespace(stats=types.SimpleNamespace(), bucket_numels=[1])
+
+    monkeypatch.setattr(integration, "install_sdp4bit", install_sdp4bit)
+    monkeypatch.setattr(sdp4bit_setup.dist, "get_rank", lambda: 1)
+    state = TrainState(model=[], optimizer=None, scheduler=None, datasets=[], vocab_size=0)
+    config = SDP4BitConfig(quantized_gradients=True)
+    sdp4bit_setup.install(config, state, None, allow_untested_version=True)
+    sdp4bit_setup.install(config, state, None)
+    assert given == [True, False]

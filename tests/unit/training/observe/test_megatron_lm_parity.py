@@ -115,8 +115,8 @@ def test_tensorboard_tags_and_wandb_keys_are_megatron_lms(tmp_path, monkeypatch)
     writer.iteration(10, 80, 5.0, 1e-3, 1.0, 1.0)
     writer.train({**_record(), "timers_ms": {"forward-backward": 30.0, "optimizer": 5.0,
                                              "sdp4bit-grads-quantize": 2.0}})
-    writer.evaluation(10, 4.0)
-    writer.evaluation(10, 4.5, split="test")
+    writer.evaluation(10, 80, 4.0)
+    writer.evaluation(10, 80, 4.5, split="test")
     writer.close()
     acc = EventAccumulator(str(tmp_path))
     acc.Reload()
@@ -130,6 +130,7 @@ def test_tensorboard_tags_and_wandb_keys_are_megatron_lms(tmp_path, monkeypatch)
         == MEGATRON_LM_WANDB_KEYS
     # Megatron-LM's units: timers and iteration time in seconds
     assert [round(e.value, 6) for e in acc.Scalars("forward-backward-time")] == [0.03]
+    assert [e.step for e in acc.Scalars("lm loss validation vs samples")] == [80]
     (ppl,) = acc.Scalars("lm loss validation ppl")
     assert ppl.value == pytest.approx(math.exp(4.0), rel=1e-6)  # fp32 in the event file
 
