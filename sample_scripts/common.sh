@@ -169,6 +169,9 @@ speed_args() {
         --tokenizer-type NullTokenizer --vocab-size 50257
         --log-interval 1 --eval-interval 1000000 --eval-iters 0
         --tensorboard-dir "$RUN_DIR/tensorboard" --metrics-jsonl "$RUN_DIR/metrics.jsonl"
+        # Transformer Engine's layers, as Megatron-LM's GPU runs use them (pip install -e
+        # ".[te]"); without it: EXTRA_ARGS="--transformer-impl local"
+        --transformer-impl transformer_engine
     )
     if [[ "$2" != baseline ]]; then
         ARGS+=("${METHOD_ARGS[@]}")

@@ -52,7 +52,8 @@ def test_trains_evaluates_saves_and_resumes_on_the_cuda_branch(tmp_path):
     assert "cuda dry run: torch.cuda.is_available() is True" in out
     assert re.search(r"iteration\s+3/\s+3 .*lm loss: [0-9.E+-]+", out)
     assert "validation loss at iteration 3" in out
-    assert f"saved checkpoint at iteration       3 to {ckpt}" in out
+    assert f"successfully saved checkpoint from iteration       3 to {ckpt} [ t 1/1, p 1/1 ]" \
+        in out
     checked = int(re.search(r"cuda dry run: done, (\d+) collectives", out).group(1))
     assert checked >= 3 * 3  # per step at least: loss, finiteness, the two quantized hops
     second = _dryrun(["--train-iters", "4", "--dp-ranks-per-node", "2", "--load", ckpt,

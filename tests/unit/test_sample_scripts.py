@@ -281,6 +281,7 @@ def test_accuracy_scripts_parse_with_the_model_card(model, fake_bin, tmp_path):
         run_dir = tmp_path / "runs" / "accuracy" / model / method
         assert args.save == args.load == str(run_dir / "checkpoints")
         assert args.metrics_jsonl == str(run_dir / "metrics.jsonl")
+        assert args.transformer_impl == "auto"  # Transformer Engine where it is installed
         check_method(args, method)
 
 
@@ -308,6 +309,8 @@ def test_speed_scripts_under_slurm_use_the_papers_parallelism(cluster, fake_bin,
             assert (args.tokenizer_type, args.vocab_size) == ("NullTokenizer", 50257)
             assert args.global_batch_size == 4 * gpus // (tp * pp)
             assert args.train_iters == 30 and args.log_interval == 1
+            # Transformer Engine's layers, as Megatron-LM's GPU runs use them
+            assert args.transformer_impl == "transformer_engine"
             check_method(args, method)
             pipeline = 8 if method == "sdp4bit" and model in ("1.3B", "2.7B", "6.7B") else 1
             assert args.gradient_alltoall_pipeline == pipeline

@@ -35,6 +35,7 @@ from megatron.sdp4bit.training.model import (
     transformer_config_from_args,
     wrap_ddp,
 )
+from megatron.sdp4bit.training.observe.logging import format_parameter_count
 from megatron.sdp4bit.training.observe.noise import announce
 from megatron.sdp4bit.training.observe.timers import Timers
 from megatron.sdp4bit.training.tokenizers import build_tokenizer, padded_vocab_size
@@ -238,7 +239,13 @@ def build_state(args: argparse.Namespace, sdp4bit_config: SDP4BitConfig,
         if args.timing_log_level else None
     config = transformer_config_from_args(args, timers)
     with sdp4bit_padding(sdp4bit_config):
-        model = [wrap_ddp(args, config, build_model(args, config, vocab))]
+        gpt = build_model(args, config, vocab)
+        if parallel_state.get_data_parallel_rank() == 0:  # Megatron-LM's line, one per TP x PP
+            print(format_parameter_count(parallel_state.get_tensor_model_parallel_rank(),
+                                         parallel_state.get_pipeline_model_parallel_rank(),
+                                         sum(p.nelement() for p in gpt.parameters())),
+                  flush=True)
+        model = [wrap_ddp(args, config, gpt)]
     # Megatron-LM's hooks: finalize (DP grad sync, embedding tying) and gradient-sync control.
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model[0].no_sync

@@ -17,7 +17,13 @@ from megatron.sdp4bit.training.checkpoint import formats as checkpoint_formats
 from megatron.sdp4bit.training.guards import faults
 from megatron.sdp4bit.training.observe.comm_counters import add_unquantized_iteration, snapshot_fields
 from megatron.sdp4bit.training.data import batch_iterator
-from megatron.sdp4bit.training.observe.logging import MetricsWriter, format_eval_lines, format_train_line
+from megatron.sdp4bit.training.observe.logging import (
+    format_eval_lines,
+    format_saved,
+    format_saving,
+    format_train_line,
+)
+from megatron.sdp4bit.training.observe.metrics_writer import MetricsWriter
 from megatron.sdp4bit.training.cli.megatron_flags import exit_duration_reached
 from megatron.sdp4bit.training.guards.replicas import check_replicas, gather_pending
 from megatron.sdp4bit.training.step import evaluate, has_loss_scaler, train_step
@@ -86,11 +92,15 @@ def _save(args, state: TrainState) -> None:
     if faults.active("nan-weight", state.iteration, dist.get_rank()):
         with torch.no_grad():
             next(state.model[0].parameters()).view(-1)[0] = float("nan")
+    # Megatron-LM's two lines, from rank 0 as there: cluster tooling waits for the second.
+    if dist.get_rank() == 0:
+        print(format_saving(state.iteration, args.save, args.ckpt_format), flush=True)
     checkpoint_formats.save(args, state.iteration, state.consumed_samples, state.model,
                             state.optimizer, state.scheduler, state.settings)
     state.saved_iteration = state.iteration
-    if _is_logging_rank():
-        print(f"saved checkpoint at iteration {state.iteration:7d} to {args.save}", flush=True)
+    if dist.get_rank() == 0:
+        print(format_saved(state.iteration, args.save, args.tensor_model_parallel_size,
+                           args.pipeline_model_parallel_size), flush=True)
 
 
 def _healthy_checkpoint(args, state: TrainState) -> str:
@@ -184,6 +194,11 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None) -> Tra
             state.last_loss = loss
             window_loss += loss
             window_iters += 1
+            if metrics is not None and metrics.iteration_due(state.iteration):
+                # Megatron-LM's per-iteration TensorBoard/W&B scalars
+                metrics.iteration(state.iteration, state.consumed_samples, loss,
+                                  state.optimizer.param_groups[0]["lr"],
+                                  state.optimizer.get_loss_scale().item(), float(grad_norm))
             if state.iteration % args.log_interval == 0:
                 elapsed = (time.time() - window_start) / window_iters
                 comm = snapshot_fields(state.comm_stats, window_iters)
@@ -218,7 +233,7 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None) -> Tra
                     state.last_val_loss = val
                     if metrics is not None:
                         print(format_eval_lines(state.iteration, val), flush=True)
-                        metrics.evaluation(state.iteration, val)
+                        metrics.evaluation(state.iteration, state.consumed_samples, val)
                 window_start = time.time()  # evaluation time is not iteration time
             if faults.active("flip-replica", state.iteration, dist.get_rank()):
                 with torch.no_grad():
@@ -253,8 +268,9 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None) -> Tra
             if test is not None:
                 state.last_test_loss = test
                 if metrics is not None:
-                    print(format_eval_lines(state.iteration, test, label="test"), flush=True)
-                    metrics.evaluation(state.iteration, test, split="test")
+                    print(format_eval_lines(state.iteration, test, split="test"), flush=True)
+                    metrics.evaluation(state.iteration, state.consumed_samples, test,
+                                       split="test")
     finally:
         if metrics is not None:
             metrics.close()

@@ -59,7 +59,12 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--transformer-impl", default="auto", choices=["auto", "local", "transformer_engine"],
-                   help="layer spec: auto = Transformer Engine when importable with CUDA, else local")
+                   help="layer spec: transformer_engine needs CUDA and Transformer Engine "
+                   '(pip install -e ".[te]"); auto = Transformer Engine when importable with '
+                   "CUDA, else megatron-core's local layers")
+    g.add_argument("--allow-untested-megatron-core", action="store_true",
+                   help="run SDP4Bit's quantized collectives on a megatron-core release they "
+                   "were not tested with (refused otherwise; a warning says it)")
 
 
 def _add_training(p: argparse.ArgumentParser) -> None:

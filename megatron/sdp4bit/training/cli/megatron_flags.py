@@ -63,6 +63,8 @@ NO_OP_FLAGS: dict[str, str] = {
     "--no-manual-gc-eval": "see --manual-gc",
     "--fp16-lm-cross-entropy": "megatron-core computes the cross entropy from fp32 logits "
     "whatever this flag says",
+    "--log-batch-size-to-tensorboard": "the batch size is always written to TensorBoard (tag "
+    "batch-size), as Megatron-LM does since it dropped this flag",
 }
 # No-op flags that take a value: flag -> argparse keywords.
 _NO_OP_VALUES: dict[str, dict] = {
@@ -166,7 +168,6 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-duration-in-mins", type=float, default=None,
                    help="after the iteration that ends more than this many minutes after start, "
                    "save (with --save) and exit; all ranks agree on the iteration")
-    g.add_argument("--log-batch-size-to-tensorboard", action="store_true")
     g.add_argument("--log-world-size-to-tensorboard", action="store_true")
     g.add_argument("--no-log-learnig-rate-to-tensorboard", "--no-log-learning-rate-to-tensorboard",
                    dest="log_learning_rate_to_tensorboard", action="store_false",
@@ -266,11 +267,12 @@ def _check_switches(args: argparse.Namespace) -> None:
             _fail(f"--use-flash-attn and --attention-backend {args.attention_backend} "
                   "contradict each other: pass one")
         args.attention_backend = "flash"
-    if args.attention_backend in ("flash", "fused", "unfused"):
-        why = _transformer_engine_missing(args.transformer_impl)
-        if why:
-            _fail(f"--attention-backend {args.attention_backend} (or --use-flash-attn) chooses "
-                  f"Transformer Engine's attention kernel, and {why}: drop the flag")
+    if args.attention_backend in ("flash", "fused", "unfused") and \
+            args.transformer_impl == "local":
+        # Whether this machine has CUDA and Transformer Engine is cli/installed.py's question.
+        _fail(f"--attention-backend {args.attention_backend} (or --use-flash-attn) chooses "
+              "Transformer Engine's attention kernel, and --transformer-impl local does not use "
+              "it: drop the flag")
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
     if not args.add_position_embedding:
@@ -284,26 +286,10 @@ def _check_switches(args: argparse.Namespace) -> None:
     if args.recompute_modules is not None and granularity != "selective":
         _fail("--recompute-modules needs --recompute-granularity selective "
               "(or --recompute-activations)")
-    for flag in ("--log-batch-size-to-tensorboard", "--log-world-size-to-tensorboard"):
-        if getattr(args, _dest(flag)) and not args.tensorboard_dir:
-            _fail(f"{flag} needs --tensorboard-dir")
+    if args.log_world_size_to_tensorboard and not args.tensorboard_dir:
+        _fail("--log-world-size-to-tensorboard needs --tensorboard-dir")
     if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
         _fail(f"--exit-duration-in-mins={args.exit_duration_in_mins} must be > 0")
-
-
-def _transformer_engine_missing(impl: str) -> str | None:
-    """Why Transformer Engine's layers will not be used, or ``None`` if they will."""
-    if impl == "local":
-        return "--transformer-impl local does not use it"
-    import importlib.util
-
-    import torch
-
-    if not torch.cuda.is_available():
-        return "there is no CUDA device"
-    if importlib.util.find_spec("transformer_engine") is None:
-        return "transformer_engine is not installed"
-    return None
 
 
 def check_megatron_flags(args: argparse.Namespace) -> None:

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from megatron.sdp4bit.training.cli import megatron_flags as mf
 from megatron.sdp4bit.training.cli.arguments import ArgumentsError, parse_args
@@ -217,7 +216,6 @@ SWITCH_ERRORS = {
         "--sequence-parallel",
     "--recompute-modules mlp": "--recompute-modules needs --recompute-granularity selective "
                                "(or --recompute-activations)",
-    "--log-batch-size-to-tensorboard": "--log-batch-size-to-tensorboard needs --tensorboard-dir",
     "--log-world-size-to-tensorboard": "--log-world-size-to-tensorboard needs --tensorboard-dir",
     "--distributed-timeout-minutes 0": "--distributed-timeout-minutes=0 must be >= 1",
     "--exit-duration-in-mins 0": "--exit-duration-in-mins=0.0 must be > 0",
@@ -227,21 +225,6 @@ SWITCH_ERRORS = {
 @pytest.mark.parametrize("extra", sorted(SWITCH_ERRORS))
 def test_switch_errors(extra):
     assert error(extra) == SWITCH_ERRORS[extra]
-
-
-def test_flash_attention_needs_transformer_engine_on_cuda():
-    import importlib.util
-
-    if not torch.cuda.is_available():
-        why = "there is no CUDA device"
-    elif importlib.util.find_spec("transformer_engine") is None:
-        why = "transformer_engine is not installed"
-    else:  # Transformer Engine's attention runs: the flag is honoured
-        assert parse("--use-flash-attn").attention_backend == "flash"
-        return
-    assert error("--use-flash-attn") == (
-        "--attention-backend flash (or --use-flash-attn) chooses Transformer Engine's attention "
-        f"kernel, and {why}: drop the flag")
 
 
 def test_transformer_switches_reach_the_config():
