@@ -168,6 +168,8 @@ def method_settings(config: SDP4BitConfig) -> dict:
     keys = ["quantized_weights", "quantized_gradients"]
     if config.quantized_weights:
         keys += ["weight_quantization_bits", "wq_group_size", "weight_quantization_mode"]
+        if config.weight_quantization_mode == "diff":
+            keys.append("weight_difference_target")
     if config.quantized_gradients:
         keys += ["gradient_quantization_bits_intra", "gq_group_size_intra",
                  "gradient_quantization_bits_inter", "gq_group_size_inter",

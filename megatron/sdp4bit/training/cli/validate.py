@@ -255,6 +255,13 @@ def _check_memory(args: argparse.Namespace) -> None:
 
 
 def _check_sdp4bit(args: argparse.Namespace) -> None:
+    target = getattr(args, "weight_difference_target", "main")
+    if target != "main" and not args.quantized_weights:
+        _fail(f"--weight-difference-target {target} needs --quantized-weights: it changes "
+              "what qWD sends")
+    if target != "main" and args.weight_quantization_mode != "diff":
+        _fail(f"--weight-difference-target {target} applies to qWD only, not to "
+              f"--weight-quantization-mode {args.weight_quantization_mode} (qW sends the weights)")
     try:
         config = sdp4bit_config_from_args(args)
     except ValueError as err:
