@@ -159,6 +159,8 @@ def data_settings(args: argparse.Namespace) -> dict:
                 for s in ("train", "valid", "test")}
     if args.split_vector is not None:  # '98,2,0' and '98, 2, 0' agree
         data["split"] = ",".join(f"{x:.6g}" for x in args.split_vector)
+    if getattr(args, "eval_data_seed", None) is not None:  # absent: the evaluations use --seed
+        data["eval_data_seed"] = args.eval_data_seed
     return {**data, "seed": args.seed}
 
 
