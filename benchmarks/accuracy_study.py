@@ -3,7 +3,7 @@
 initialization and sample order, several stochastic-rounding seeds each, evaluated on one
 held-out set.
 
-    python -m benchmarks.accuracy_study                         # the CPU study (~90 min, idle 2 cores)
+    python -m benchmarks.accuracy_study                         # the CPU study (~90 min)
     python -m benchmarks.accuracy_study --methods baseline qWD --rounding-seeds 1 2 \\
         --train-iters 100 --eval-interval 50                    # a pilot
     python -m benchmarks.accuracy_study --from-runs runs/study  # summarize runs done elsewhere

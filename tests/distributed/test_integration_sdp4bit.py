@@ -3,9 +3,10 @@
 The tiny GPT trains 30 steps with each method (baseline, qWD with either difference target,
 TLq, TLq-HS, both). Checked in every run: replicas bitwise identical on all DP ranks at
 every step (with TP 2 also the TP ranks' copies of the weights TP does not split, replica
-and fp32 main weights), the loss falls, the final loss is within ``LOSS_BOUND`` of the baseline's, every bucket went through the
-quantized collectives once per step, and the byte counters equal the wire sizes computed
-from the bucket sizes. One spawn per topology (DP4, TP2xDP2, PP2xDP2); sub-cases loop inside.
+and fp32 main weights), the loss falls, the final loss is within ``LOSS_BOUND`` of the
+baseline's, every bucket went through the quantized collectives once per step, and the byte
+counters equal the wire sizes computed from the bucket sizes. One spawn per topology (DP4,
+TP2xDP2, PP2xDP2); sub-cases loop inside.
 """
 
 from __future__ import annotations

@@ -83,7 +83,8 @@ def test_from_runs_writes_the_report_and_pictures(tmp_path, capsys):
     tlq = record["summary"]["methods"]["TLq"]
     assert math.isclose(tlq["diff"]["pct"], 10.0) and tlq["curve"][1]["tokens"] == 100 * 2048
     md = (root / "accuracy_study.md").read_text()
-    assert "| qW | 3 | 5.3000 | 0.1000 | 5.2000 | 5.4000 | +0.3000 +- 0.0577 | +6.00 +- 1.15 |" in md
+    assert ("| qW | 3 | 5.3000 | 0.1000 | 5.2000 | 5.4000 | +0.3000 +- 0.0577 | "
+            "+6.00 +- 1.15 |") in md
     for name in ("accuracy_study_loss.png", "accuracy_study_diff.png"):
         assert (root / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

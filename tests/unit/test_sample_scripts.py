@@ -377,7 +377,8 @@ def test_accuracy_study_array_runs_every_method_and_seed(fake_bin, tmp_path):
     listing = subprocess.run(["bash", str(STUDY)], capture_output=True, text=True, timeout=60,
                              env={k: v for k, v in os.environ.items() if k != "TASK"
                                   and not k.startswith("SLURM_")}).stdout.splitlines()
-    assert listing[-1] == f"{len(STUDY_TASKS)} tasks: sbatch --array=0-{len(STUDY_TASKS) - 1} {STUDY}"
+    last = len(STUDY_TASKS) - 1
+    assert listing[-1] == f"{len(STUDY_TASKS)} tasks: sbatch --array=0-{last} {STUDY}"
     assert [tuple(line.split()[1:3]) for line in listing[:-1]] == [t[:2] for t in STUDY_TASKS]
     root = tmp_path / "study"
     slurm = dict(SLURM_JOB_ID="99", SLURM_JOB_NUM_NODES="4", SLURM_GPUS_ON_NODE="4",
@@ -403,8 +404,9 @@ def test_accuracy_study_array_runs_every_method_and_seed(fake_bin, tmp_path):
         assert args.metrics_jsonl == str(run_dir / "metrics.jsonl")
         assert args.save == args.load == str(run_dir / "checkpoints")
     result = subprocess.run(["bash", str(STUDY)], capture_output=True, text=True, timeout=60,
-                            env={**os.environ, "PATH": f"{fake_bin}{os.pathsep}{os.environ['PATH']}",
-                                 "TASK": str(len(STUDY_TASKS)), "RECORD_DIR": str(tmp_path)})
+                            env={**os.environ, "TASK": str(len(STUDY_TASKS)),
+                                 "PATH": f"{fake_bin}{os.pathsep}{os.environ['PATH']}",
+                                 "RECORD_DIR": str(tmp_path)})
     assert result.returncode == 2 and result.stderr.strip() == (
         f"task {len(STUDY_TASKS)}: the study has {len(STUDY_TASKS)} tasks (0-"
         f"{len(STUDY_TASKS) - 1}); submit with --array=0-{len(STUDY_TASKS) - 1}")

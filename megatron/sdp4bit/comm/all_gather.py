@@ -99,10 +99,11 @@ def weight_difference_all_gather(replica: torch.Tensor, main_shard: torch.Tensor
     ``replica[r*S:(r+1)*S]``). ``main_shard``: this rank's new fp32 (or any float) main
     weights, S elements. Mode 'diff' (qWD) sends ``Q(main_shard - replica shard)`` (with
     ``config.target`` 'rounded-main': ``Q(main_shard cast to the replica dtype - replica
-    shard)``, [Note: what qWD sends]) and adds every rank's dequantized message to its shard; 'direct' (qW) sends ``Q(main_shard)`` and
-    overwrites. ``S`` must be a multiple of :func:`~megatron.sdp4bit.comm.padding.
-    required_divisor` ``(W, weight_group=..., weight_bits=...) / W``. ``stats``: byte counters
-    (split by ``ranks_per_node``, the DP ranks per node; ``None`` = one node) and phase times.
+    shard)``, [Note: what qWD sends]) and adds every rank's dequantized message to its
+    shard; 'direct' (qW) sends ``Q(main_shard)`` and overwrites. ``S`` must be a multiple
+    of :func:`~megatron.sdp4bit.comm.padding.required_divisor` ``(W, weight_group=...,
+    weight_bits=...) / W``. ``stats``: byte counters (split by ``ranks_per_node``, the DP
+    ranks per node; ``None`` = one node) and phase times.
 
     The message is quantized at call time; with ``async_op`` the returned
     :class:`CollectiveWork`'s ``wait()`` applies the update (leave ``replica`` untouched
