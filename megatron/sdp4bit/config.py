@@ -42,6 +42,12 @@ class SDP4BitConfig:
     """``diff`` = qWD (quantize w_main - w_replica); ``direct`` = the paper's qW ablation
     (quantize the weights themselves)."""
 
+    weight_difference_target: Literal["main", "rounded-main"] = "main"
+    """What qWD moves the 16-bit replica towards: ``main`` quantizes the fp32 main weights
+    minus the replica (every element's sub-ulp residual is sent again each step);
+    ``rounded-main`` quantizes the main weights rounded to the replica's dtype minus the
+    replica (zero wherever that rounding did not change), as the authors' code does."""
+
     quantized_gradients: bool = False
     """TLq: two-level quantized all-to-all in place of the gradient reduce-scatter."""
 
@@ -99,6 +105,15 @@ class SDP4BitConfig:
             raise ValueError(
                 f"weight_quantization_mode={self.weight_quantization_mode!r}: use 'diff' or 'direct'"
             )
+        if self.weight_difference_target not in ("main", "rounded-main"):
+            raise ValueError(f"weight_difference_target={self.weight_difference_target!r}: "
+                             "use 'main' or 'rounded-main'")
+        if self.weight_difference_target != "main" and (
+                not self.quantized_weights or self.weight_quantization_mode != "diff"):
+            # Only qWD sends a difference; accepting the setting elsewhere would ignore it.
+            raise ValueError(
+                f"weight_difference_target={self.weight_difference_target} applies to qWD "
+                "only: it needs quantized_weights with weight_quantization_mode=diff")
         if self.quantization_rounding not in ("stochastic", "nearest"):
             raise ValueError(
                 f"quantization_rounding={self.quantization_rounding!r}: use 'stochastic' or 'nearest'"

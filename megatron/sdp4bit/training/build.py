@@ -160,6 +160,8 @@ def data_settings(args: argparse.Namespace) -> dict:
                 for s in ("train", "valid", "test")}
     if args.split_vector is not None:  # '98,2,0' and '98, 2, 0' agree
         data["split"] = ",".join(f"{x:.6g}" for x in args.split_vector)
+    if getattr(args, "eval_data_seed", None) is not None:  # absent: the evaluations use --seed
+        data["eval_data_seed"] = args.eval_data_seed
     return {**data, "seed": args.seed}
 
 
@@ -169,6 +171,8 @@ def method_settings(config: SDP4BitConfig) -> dict:
     keys = ["quantized_weights", "quantized_gradients"]
     if config.quantized_weights:
         keys += ["weight_quantization_bits", "wq_group_size", "weight_quantization_mode"]
+        if config.weight_quantization_mode == "diff":
+            keys.append("weight_difference_target")
     if config.quantized_gradients:
         keys += ["gradient_quantization_bits_intra", "gq_group_size_intra",
                  "gradient_quantization_bits_inter", "gq_group_size_inter",

@@ -36,7 +36,10 @@ def describe(config: SDP4BitConfig) -> str:
     """One line saying what is quantized and how, for the log."""
     parts = []
     if config.quantized_weights:
-        name = "qWD" if config.weight_quantization_mode == "diff" else "qW (direct)"
+        name = "qW (direct)"
+        if config.weight_quantization_mode == "diff":
+            name = "qWD" + (" of the rounded main weights"
+                            if config.weight_difference_target == "rounded-main" else "")
         parts.append(f"weights {name} {config.weight_quantization_bits}-bit, "
                      f"group {config.wq_group_size}")
     if config.quantized_gradients:

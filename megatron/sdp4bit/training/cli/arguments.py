@@ -149,6 +149,10 @@ def _add_data(p: argparse.ArgumentParser) -> None:
                        "of --data-path and --split" + (
                            "; evaluated once after the last iteration" if split == "test"
                            else ""))
+    g.add_argument("--eval-data-seed", type=int, default=None,
+                   help="shuffle the validation and test datasets with this seed instead of "
+                   "--seed (not a Megatron-LM flag): runs that differ in --seed then evaluate "
+                   "on the same samples (default: --seed, as Megatron-LM)")
     g.add_argument("--mock-data", action="store_true", help="synthetic data")
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--tokenizer-type", default=None, choices=list(TOKENIZER_TYPES),

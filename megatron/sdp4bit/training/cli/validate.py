@@ -52,6 +52,9 @@ def _check_required(args: argparse.Namespace) -> None:
                   "would hold the job that long; use a shorter timeout")
     if not 0 <= args.seed < 2 ** 32:
         _fail(f"--seed={args.seed} must be in 0 .. 2**32 - 1 (NumPy's seed range)")
+    if args.eval_data_seed is not None and not 0 <= args.eval_data_seed < 2 ** 32:
+        _fail(f"--eval-data-seed={args.eval_data_seed} must be in 0 .. 2**32 - 1 (NumPy's "
+              "seed range)")
     if args.rounding_seed is not None and not 0 <= args.rounding_seed < 2 ** 64:
         _fail(f"--rounding-seed={args.rounding_seed} must be in 0 .. 2**64 - 1")
     for dest in ("kv_channels", "ffn_hidden_size", "num_query_groups"):
@@ -255,6 +258,13 @@ def _check_memory(args: argparse.Namespace) -> None:
 
 
 def _check_sdp4bit(args: argparse.Namespace) -> None:
+    target = getattr(args, "weight_difference_target", "main")
+    if target != "main" and not args.quantized_weights:
+        _fail(f"--weight-difference-target {target} needs --quantized-weights: it changes "
+              "what qWD sends")
+    if target != "main" and args.weight_quantization_mode != "diff":
+        _fail(f"--weight-difference-target {target} applies to qWD only, not to "
+              f"--weight-quantization-mode {args.weight_quantization_mode} (qW sends the weights)")
     try:
         config = sdp4bit_config_from_args(args)
     except ValueError as err:
