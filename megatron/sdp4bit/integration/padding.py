@@ -61,7 +61,7 @@ PADDING = (
             applies=_is_padding_module(_BUFFER)),
     declare("padding.param_layout.math", _LAYOUT, "math", MODULE, _padded_math, wraps=True,
             note=_NOTE, witness="bucket_end_divisor",
-            checked={"0.19.2": "(dp_size, pad_for_high_nccl_busbw)"},
+            checked={"0.19.2": "(data_parallel_world_size, pad_for_high_nccl_busbw)"},
             applies=_is_padding_module(_LAYOUT)),
 )
 """Exactly one applies: the module whose ``math`` gives the bucket-end divisor."""

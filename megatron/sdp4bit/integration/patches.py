@@ -359,6 +359,9 @@ def table() -> list[dict[str, str]]:
 
 
 if __name__ == "__main__":
-    for row in table():
+    # The entries register in the imported module, not in this __main__ copy of it.
+    from megatron.sdp4bit.integration import patches as _table
+
+    for row in _table.table():
         print(f"{row['name']:<40} {row['kind']:<8} {row['target']}\n"
               f"{'':<40} {row['checked']}\n{'':<40} {row['note']}")
