@@ -38,10 +38,8 @@ def _padded_math(original: types.ModuleType, *, config: SDP4BitConfig) -> types.
     def lcm(dp_size: int, *rest: int) -> int:
         return original.lcm(dp_size, *rest, divisor_from_config(config, dp_size))
 
-    namespace = types.SimpleNamespace(
-        **{k: getattr(original, k) for k in dir(original) if not k.startswith("_")})
-    namespace.lcm = lcm
-    return namespace
+    names = {k: getattr(original, k) for k in dir(original) if not k.startswith("_")}
+    return types.SimpleNamespace(**{**names, "lcm": lcm})
 
 
 def _is_padding_module(name: str):
