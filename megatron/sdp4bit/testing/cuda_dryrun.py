@@ -401,28 +401,38 @@ def _device_count() -> int:
 
 _RUNTIME_NOTE = "[Note: the dry run's CUDA runtime] (testing/cuda_dryrun.py)"
 _NCCL_NOTE = "[Note: NCCL's rules on gloo] (testing/cuda_dryrun.py)"
-_NONE = lambda *args, **kwargs: None  # noqa: E731
-_ZERO = lambda device=None: 0  # noqa: E731
+
+
+def _nothing() -> Callable[..., None]:
+    # A new function each time: torch._dynamo's trace rules key torch's functions by
+    # identity and refuse one object standing for two of them.
+    return lambda *args, **kwargs: None
+
+
+def _zero() -> Callable[..., int]:
+    return lambda device=None: 0
+
+
 # (torch.cuda attribute, stub, fingerprint of torch's own)
 _RUNTIME = (
     ("is_available", lambda: True, "()"),
     ("is_initialized", lambda: True, "()"),
     ("device_count", _device_count, "()"),
     ("set_device", _set_device, "(device)"),
-    ("synchronize", _NONE, "(device)"),
+    ("synchronize", _nothing(), "(device)"),
     ("Event", cuda_stubs.Event, "(enable_timing, blocking, interprocess, external)"),
     ("Stream", cuda_stubs.Stream, "(device, priority, **kwargs)"),
     ("default_stream", lambda device=None: cuda_stubs.STREAM, "(device)"),
     ("stream", lambda s=None: contextlib.nullcontext(), "(stream)"),
     ("set_rng_state", lambda state, device="cuda": torch.set_rng_state(state),
      "(new_state, device)"),
-    ("manual_seed_all", _NONE, "(seed)"),
-    ("empty_cache", _NONE, "()"),
-    ("memory_allocated", _ZERO, "(device)"),
-    ("max_memory_allocated", _ZERO, "(device)"),
-    ("memory_reserved", _ZERO, "(device)"),
-    ("max_memory_reserved", _ZERO, "(device)"),
-    ("reset_peak_memory_stats", _NONE, "(device)"),
+    ("manual_seed_all", _nothing(), "(seed)"),
+    ("empty_cache", _nothing(), "()"),
+    ("memory_allocated", _zero(), "(device)"),
+    ("max_memory_allocated", _zero(), "(device)"),
+    ("memory_reserved", _zero(), "(device)"),
+    ("max_memory_reserved", _zero(), "(device)"),
+    ("reset_peak_memory_stats", _nothing(), "(device)"),
     ("get_device_capability", lambda device=None: (9, 0), "(device)"),
     ("get_device_name", lambda device=None: "CUDA dry run (CPU)", "(device)"),
 )
@@ -432,9 +442,9 @@ RUNTIME_STUBS = tuple(
     declare("dryrun.cuda.random.set_rng_state", "torch.cuda.random", "set_rng_state", MODULE,
             dict((a, s) for a, s, _ in _RUNTIME)["set_rng_state"], note=_RUNTIME_NOTE,
             checked=both("(new_state, device)")),
-    declare("dryrun.cuda.nvtx.range_push", "torch.cuda.nvtx", "range_push", MODULE, _NONE,
+    declare("dryrun.cuda.nvtx.range_push", "torch.cuda.nvtx", "range_push", MODULE, _nothing(),
             note=_RUNTIME_NOTE, checked=both("(msg)")),
-    declare("dryrun.cuda.nvtx.range_pop", "torch.cuda.nvtx", "range_pop", MODULE, _NONE,
+    declare("dryrun.cuda.nvtx.range_pop", "torch.cuda.nvtx", "range_pop", MODULE, _nothing(),
             note=_RUNTIME_NOTE, checked=both("()")),
     declare("dryrun.dynamo.disable", "torch._dynamo.config", "disable", MODULE, True,
             note=_RUNTIME_NOTE, checked=both("<bool>")),
