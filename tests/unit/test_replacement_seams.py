@@ -61,11 +61,11 @@ def test_apply_and_revert_restore_exactly(monkeypatch) -> None:
         assert done.objects() == [module, obj]
     assert module.function is original_function
     assert "method" not in obj.__dict__ and obj.method(3) == ("original", 3, 1)
+    before = vars(_Target)["method"]
     applied = patches.apply([wrapping])
     assert other.method(4) == ("wrapped", "original", 4, 1)
     applied.revert()
-    assert _Target.__dict__["method"] is _Target.__dict__["method"] and other.method(4) == (
-        "original", 4, 1)
+    assert vars(_Target)["method"] is before and other.method(4) == ("original", 4, 1)
 
 
 def test_a_missing_or_changed_target_is_refused_before_anything_changes(monkeypatch) -> None:
@@ -97,8 +97,7 @@ def test_fingerprint_names_parameters_and_kinds() -> None:
 
     assert patches.fingerprint(f) == "(a, /, b, *args, c, d, **kw)"
     assert patches.fingerprint(lambda *, x: x) == "(*, x)"
-    assert patches.fingerprint(_Target) == "(*args, **kwargs)" or patches.fingerprint(
-        _Target) == "()"
+    assert patches.fingerprint(_Target) == "()"  # a class: its constructor's parameters
     assert patches.fingerprint(None) == "<NoneType>"
     assert patches.fingerprint(types) == "<module types>"
 

@@ -269,7 +269,7 @@ def _check(entry: Replacement) -> None:
 class _Done:
     entry: Replacement
     obj: Any
-    previous: Any  # _MISSING: the instance had no attribute of its own
+    previous: Any  # _MISSING: the instance (or class) had no attribute of its own
 
 
 class Applied:
@@ -334,7 +334,11 @@ def apply(patches: Iterable[Patch | Replacement]) -> Applied:
                 raise ValueError(f"replacement {entry.name} is set on {entry.owner}, not on "
                                  "an object")
             obj = owner
-            previous = original = getattr(owner, entry.attribute)
+            original = getattr(owner, entry.attribute)
+            # A class's own entry as stored (a staticmethod stays one); an inherited one is
+            # deleted again on revert.
+            previous = (vars(owner).get(entry.attribute, _MISSING) if entry.kind == CLASS
+                        else original)
         planned.append((patch, obj, previous, original))
     done: list[_Done] = []
     for patch, obj, previous, original in planned:
