@@ -76,15 +76,18 @@ class SDP4BitConfig:
     """Rounding of every quantizer: unbiased stochastic rounding or round-to-nearest."""
 
     dp_ranks_per_node: int | None = None
-    """Data-parallel ranks per node N; ``None`` = detect from where the ranks run."""
+    """Data-parallel ranks per node N; ``None`` = detect from where the ranks run (host
+    name and torchrun's node rank, never the GPU count). N consecutive DP ranks must run on
+    one node: a cyclic placement is refused (use ``srun --distribution=block``)."""
 
     seed: int = 1234
     """Seed of the counter-based stochastic-rounding streams."""
 
     kernel_backend: Literal[KERNEL_BACKENDS] = "auto"
-    """``auto`` = Triton kernels for CUDA tensors, compiled CPU kernels for CPU tensors;
-    ``torch`` = the pure-torch references (same bits, slower); ``triton`` / ``cpu`` force
-    one of the compiled backends."""
+    """``auto`` = Triton kernels for CUDA tensors (refused, not replaced, when triton cannot
+    be imported), compiled CPU kernels for CPU tensors (built on first use with the system C
+    compiler); ``torch`` = the pure-torch references; ``triton`` / ``cpu`` force one of the
+    compiled backends. All give the same bits."""
 
     def __post_init__(self) -> None:
         check_bits("weight_quantization_bits", self.weight_quantization_bits)

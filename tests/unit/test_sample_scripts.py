@@ -4,8 +4,8 @@ Each script is checked with ``bash -n``, then run with fake ``torchrun``/``srun`
 ``sbatch`` first on ``PATH``: the fake ``torchrun`` records its argv, the fake ``srun`` records
 its own and runs the rest of its command line. The recorded ``pretrain_gpt.py`` arguments go
 through ``megatron.sdp4bit.training.cli.arguments.parse_args`` (full validation, no process group)
-and the result is compared with the paper's model cards and methods (README: Reproducing
-the paper). The batch scripts' ``#SBATCH`` headers are read as sbatch reads them.
+and the result is compared with the paper's model cards and methods (docs/reproducing.md,
+docs/cluster.md). The batch scripts' ``#SBATCH`` headers are read as sbatch reads them.
 """
 
 from __future__ import annotations

@@ -70,7 +70,10 @@ def _add_training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--train-iters", type=int, default=None)
     g.add_argument("--exit-interval", type=int, default=None,
                    help="exit after the iteration that is a multiple of this (saving first)")
-    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--seed", type=int, default=1234,
+                   help="Megatron's seed (data order, initialization); also seeds SDP4Bit's "
+                   "counter-based stochastic-rounding streams (with the iteration, bucket, rank "
+                   "and hop), so a run and its resumption are reproducible")
     g.add_argument("--recompute-activations", action="store_true",
                    help="same as --recompute-granularity selective")
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])

@@ -12,7 +12,7 @@ this trainer does not support. Three kinds, all in this module:
 * :data:`REFUSED_FLAGS`: parsed so that the error names the flag and says why (argparse
   would only say "unrecognized");
 * :data:`NO_OP_FLAGS`: accepted and ignored, each where doing nothing is harmless (the same
-  results, only speed or I/O timing could differ), with the reason; the README lists them.
+  results, only speed or I/O timing could differ), with the reason; docs/flags.md lists them.
 
 :func:`add_megatron_flags` adds them to the parser; :func:`check_megatron_flags` is the
 first step of validation (it must turn ``--train-samples`` into ``train_iters`` before the
