@@ -245,3 +245,18 @@ def test_every_declaring_module_is_listed() -> None:
             declaring.add(".".join(path.relative_to(ROOT).with_suffix("").parts))
     assert "megatron.sdp4bit.integration.install" in declaring
     assert declaring == set(patches.DECLARED_IN)
+
+
+def test_every_entry_names_a_note_that_exists() -> None:
+    """An entry's ``note`` is ``[Note: title] (file under megatron/sdp4bit/)``, and the file
+    holds that Note."""
+    import re
+
+    entries = patches.all_replacements()
+    assert len(entries) > 100
+    for entry in entries:
+        match = re.fullmatch(r"(\[Note: [^\]]+\]) \(([\w/.]+\.py)\)", entry.note)
+        assert match, (entry.name, entry.note)
+        title, path = match.groups()
+        assert title in (PACKAGE / path).read_text(encoding="utf-8"), (entry.name, entry.note)
+        assert set(entry.checked) <= {"0.16.1", "0.19.2"} and entry.checked, entry.name
