@@ -85,6 +85,15 @@ def test_a_missing_or_changed_target_is_refused_before_anything_changes(monkeypa
         "SDP4Bit cannot replace sdp4bit_test_target.function changed: its signature is "
         f"(x, *, y), checked as (x, y) on megatron-core {release}")
     assert "\n" not in str(err.value)
+    def failing_maker(target):
+        raise RuntimeError("maker failed")
+
+    failing = _entry("t.failing", f"{module.__name__}:Target", "method", INSTANCE,
+                     failing_maker, "(self, a, b)")
+    obj = _Target()
+    with pytest.raises(RuntimeError, match="maker failed"):
+        patches.apply([fine, failing.on(obj)])
+    assert module.function is original_function  # the first one was put back
     wrong_object = _entry("t.method", f"{module.__name__}:Target", "method", INSTANCE,
                           lambda target: lambda self, a, b=1: None, "(self, a, b)")
     with pytest.raises(patches.ReplacementError, match="on a object: it is not a Target"):

@@ -341,9 +341,13 @@ def apply(patches: Iterable[Patch | Replacement]) -> Applied:
                         else original)
         planned.append((patch, obj, previous, original))
     done: list[_Done] = []
-    for patch, obj, previous, original in planned:
-        setattr(obj, patch.entry.attribute, _new_value(patch, obj, original))
-        done.append(_Done(patch.entry, obj, previous))
+    try:
+        for patch, obj, previous, original in planned:
+            setattr(obj, patch.entry.attribute, _new_value(patch, obj, original))
+            done.append(_Done(patch.entry, obj, previous))
+    except BaseException:
+        Applied(done).revert()  # a maker failed: all or nothing
+        raise
     return Applied(done)
 
 
