@@ -10,8 +10,6 @@ from __future__ import annotations
 import os
 import sys
 
-import pytest
-
 from megatron.sdp4bit.integration import TESTED_MEGATRON_CORE_VERSIONS, patches
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Sequence
 
 import torch.distributed as dist
 

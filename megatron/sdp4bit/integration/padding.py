@@ -21,7 +21,6 @@ outside the context is refused with the fix, never used unpadded.
 from __future__ import annotations
 
 import contextlib
-import math
 import types
 from collections.abc import Iterator
 

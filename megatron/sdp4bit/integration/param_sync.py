@@ -87,7 +87,8 @@ def main_shards(optimizers, buckets: Buckets) -> dict[int, MainShard]:
                 world_range = opt._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
                 start = world_range.start - info.shard_start
                 assert 0 <= start and start + main.numel() <= shard, "piece outside the shard"
-                entry = shards.setdefault(info.id, MainShard(shard, info.bucket.param_data.device, []))
+                entry = shards.setdefault(
+                    info.id, MainShard(shard, info.bucket.param_data.device, []))
                 entry.pieces.append((start, main))
     for info in buckets:
         shards.setdefault(info.id, MainShard(info.shard_numel, info.bucket.param_data.device, []))

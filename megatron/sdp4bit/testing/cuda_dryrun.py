@@ -26,8 +26,9 @@ one process behave, as far as Python code can tell, like a rank of a CUDA run:
    ``init_process_group("nccl")`` and ``new_group(backend="nccl")`` get gloo, and every
    tensor collective of ``torch.distributed`` is wrapped by a check of NCCL's rules before
    gloo runs it (in ``torch.distributed`` and ``distributed_c10d``, and in the megatron-core
-   module globals that captured one at import, ``dist_all_gather_func = ...``): a host tensor, a non-contiguous tensor, mixed dtypes, or sizes that do not
-   fit the group (all-gather, reduce-scatter, all-to-all) raise :class:`CudaDryRunError`
+   module globals that captured one at import, ``dist_all_gather_func = ...``): a host
+   tensor, a non-contiguous tensor, mixed dtypes, or sizes that do not fit the group
+   (all-gather, reduce-scatter, all-to-all) raise :class:`CudaDryRunError`
    with one line naming the collective, the group and the tensor. Object collectives
    (``all_gather_object``...) are exempt: torch moves their bytes to the device itself.
 
