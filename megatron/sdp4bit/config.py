@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 SUPPORTED_BITS = (4, 8)
-KERNEL_BACKENDS = ("auto", "torch", "triton", "cpu")  # quantization.backend.KernelBackend
+KERNEL_BACKENDS = ("auto", "torch", "triton", "cpu")
+"""The kernel backends, the one list of them (``quantization.backend.KernelBackend`` is made
+from it; the ``--kernel-backend`` choices are read from the field below)."""
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -87,7 +89,7 @@ class SDP4BitConfig:
     seed: int = 1234
     """Seed of the counter-based stochastic-rounding streams."""
 
-    kernel_backend: Literal["auto", "torch", "triton", "cpu"] = "auto"
+    kernel_backend: Literal[KERNEL_BACKENDS] = "auto"
     """``auto`` = Triton kernels for CUDA tensors (refused, not replaced, when triton cannot
     be imported), compiled CPU kernels for CPU tensors (built on first use with the system C
     compiler); ``torch`` = the pure-torch references; ``triton`` / ``cpu`` force one of the

@@ -274,13 +274,19 @@ def _check_sdp4bit(args: argparse.Namespace) -> None:
                          str(err).splitlines()[0])
         _fail(message)
         return
-    if config.enabled and not args.use_distributed_optimizer:
-        on = "--quantized-weights" if config.quantized_weights else "--quantized-gradients"
-        _fail(f"{on} requires --use-distributed-optimizer")
-    if config.quantized_weights and not (args.bf16 or args.fp16):
-        # With fp32 parameters the optimizer updates the replica in place: no old replica is
-        # left to take the weight difference against (see integration/install.py).
-        _fail("--quantized-weights requires 16-bit parameters: add --bf16 (or --fp16)")
+    # The library's own check (install_sdp4bit runs it again on the built model), worded
+    # with the flags; the trainer has no flag for the other setups it refuses.
+    from megatron.sdp4bit.integration.support import Setup, check_supported
+
+    problem = None
+    try:
+        check_supported(config, Setup(distributed_optimizer=args.use_distributed_optimizer,
+                                      fp32_params=not (args.bf16 or args.fp16)),
+                        command_line=True)
+    except ValueError as err:
+        problem = str(err)
+    if problem is not None:
+        _fail(problem)
     _check_padding_fits(args, config)
     if config.dp_ranks_per_node is not None and args.data_parallel_size % config.dp_ranks_per_node:
         _fail(f"--dp-ranks-per-node={config.dp_ranks_per_node} does not divide the data-parallel "
