@@ -63,8 +63,10 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                    '(pip install -e ".[te]"); auto = Transformer Engine when importable with '
                    "CUDA, else megatron-core's local layers")
     g.add_argument("--allow-untested-megatron-core", action="store_true",
-                   help="run SDP4Bit's quantized collectives on a megatron-core release they "
-                   "were not tested with (refused otherwise; a warning says it)")
+                   help="run SDP4Bit's quantized collectives on an untested megatron-core "
+                   "release even where an attribute they replace changed its signature "
+                   "(refused otherwise; a loud warning says it). An untested release whose "
+                   "replaced attributes are unchanged runs without it, with one warning")
 
 
 def _add_training(p: argparse.ArgumentParser) -> None:

@@ -12,8 +12,9 @@ run it:
 * ``--tensorboard-dir`` needs ``tensorboard`` (the ``logging`` extra), ``--wandb-project``
   needs ``wandb`` (the ``wandb`` extra);
 * SDP4Bit's quantized collectives replace megatron-core internals checked against
-  particular releases: another release is refused unless ``--allow-untested-megatron-core``
-  is given, and then it is said loudly.
+  particular releases: another release runs with a warning when every replaced attribute is
+  as it was checked, and is refused otherwise (naming the first that moved) unless
+  ``--allow-untested-megatron-core`` is given, which is then said loudly.
 
 Warnings go to stderr from rank 0 (torchrun's ``$RANK``) only.
 """
@@ -92,15 +93,18 @@ def _check_megatron_core(args: argparse.Namespace, quantized: bool) -> None:
         check_megatron_core_version,
     )
 
-    installed = check_megatron_core_version(allow_untested_version=True)
-    if installed in TESTED_MEGATRON_CORE_VERSIONS:
+    # An untested release runs (with the integration's one warning line) when every
+    # attribute SDP4Bit replaces is as it was checked; otherwise it is refused, naming the
+    # first that moved, unless the flag asks to run anyway.
+    try:
+        installed = check_megatron_core_version(
+            allow_untested_version=args.allow_untested_megatron_core,
+            how_to_allow="pass --allow-untested-megatron-core")
+    except RuntimeError as err:
+        raise ArgumentsError(str(err)) from None
+    if installed in TESTED_MEGATRON_CORE_VERSIONS or not args.allow_untested_megatron_core:
         return
     tested = " and ".join(TESTED_MEGATRON_CORE_VERSIONS)
-    if not args.allow_untested_megatron_core:
-        raise ArgumentsError(
-            f"megatron-core {installed} is installed, but SDP4Bit's quantized collectives were "
-            f"tested with megatron-core {tested} only: install one of those (setup.py picks by "
-            "Python version), or pass --allow-untested-megatron-core to try this one")
     _warn("!" * 20 + f" --allow-untested-megatron-core: megatron-core {installed} is NOT a "
           f"tested release (SDP4Bit was tested with {tested}); SDP4Bit replaces megatron-core "
           "internals that may have changed: check the losses against a baseline run "

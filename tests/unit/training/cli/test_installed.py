@@ -87,20 +87,37 @@ def test_an_untested_megatron_core_is_refused_or_said_loudly(monkeypatch, capsys
 
     machine(monkeypatch, cuda=False, have=set())
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.setattr(integration, "check_megatron_core_version",
-                        lambda allow_untested_version=False: "0.17.0")
+    moved = ("SDP4Bit was tested with megatron-core 0.16.1 and 0.19.2 but megatron-core 0.17.0 "
+             "is installed, and X.y is missing: install megatron-core==0.19.2 (Python >= 3.12) "
+             "or megatron-core==0.16.1 (Python < 3.12), or pass --allow-untested-megatron-core "
+             "to try this one")
+    asked = []
+
+    def version_check(*, allow_untested_version=False, how_to_allow=""):
+        asked.append((allow_untested_version, how_to_allow))
+        if not allow_untested_version:
+            raise RuntimeError(moved)
+        return "0.17.0"
+
+    monkeypatch.setattr(integration, "check_megatron_core_version", version_check)
     check("")  # no quantization: megatron-core's own collectives, nothing of it replaced
-    assert refusal("", quantized=True) == (
-        "megatron-core 0.17.0 is installed, but SDP4Bit's quantized collectives were tested "
-        "with megatron-core 0.16.1 and 0.19.2 only: install one of those (setup.py picks by "
-        "Python version), or pass --allow-untested-megatron-core to try this one")
+    assert asked == []
+    assert refusal("", quantized=True) == moved
+    assert asked == [(False, "pass --allow-untested-megatron-core")]
     check("--allow-untested-megatron-core", quantized=True)
+    assert asked[-1] == (True, "pass --allow-untested-megatron-core")
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("warning: !!!")
     assert "megatron-core 0.17.0 is NOT a tested release (SDP4Bit was tested with 0.16.1 " \
            "and 0.19.2)" in err
+    # An untested release whose replaced attributes are unchanged passes the check (the
+    # integration says so itself): no banner without the flag.
     monkeypatch.setattr(integration, "check_megatron_core_version",
-                        lambda allow_untested_version=False: "0.19.2")
+                        lambda allow_untested_version=False, how_to_allow="": "0.17.0")
+    check("", quantized=True)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(integration, "check_megatron_core_version",
+                        lambda allow_untested_version=False, how_to_allow="": "0.19.2")
     check("--allow-untested-megatron-core", quantized=True)  # a tested release: nothing said
     assert capsys.readouterr().err == ""
 
