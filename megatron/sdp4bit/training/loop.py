@@ -100,8 +100,13 @@ def _exit_on_signal(args, state: TrainState, signal: ExitSignal, saved: bool) ->
     if args.save and not saved:
         _save(args, state)
     if _is_logging_rank():
-        done = (f"checkpoint saved in {time.monotonic() - start:.1f} s" if args.save and not saved
-                else "checkpoint saved" if args.save else "no --save: nothing saved")
+        if not args.save:
+            done = "no --save: nothing saved"
+        elif state.saved_iteration != state.iteration:  # _save said why it did not
+            done = "this iteration not saved"
+        else:
+            done = ("checkpoint saved" if saved
+                    else f"checkpoint saved in {time.monotonic() - start:.1f} s")
         print(f"exiting program after receiving {signal.name} at iteration "
               f"{state.iteration} ({done})", flush=True)
 
