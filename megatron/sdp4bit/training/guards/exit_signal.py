@@ -15,8 +15,8 @@ catches SIGTERM, SIGINT, SIGHUP and SIGQUIT (its ``--signals-to-handle``), sends
 signal to each of its workers and waits for them for its shutdown timeout
 (``--shutdown-timeout``, else ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, else 30 s) before it
 sends SIGKILL; then it raises the signal as an exception and exits 1 whatever its workers
-did. A signal sent to one worker alone (``scancel --signal``, a node agent) reaches only
-that rank; the others learn it at the agreement, and ``torchrun``, which saw nothing, exits
+did. A signal sent to one worker alone (``kill`` of its process, a node's own agent)
+reaches only that rank; the others learn it at the agreement, and ``torchrun``, which saw nothing, exits
 0 once every worker has. docs/reliability.md has the measured times.
 
 [Note: why the handler only sets a flag]
@@ -40,8 +40,9 @@ EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
 
 
 class ExitSignal:
-    """One signal's handler on this rank. :meth:`install` it, :meth:`agreed` once per
-    iteration on every rank (a collective), :meth:`release` before the process ends."""
+    """One signal's handler on this rank. :meth:`install` it, call :meth:`agreed` once per
+    iteration on every rank (a collective); :meth:`release` puts the previous handler back
+    (``pretrain_gpt.py`` never does: its process ends with the run)."""
 
     def __init__(self, name: str) -> None:
         if name not in EXIT_SIGNALS:
