@@ -23,6 +23,7 @@ quiet_megatron_core()  # before megatron-core's first import: its noise fires on
 from megatron.sdp4bit.training.cli.arguments import ArgumentsError, parse_args, sdp4bit_config_from_args  # noqa: E402
 from megatron.sdp4bit.training.cli.installed import check_installed  # noqa: E402
 from megatron.sdp4bit.training.observe.logging import format_arguments  # noqa: E402
+from megatron.sdp4bit.training.guards import exit_signal  # noqa: E402
 
 
 def _fail(message: str, code: int, debug: bool = False) -> int:
@@ -57,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(argv)
     except ArgumentsError as err:
         return _fail(str(err), 2)
+    # --exit-signal-handler: from here to the process's end the signal only asks for a save
+    # at the end of an iteration; one that comes after the loop changes nothing (the run is
+    # ending anyway). Never released: a signal in the moment between a release and the exit
+    # would kill a rank that has finished.
+    signal_handler = exit_signal.install(args.exit_signal)
     sdp4bit_config = sdp4bit_config_from_args(args)
     try:  # what this machine lacks for these flags, before any process group exists
         check_installed(args, quantized=sdp4bit_config.enabled)
@@ -87,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         build.restore(args, state)
         announce(f"training iterations {state.iteration + 1} to {args.train_iters}, a log "
                  f"line every {args.log_interval}")
-        loop.train(args, state, on_iteration=sdp4bit_setup.iteration_hook(handle))
+        loop.train(args, state, on_iteration=sdp4bit_setup.iteration_hook(handle),
+                   exit_signal=signal_handler)
         sdp4bit_setup.uninstall(args, state, handle)
         sdp4bit_setup.print_summary(args, state, handle)
     except build.USER_ERRORS as err:

@@ -413,3 +413,34 @@ def test_accuracy_study_array_runs_every_method_and_seed(fake_bin, tmp_path):
     assert result.returncode == 2 and result.stderr.strip() == (
         f"task {len(STUDY_TASKS)}: the study has {len(STUDY_TASKS)} tasks (0-"
         f"{len(STUDY_TASKS) - 1}); submit with --array=0-{len(STUDY_TASKS) - 1}")
+
+
+def test_scripts_save_on_slurms_early_sigterm_within_torchruns_wait(fake_bin, tmp_path):
+    """Every batch script asks SLURM for SIGTERM ahead of --time, sent to the job step (where
+    srun runs torchrun), not to the batch shell alone ('B:'); the trainer catches that signal
+    (--exit-signal-handler) and torchrun waits for the save longer than its default 30 s, yet
+    ends before the time limit."""
+    leads = set()
+    for script in batch_scripts():
+        header = sbatch_header(script)
+        signal_option = sbatch_options(header)["--signal"]
+        m = re.fullmatch(r"TERM@(\d+)", signal_option)
+        assert m, f"{script}: --signal={signal_option}"
+        leads.add(int(m[1]))
+        comments = " ".join(line.lstrip("# ") for line in header if not line.startswith("#SBATCH"))
+        assert f"--signal={signal_option} above" in comments and "--exit-signal-handler" in comments
+    (lead,) = leads
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_GPUS_ON_NODE": "4",
+             "SLURM_JOB_NODELIST": "gpu-node-[07-08]"}
+    for script in (accuracy_script("1.3B", "quantWeightDiff_Grad"), speed_script("1.3B", "sdp4bit")):
+        rec = run_script(script, fake_bin, tmp_path, **slurm)
+        assert "srun" in rec  # the step SLURM signals
+        launcher, cmd = pretrain_argv(rec["torchrun"])
+        wait = int(option(launcher, "--shutdown-timeout"))
+        # SLURM may signal up to 60 s early, never late: torchrun's wait must end before --time
+        assert 30 < wait < lead, (wait, lead)
+        args = parse_args(cmd, world_size=8)
+        assert args.exit_signal_handler and args.exit_signal == "SIGTERM"
+        assert (args.save is not None) == (script.name == "train.sh")
+    rec = run_script(speed_script("1.3B", "sdp4bit"), fake_bin, tmp_path, SHUTDOWN_TIMEOUT="90")
+    assert option(pretrain_argv(rec["torchrun"])[0], "--shutdown-timeout") == "90"

@@ -1,5 +1,5 @@
 """The training loop: steps (:mod:`.step`), LR schedule, evaluation, logging, checkpoints,
-``--exit-interval``, skipped steps and the replica check."""
+``--exit-interval``, ``--exit-signal-handler``, skipped steps and the replica check."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from megatron.sdp4bit.comm.stats import CommStats
 from megatron.sdp4bit.config import SDP4BitConfig
 from megatron.sdp4bit.training.checkpoint import formats as checkpoint_formats
 from megatron.sdp4bit.training.guards import faults
+from megatron.sdp4bit.training.guards.exit_signal import ExitSignal
 from megatron.sdp4bit.training.observe.comm_counters import add_unquantized_iteration, snapshot_fields
 from megatron.sdp4bit.training.data import batch_iterator
 from megatron.sdp4bit.training.observe.logging import (
@@ -103,6 +104,23 @@ def _save(args, state: TrainState) -> None:
                            args.pipeline_model_parallel_size), flush=True)
 
 
+def _exit_on_signal(args, state: TrainState, signal: ExitSignal, saved: bool) -> None:
+    """Every rank agreed that the signal came: save this iteration (unless just saved)."""
+    start = time.monotonic()
+    if args.save and not saved:
+        _save(args, state)
+    if _is_logging_rank():
+        if not args.save:
+            done = "no --save: nothing saved"
+        elif state.saved_iteration != state.iteration:  # _save said why it did not
+            done = "this iteration not saved"
+        else:
+            done = ("checkpoint saved" if saved
+                    else f"checkpoint saved in {time.monotonic() - start:.1f} s")
+        print(f"exiting program after receiving {signal.name} at iteration "
+              f"{state.iteration} ({done})", flush=True)
+
+
 def _healthy_checkpoint(args, state: TrainState) -> str:
     if state.healthy_iteration is not None:
         return (f"resume from iteration {state.healthy_iteration} in {args.save} (the last "
@@ -155,8 +173,10 @@ def _check_progress(state: TrainState, start_iteration: int) -> None:
             "--initial-loss-scale or --lr, or check the data")
 
 
-def train(args: argparse.Namespace, state: TrainState, on_iteration=None) -> TrainState:
-    """Run from ``state.iteration`` to ``--train-iters`` (or ``--exit-interval``).
+def train(args: argparse.Namespace, state: TrainState, on_iteration=None,
+          exit_signal: ExitSignal | None = None) -> TrainState:
+    """Run from ``state.iteration`` to ``--train-iters`` (or ``--exit-interval``, or the
+    iteration at whose end the ranks agree that ``exit_signal`` came).
 
     ``on_iteration(iteration)`` runs before each step (SDP4Bit uses it to start gradient
     quantization at ``--gradients-quantization-start-iteration``).
@@ -246,6 +266,9 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None) -> Tra
             if args.save and args.save_interval and state.iteration % args.save_interval == 0:
                 _save(args, state)
                 saved = True
+            if exit_signal is not None and exit_signal.agreed():  # collective
+                _exit_on_signal(args, state, exit_signal, saved)
+                return state
             if args.exit_interval and state.iteration % args.exit_interval == 0:
                 if args.save and not saved:
                     _save(args, state)

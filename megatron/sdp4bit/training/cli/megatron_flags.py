@@ -7,7 +7,8 @@ this trainer does not support. Three kinds, all in this module:
 * honoured: sample-based training (``--train-samples``, ``--lr-decay-samples``,
   ``--lr-warmup-samples``), ``--exit-duration-in-mins``, ``--distributed-timeout-minutes``,
   the scheduler's checkpoint override, the TensorBoard logging switches, the transformer
-  switches of :func:`transformer_config_overrides`, and flags whose one accepted value is
+  switches of :func:`transformer_config_overrides`, ``--exit-signal-handler`` and
+  ``--exit-signal`` (training/guards/exit_signal.py), and flags whose one accepted value is
   what this trainer does (:data:`ONLY_VALUE`; other values are refused);
 * :data:`REFUSED_FLAGS`: parsed so that the error names the flag and says why (argparse
   would only say "unrecognized");
@@ -25,6 +26,7 @@ import argparse
 import time
 
 from megatron.sdp4bit.training.cli.errors import ArgumentsError
+from megatron.sdp4bit.training.guards.exit_signal import EXIT_SIGNALS
 
 __all__ = ["NO_OP_FLAGS", "ONLY_VALUE", "REFUSED_FLAGS", "add_megatron_flags",
            "check_megatron_flags", "exit_duration_reached", "scheduler_steps",
@@ -87,8 +89,6 @@ REFUSED_FLAGS: dict[str, tuple[int | str, str]] = {
     "--warmup": (1, "it is Megatron-LM's removed name: use --lr-warmup-iters, "
                  "--lr-warmup-samples or --lr-warmup-fraction"),
     "--encoder-num-layers": (1, "this trainer builds decoder-only GPTs: use --num-layers"),
-    "--exit-signal-handler": (0, "use --exit-duration-in-mins or --exit-interval to stop with "
-                              "a checkpoint"),
     "--exit-on-missing-checkpoint": (0, "with --load and no checkpoint the trainer starts from "
                                      "scratch and says so in its first lines"),
     "--no-save-optim": (0, "checkpoints always hold the optimizer state: a resumed run repeats "
@@ -168,6 +168,11 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-duration-in-mins", type=float, default=None,
                    help="after the iteration that ends more than this many minutes after start, "
                    "save (with --save) and exit; all ranks agree on the iteration")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on the --exit-signal, finish the current iteration, save a checkpoint "
+                   "there (with --save) and exit 0; all ranks agree on the iteration")
+    g.add_argument("--exit-signal", default=None, metavar="|".join(EXIT_SIGNALS),
+                   help="the signal --exit-signal-handler catches (default SIGTERM)")
     g.add_argument("--log-world-size-to-tensorboard", action="store_true")
     g.add_argument("--no-log-learnig-rate-to-tensorboard", "--no-log-learning-rate-to-tensorboard",
                    dest="log_learning_rate_to_tensorboard", action="store_false",
@@ -290,6 +295,20 @@ def _check_switches(args: argparse.Namespace) -> None:
         _fail("--log-world-size-to-tensorboard needs --tensorboard-dir")
     if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
         _fail(f"--exit-duration-in-mins={args.exit_duration_in_mins} must be > 0")
+    _check_exit_signal(args)
+
+
+def _check_exit_signal(args: argparse.Namespace) -> None:
+    """``args.exit_signal``: the signal's name with --exit-signal-handler, else None."""
+    if args.exit_signal is not None and args.exit_signal not in EXIT_SIGNALS:
+        _fail(f"--exit-signal {args.exit_signal} is not supported: use SIGTERM (the default), "
+              f"{', '.join(EXIT_SIGNALS[1:-1])} or {EXIT_SIGNALS[-1]}")
+    if not args.exit_signal_handler:
+        if args.exit_signal is not None:
+            _fail(f"--exit-signal {args.exit_signal} needs --exit-signal-handler (without it "
+                  "no signal is caught)")
+        return
+    args.exit_signal = args.exit_signal or "SIGTERM"  # Megatron-LM's default
 
 
 def check_megatron_flags(args: argparse.Namespace) -> None:

@@ -219,12 +219,25 @@ SWITCH_ERRORS = {
     "--log-world-size-to-tensorboard": "--log-world-size-to-tensorboard needs --tensorboard-dir",
     "--distributed-timeout-minutes 0": "--distributed-timeout-minutes=0 must be >= 1",
     "--exit-duration-in-mins 0": "--exit-duration-in-mins=0.0 must be > 0",
+    "--exit-signal-handler --exit-signal SIGKILL": "--exit-signal SIGKILL is not supported: use "
+                                                  "SIGTERM (the default), SIGINT, SIGUSR1 or SIGUSR2",
+    "--exit-signal-handler --exit-signal TERM": "--exit-signal TERM is not supported: use SIGTERM "
+                                               "(the default), SIGINT, SIGUSR1 or SIGUSR2",
+    "--exit-signal SIGUSR1": "--exit-signal SIGUSR1 needs --exit-signal-handler (without it no "
+                             "signal is caught)",
 }
 
 
 @pytest.mark.parametrize("extra", sorted(SWITCH_ERRORS))
 def test_switch_errors(extra):
     assert error(extra) == SWITCH_ERRORS[extra]
+
+
+def test_exit_signal_is_megatron_lms_default_and_only_with_the_handler():
+    assert parse("").exit_signal is None  # no handler: the signal keeps its default action
+    assert parse("--exit-signal-handler").exit_signal == "SIGTERM"
+    for name in ("SIGINT", "SIGUSR1", "SIGUSR2"):
+        assert parse(f"--exit-signal-handler --exit-signal {name}").exit_signal == name
 
 
 def test_transformer_switches_reach_the_config():
