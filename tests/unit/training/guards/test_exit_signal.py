@@ -47,7 +47,8 @@ def test_only_megatron_lms_signals():
 def test_the_loops_exit_saves_once_and_says_what_it_did(monkeypatch, capsys, case, saves, said):
     from megatron.sdp4bit.training import loop
 
-    args = argparse.Namespace(save=None if case == "no --save" else "CK")
+    args = argparse.Namespace(save=None if case == "no --save" else "CK", ckpt_format="torch_dist",
+                              tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     state = loop.TrainState(model=[], optimizer=None, scheduler=None, datasets=[],
                             vocab_size=0, iteration=7)
     if case == "just saved by --save-interval":
