@@ -2,7 +2,8 @@
 
     torchrun --nproc-per-node 4 examples/own_loop.py --dp-ranks-per-node 2   # CPU: 2 "nodes"
 
-A tiny GPT on random tokens with megatron-core's GPTModel, DDP, distributed optimizer and
+A tiny GPT on counting sequences (each sample counts up from a random token by a random
+stride, so the loss falls within a few iterations) with megatron-core's GPTModel, DDP, distributed optimizer and
 pipeline schedule; SDP4Bit quantizes both collectives (qWD weights, TLq-HS gradients). The
 lines marked "SDP4Bit" are all it takes; the lines marked "megatron-core" are what any
 megatron-core loop needs and SDP4Bit relies on (see docs/api.md).
@@ -29,7 +30,7 @@ from megatron.sdp4bit.integration import enable_cpu_mode, install_sdp4bit, sdp4b
 SEQ, VOCAB, MICRO_BATCH = 64, 512, 4
 
 p = argparse.ArgumentParser()
-p.add_argument("--iterations", type=int, default=8)
+p.add_argument("--iterations", type=int, default=20)
 p.add_argument("--dp-ranks-per-node", type=int, default=None)  # default: from the hosts
 args = p.parse_args()
 
@@ -70,7 +71,7 @@ device = torch.cuda.current_device() if cuda else "cpu"
 def forward_step(batch_iterator, model):
     tokens = next(batch_iterator)
     position_ids = torch.arange(SEQ, device=device).expand(MICRO_BATCH, SEQ)
-    loss = model(tokens[:, :-1], position_ids[:, :-1], None, labels=tokens[:, 1:]).float()
+    loss = model(tokens[:, :-1], position_ids, None, labels=tokens[:, 1:]).float()
     return loss.mean(), lambda out: (out, {"lm loss": out.detach()})
 
 
@@ -78,7 +79,9 @@ for iteration in range(1, args.iterations + 1):
     handle.set_iteration(iteration)  # SDP4Bit: seeds its rounding; resets handle.step_stats
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
-    batch = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=gen).to(device)
+    start = torch.randint(0, VOCAB, (MICRO_BATCH, 1), generator=gen)
+    stride = torch.randint(1, 4, (MICRO_BATCH, 1), generator=gen)
+    batch = ((start + stride * torch.arange(SEQ + 1)) % VOCAB).to(device)
     losses = get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter([batch]), model=[ddp],
         num_microbatches=1, seq_length=SEQ, micro_batch_size=MICRO_BATCH, forward_only=False)
@@ -86,9 +89,11 @@ for iteration in range(1, args.iterations + 1):
     if dist.get_rank() == 0:
         s = handle.step_stats()
         print(f"iteration {iteration} | loss {losses[0]['lm loss'].item():.4f} | grad norm "
-              f"{grad_norm:.3f} | bytes sent: weights {s['param_intra_bytes']} + "
-              f"{s['param_inter_bytes']}, gradients intra {s['grad_intra_bytes']} inter "
-              f"{s['grad_inter_bytes']}", flush=True)
+              f"{grad_norm:.3f} | bytes sent (unquantized): weights to the node "
+              f"{s['param_intra_bytes']} ({s['param_intra_bytes_baseline']}), to other nodes "
+              f"{s['param_inter_bytes']} ({s['param_inter_bytes_baseline']}), gradients intra "
+              f"{s['grad_intra_bytes']} ({s['grad_intra_bytes_baseline']}), inter "
+              f"{s['grad_inter_bytes']} ({s['grad_inter_bytes_baseline']})", flush=True)
 
 handle.uninstall()
 dist.destroy_process_group()

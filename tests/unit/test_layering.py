@@ -136,11 +136,12 @@ def _imports_any(path: Path) -> set[str]:
 MAY_IMPORT = {
     "megatron": set(),
     "tools": set(),
+    "examples": set(),
     "dev": {"dev"},
     "benchmarks": {"benchmarks", "tests.helpers"},
     "tests": {"tests.helpers", "dev", "benchmarks"},
 }
-REPO_PACKAGES = ("tests", "dev", "benchmarks", "tools")
+REPO_PACKAGES = ("tests", "dev", "benchmarks", "tools", "examples")
 
 
 def _repo_imports(path: Path) -> set[str]:

@@ -55,9 +55,16 @@ pass (item 6): the Python that runs there (recomputed layers, custom autograd fu
 ``backward``, gradient hooks) gets the patched functions of items 1, 4, 5 and 6 but no
 rewrite of ``device=`` arguments, so a CUDA-only call there needs a patch of its own.
 There is no ``disable``: a process either runs megatron-core on CPU or not.
+
+Quiet: with item 4, megatron-core's RNG tracker forks the CPU generator itself, so its
+check "CPU RNG state changed within GPU RNG context" (a ``logging`` warning from
+``megatron.core.tensor_parallel.random``, several per step) is always true and says
+nothing; CPU mode drops that one message (a logging filter, not a replacement).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -107,6 +114,17 @@ CPU_MODE_STUBS = SHARED_STUBS + (
 """What CPU mode replaces: the shared CUDA stubs and megatron-core's causal mask."""
 
 
+_RNG_LOGGER = "megatron.core.tensor_parallel.random"
+_RNG_MESSAGE = "CPU RNG state changed within GPU RNG context"
+
+
+class _DropSameGeneratorWarning(logging.Filter):
+    """Drops :data:`_RNG_MESSAGE` (module docstring, "Quiet")."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != _RNG_MESSAGE
+
+
 def cpu_mode_active() -> bool:
     """Whether :func:`enable_cpu_mode` has switched this process to CPU mode."""
     return _mode is not None
@@ -129,6 +147,7 @@ def enable_cpu_mode(*, force: bool = False) -> None:
             "(CUDA_VISIBLE_DEVICES=''), or pass force=True to debug on the CPU anyway."
         )
     patches.apply(CPU_MODE_STUBS)  # for the life of the process: there is no disable
+    logging.getLogger(_RNG_LOGGER).addFilter(_DropSameGeneratorWarning())
     mode = _CudaToCpuMode()
     mode.__enter__()
     _mode = mode

@@ -93,6 +93,7 @@ def make_start_grad_sync(bucket_group, *, bucket_ids: list[int], topology: DPTop
             # as configured (counted apart so the trainer can report it).
             for bucket_id in bucket_ids:
                 state.unquantized_grad_calls[bucket_id] += 1
+            state.grad_syncs_since_step += 1
             return original(self, force_all_reduce=force_all_reduce)
         if self.is_first_batch and self.grad_reduce_handle is not None:
             return  # already dispatched in this first batch (megatron-core's rule)
@@ -121,6 +122,7 @@ def make_start_grad_sync(bucket_group, *, bucket_ids: list[int], topology: DPTop
                 async_op=async_op, seed=state.seed(KIND_GRAD, bucket_id, group_id),
                 stats=state.stats))
             state.grad_calls[bucket_id] += 1
+        state.grad_syncs_since_step += 1
         if async_op:
             state.pending_grad_works.extend(zip(bucket_ids, works))
             self.grad_reduce_handle = _QueuedGroupWork(works, state)

@@ -7,6 +7,21 @@ baseline model in the same process is untouched and ``handle.uninstall()`` resto
 megatron-core's behaviour exactly (the instance attributes are deleted; the class methods
 were never changed). The four are entries of the replacement table (``patches.py``),
 declared below. See docs/integration.md.
+
+[Note: a loop that never reduces its gradients]
+megatron-core's DDP reduces the gradients when something calls its ``finish_grad_sync``:
+megatron-core's pipeline schedules do, through ``config.finalize_model_grads_func`` (both
+tested releases call it after the last micro-batch's backward when it is set, and skip it
+when it is ``None``), and with ``overlap_grad_reduce`` the backward hooks only *start* the
+reduce-scatters that it waits for. A loop of one's own that leaves the hook unset trains
+with every rank stepping on its own unreduced gradients: the loss falls, nothing fails, and
+no collective of SDP4Bit's (or megatron-core's) ever runs. So the loop cannot skip it
+silently: ``install_sdp4bit`` refuses a model whose config has no
+``finalize_model_grads_func``, and every optimizer step (megatron-core's
+``_copy_main_params_to_model_params``, which each successful step calls after its update)
+raises if no gradient reduce-scatter was issued since the previous step, which also catches
+a hook set to something that does not reduce. With quantized weights only, SDP4Bit does not
+see megatron-core's own reduce-scatter, so there the install-time refusal is the guard.
 """
 
 from __future__ import annotations
@@ -75,6 +90,7 @@ class SDP4BitHandle:
     buckets: tuple[BucketInfo, ...]
     """Every bucket of the install, in id order."""
     _model_chunks: list = dataclasses.field(default_factory=list)
+    _step_start: dict = dataclasses.field(default_factory=dict)
 
     @property
     def bucket_numels(self) -> dict[int, int]:
@@ -92,10 +108,19 @@ class SDP4BitHandle:
 
     def set_iteration(self, iteration: int) -> None:
         """Call at the start of every iteration: it seeds the rounding noise (reproducible,
-        resumable) and decides when ``gradients_quantization_start_iteration`` is reached."""
+        resumable), decides when ``gradients_quantization_start_iteration`` is reached, and
+        starts the counters of :meth:`step_stats`."""
         if iteration < 0:
             raise ValueError(f"iteration={iteration} must be >= 0")
         self.state.iteration = iteration
+        self._step_start = self.stats.snapshot()
+
+    def step_stats(self) -> dict[str, int]:
+        """Bytes sent since the last :meth:`set_iteration` (the iteration in progress, or the
+        one just finished), per counter of ``handle.stats`` (which keeps the totals since
+        install)."""
+        now = self.stats.snapshot()
+        return {name: now[name] - self._step_start.get(name, 0) for name in now}
 
     @property
     def installed(self) -> bool:
@@ -128,6 +153,37 @@ def _distributed_optimizers(optimizer) -> list:
     return optimizers
 
 
+def _check_gradients_are_reduced(model_chunks) -> None:
+    """Refuse a model whose schedule would never reduce its gradients ([Note: a loop that
+    never reduces its gradients])."""
+    for chunk in model_chunks:
+        config = getattr(chunk, "config", None)
+        if config is not None and getattr(config, "finalize_model_grads_func", None) is None:
+            raise ValueError(
+                "the model's TransformerConfig has no finalize_model_grads_func, so "
+                "megatron-core's schedule never reduces the gradients across data-parallel "
+                "ranks (quantized or not): set config.finalize_model_grads_func = "
+                "megatron.core.distributed.finalize_model_grads before install_sdp4bit")
+
+
+def _step_check(state: RunState):
+    """The check every optimizer step runs before its copy ([Note: a loop that never
+    reduces its gradients])."""
+
+    def check_reduced() -> None:
+        if state.grad_syncs_since_step == 0:
+            raise RuntimeError(
+                f"SDP4Bit: an optimizer step at iteration {state.iteration} found no gradient "
+                "reduce-scatter since the previous step: its gradients were never reduced "
+                "across data-parallel ranks. megatron-core's schedule reduces them through "
+                "config.finalize_model_grads_func (set it to "
+                "megatron.core.distributed.finalize_model_grads); a loop without the schedule "
+                "calls ddp.finish_grad_sync() before optimizer.step()")
+        state.grad_syncs_since_step = 0
+
+    return check_reduced
+
+
 def install_sdp4bit(model_chunks, optimizer, config: SDP4BitConfig, *,
                     allow_untested_version: bool = False) -> SDP4BitHandle:
     """Quantize the collectives of ``model_chunks`` (megatron-core DDP modules) and
@@ -148,6 +204,7 @@ def install_sdp4bit(model_chunks, optimizer, config: SDP4BitConfig, *,
         model_chunks = [model_chunks]
     optimizers = _distributed_optimizers(optimizer)
     check_supported(config, setup_of(model_chunks, optimizers))
+    _check_gradients_are_reduced(model_chunks)
     if any(chunk in _INSTALLED_ON for chunk in model_chunks):
         raise ValueError("SDP4Bit is already installed on this model: call "
                          "handle.uninstall() before installing again")
@@ -187,8 +244,11 @@ def install_sdp4bit(model_chunks, optimizer, config: SDP4BitConfig, *,
     if config.quantized_gradients and duplicates is not None:
         planned += [COPY_MODEL_GRADS.on(opt, duplicates=duplicates, buckets=buckets)
                     for opt in optimizers]
-    if config.quantized_weights:
-        planned += [COPY_MAIN_PARAMS.on(opt) for opt in optimizers]
+    # Every step's copy: qWD leaves it to the all-gather; with quantized gradients the step
+    # checks that they were reduced.
+    check = _step_check(state) if config.quantized_gradients else None
+    planned += [COPY_MAIN_PARAMS.on(opt, qwd=config.quantized_weights, check_reduced=check)
+                for opt in optimizers]
     applied = patches.apply(planned)
     for chunk in model_chunks:
         _INSTALLED_ON.add(chunk)

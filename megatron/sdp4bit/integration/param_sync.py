@@ -37,6 +37,7 @@ layer still folds in the DP rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -161,15 +162,24 @@ def make_start_param_sync(bucket_group, *, bucket_ids: list[int], shards: dict[i
     return start_param_sync
 
 
-def make_copy_main_params_to_model_params(optimizer):
-    """The optimizer's copy with the 16-bit groups left to the qWD all-gather.
+def make_copy_main_params_to_model_params(optimizer, *, qwd: bool,
+                                          check_reduced: Callable[[], None] | None = None):
+    """The optimizer's copy of the updated main weights into the model, which every step
+    makes after its update: with qWD (``qwd``) the 16-bit groups are left to the qWD
+    all-gather; without, megatron-core's own copy. First, ``check_reduced`` (install.py,
+    [Note: a loop that never reduces its gradients]).
 
     fp32 model parameters (``model_fp32_groups``) are views of the replica that the inner
     optimizer updated in place; install refuses qWD when there are any, so the copy has
     nothing left to do.
     """
+    original = type(optimizer)._copy_main_params_to_model_params
 
     def _copy_main_params_to_model_params(self) -> None:
+        if check_reduced is not None:
+            check_reduced()
+        if not qwd:
+            return original(self)
         assert not any(self.model_fp32_groups), "qWD installed with fp32 model params"
 
     return _copy_main_params_to_model_params

@@ -41,6 +41,10 @@ class RunState:
     """Per bucket id: all-gathers issued so far in ``calls_iteration``."""
     calls_iteration: int = -1
     """The iteration ``param_calls_in_iteration`` counts for."""
+    grad_syncs_since_step: int = 0
+    """Gradient reduce-scatters (quantized or not) issued since the last optimizer step:
+    a step that finds none would apply gradients that no rank reduced (install.py,
+    [Note: a loop that never reduces its gradients])."""
 
     def seed(self, kind: int, bucket_id: int, group_id: int, call: int = 0) -> int:
         """Rounding-noise seed of one collective: (user seed, iteration, bucket, kind, group,
