@@ -204,8 +204,9 @@ def test_training_continues_from_the_import_and_finetune_ignores_a_checkpoints_s
             "fresh optimizer, learning-rate schedule and RNG (fine-tuning)") in res.stdout
     lines = train_lines(res.stdout)
     assert [m["iteration"] for m in lines] == [1, 2, 3]
-    # a fresh model would start near ln(384) = 5.95; the import's loss is far from it
-    assert abs(expected - 5.95) > 1.0, expected
+    # A fresh model (init std 0.02: logits near 0) starts within a few hundredths of
+    # ln(384) = 5.95; the import's loss is far from it, so the check below tells them apart.
+    assert abs(expected - 5.95) > 0.3, expected
     assert abs(lines[0]["lm_loss"] - expected) <= _first_loss_bound(expected), (
         lines[0]["lm_loss"], expected)
     assert lines[-1]["lm_loss"] < lines[0]["lm_loss"]

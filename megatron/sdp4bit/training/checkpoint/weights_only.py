@@ -33,7 +33,7 @@ from typing import Any
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelLoadStrategyWrapper,
 )
@@ -53,9 +53,20 @@ def _chunk_state(model_chunks) -> dict[str, Any]:
     return torch_dist_format._model_state(model_chunks)
 
 
+def _sharded_tensors(state: Any) -> list[ShardedTensor]:
+    """Every ShardedTensor of a sharded state dict, those a factory makes included (SwiGLU's
+    ``linear_fc1`` is a factory that saves its two halves under the one key)."""
+    out = []
+    for value in nested_values(state) if isinstance(state, (dict, list)) else [state]:
+        if isinstance(value, ShardedTensor):
+            out.append(value)
+        elif isinstance(value, ShardedTensorFactory):
+            out += _sharded_tensors(value.build())
+    return out
+
+
 def _shapes(state: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    return {t.key: tuple(t.global_shape) for t in nested_values(state)
-            if isinstance(t, ShardedTensor)}
+    return {t.key: tuple(t.global_shape) for t in _sharded_tensors(state)}
 
 
 def shape_problem(directory: str, state: dict[str, Any]) -> str | None:
