@@ -209,13 +209,95 @@ def test_training_continues_from_the_import_and_finetune_ignores_a_checkpoints_s
     assert abs(expected - 5.95) > 0.3, expected
     assert abs(lines[0]["lm_loss"] - expected) <= _first_loss_bound(expected), (
         lines[0]["lm_loss"], expected)
-    assert lines[-1]["lm_loss"] < lines[0]["lm_loss"]
+    # The warm-up starts at --lr-warmup-init 0: the first step changes nothing, so the fp32
+    # main weights (taken from the loaded ones), and the replicas qWD rebuilds from them,
+    # still hold the import at iteration 2, which sees the same window again. (Main weights
+    # left at the random initialization gave 5.943 at iteration 2.)
+    assert lines[0]["learning_rate"] == 0.0
+    assert abs(lines[1]["lm_loss"] - lines[0]["lm_loss"]) <= _first_loss_bound(expected)
+    assert lines[2]["lm_loss"] < lines[0]["lm_loss"] - 0.1  # and then it learns
     # --finetune from a full checkpoint of this trainer: iteration 1 again, the fresh
     # schedule's first learning rate (warm-up, not iteration 4's), on another layout.
     res = torchrun(RUN + corpus[0] + flags + ["--finetune", "--load", str(run),
                                               "--exit-interval", "1"], nproc=1)
     again = train_lines(res.stdout)
     assert [m["iteration"] for m in again] == [1]
-    assert again[0]["learning_rate"] == lines[0]["learning_rate"]
-    assert lines[0]["learning_rate"] != lines[-1]["learning_rate"]
+    assert again[0]["learning_rate"] == 0.0  # iteration 4's would be past the warm-up
     assert f"loaded the model weights of {run}/iter_0000003" in res.stdout
+
+
+# ---- a checkpoint Megatron-LM wrote ---------------------------------------------------------
+
+MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ)]  # TINY's model
+MEGATRON_LM_ITERATION = 7
+
+
+def _write_megatron_lm_checkpoint(rank: int, world: int, root: str, window: list[int],
+                                  out: str) -> None:
+    """Child rank: a torch_dist checkpoint laid out as Megatron-LM's ``save_checkpoint``
+    writes one (megatron/training/checkpointing.py): the tracker holding the bare iteration,
+    ``iter_0000007/`` written by megatron-core's ``dist_checkpointing.save`` from a state dict
+    whose ``model`` is the GPTModel's (bf16) ``sharded_state_dict()``, beside ``args`` (an
+    argparse Namespace), ``iteration``, ``checkpoint_version`` 3.0, the FLOP count and a
+    per-rank ``rng_state`` object; no manifest. Also writes the loss a run must log first."""
+    from argparse import Namespace
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    from megatron.sdp4bit.training.checkpoint import torch_dist_format
+
+    wrapped, model = _trainer_model(MODEL, None, bf16=True)
+    with torch.no_grad():  # wider than the initialization, so the loss is not ln(vocab)
+        for p in model.parameters():
+            p.mul_(8)
+    args = Namespace(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=SEQ,
+                     tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                     world_size=1, data_parallel_size=1, global_batch_size=16,
+                     consumed_train_samples=16 * MEGATRON_LM_ITERATION,
+                     ckpt_format="torch_dist", bf16=True)
+    rng = ShardedObject("rng_state", [{"random_rng_state": None}], (1, 1, 1), (0, 0, 0),
+                        replica_id=0)
+    state = {"model": model.sharded_state_dict(), "args": args,
+             "iteration": MEGATRON_LM_ITERATION, "checkpoint_version": 3.0,
+             "num_floating_point_operations_so_far": 0, "rng_state": rng}
+    folder = os.path.join(root, f"iter_{MEGATRON_LM_ITERATION:07d}")
+    os.makedirs(folder)  # Megatron-LM creates it before the save
+    torch_dist_format._avoid_spawned_manager()  # megatron-core's writer, run in-process on CPU
+    dist_checkpointing.save(state, folder, sharded_strategy=torch_dist_format
+                            ._InProcessSaveStrategy("torch_dist", 1, thread_count=1),
+                            content_metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(MEGATRON_LM_ITERATION))
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump({"loss": _window_loss(wrapped, window)}, f)
+
+
+def test_a_megatron_lm_checkpoint_starts_a_finetuning_run(corpus, tmp_path):
+    """--pretrained-checkpoint (with nothing in --load yet) takes its weights with --finetune's
+    semantics; a model that does not fit it is named tensor by tensor in one line."""
+    fixture = tmp_path / "megatron_lm"
+    fixture.mkdir()
+    spawn(_write_megatron_lm_checkpoint, 1, str(fixture), corpus[1], str(tmp_path / "e.json"))
+    expected = json.loads((tmp_path / "e.json").read_text())["loss"]
+    assert not (fixture / f"iter_{MEGATRON_LM_ITERATION:07d}" / "manifest.json").exists()
+    assert abs(expected - 5.95) > 0.3, expected  # not what a fresh model would log
+    run = tmp_path / "run"
+    res = torchrun(RUN + corpus[0] + ["--pretrained-checkpoint", str(fixture), "--load",
+                                      str(run), "--save", str(run), "--exit-interval", "1"],
+                   nproc=1)
+    assert (f"loaded the model weights of {fixture}/iter_{MEGATRON_LM_ITERATION:07d}: starting "
+            "at iteration 0") in res.stdout
+    lines = train_lines(res.stdout)
+    assert [m["iteration"] for m in lines] == [1]
+    assert abs(lines[0]["lm_loss"] - expected) <= _first_loss_bound(expected), (
+        lines[0]["lm_loss"], expected)
+    message = one_error_line(launch(RUN + corpus[0] + ["--finetune", "--load", str(fixture),
+                                                       "--ffn-hidden-size", "128"], nproc=1))
+    folder = fixture / f"iter_{MEGATRON_LM_ITERATION:07d}"
+    assert message == (
+        f"checkpoint {folder} does not fit this model: decoder.layers.mlp.linear_fc1.bias is "
+        "[2, 256] there, [2, 128] here; decoder.layers.mlp.linear_fc1.weight is [2, 256, 64] "
+        "there, [2, 128, 64] here; decoder.layers.mlp.linear_fc2.weight is [2, 64, 256] there, "
+        "[2, 64, 128] here: pass the checkpoint's model flags")
