@@ -37,6 +37,7 @@ def _flags(**changes: str) -> list[str]:
 
 
 RUN = _flags(train_iters="3", log_interval="1", eval_interval="100")
+WARMUP_SECOND_LR = 3e-3 * 16 / 32  # TINY: --lr 3e-3, 2 warm-up iterations of 16 samples
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +159,14 @@ def _check_import(rank: int, world: int, hf_dir: str, ckpt: str, flags: list[str
         json.dump({"loss": _window_loss(wrapped, window)}, f)
 
 
+def _window_loss_of(rank: int, world: int, flags: list[str], folder: str,
+                    window: list[int], out: str) -> None:
+    """Child rank: the bf16 loss of a checkpoint's weights on the window, into ``out``."""
+    wrapped, _ = _trainer_model(flags, folder, bf16=True)
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump({"loss": _window_loss(wrapped, window)}, f)
+
+
 def _first_loss_bound(loss: float) -> float:
     """The logged first loss against :func:`_window_loss` of the same weights. Every
     micro-batch of the run holds two copies of the window, so each micro-batch's loss is
@@ -209,11 +218,13 @@ def test_training_continues_from_the_import_and_finetune_ignores_a_checkpoints_s
     assert abs(expected - 5.95) > 0.3, expected
     assert abs(lines[0]["lm_loss"] - expected) <= _first_loss_bound(expected), (
         lines[0]["lm_loss"], expected)
-    # The warm-up starts at --lr-warmup-init 0: the first step changes nothing, so the fp32
-    # main weights (taken from the loaded ones), and the replicas qWD rebuilds from them,
-    # still hold the import at iteration 2, which sees the same window again. (Main weights
-    # left at the random initialization gave 5.943 at iteration 2.)
-    assert lines[0]["learning_rate"] == 0.0
+    # The warm-up starts at --lr-warmup-init 0: megatron-core's scheduler gives the first
+    # step the rate of step 0, 0, so it changes nothing, and the fp32 main weights (taken
+    # from the loaded ones), and the replicas qWD rebuilds from them, still hold the import
+    # at iteration 2, which sees the same window again. (Main weights left at the random
+    # initialization gave 5.943 at iteration 2.) The logged rate is the next step's: 3e-3
+    # x 16 / 32 samples of warm-up.
+    assert lines[0]["learning_rate"] == WARMUP_SECOND_LR
     assert abs(lines[1]["lm_loss"] - lines[0]["lm_loss"]) <= _first_loss_bound(expected)
     assert lines[2]["lm_loss"] < lines[0]["lm_loss"] - 0.1  # and then it learns
     # --finetune from a full checkpoint of this trainer: iteration 1 again, the fresh
@@ -222,7 +233,12 @@ def test_training_continues_from_the_import_and_finetune_ignores_a_checkpoints_s
                                               "--exit-interval", "1"], nproc=1)
     again = train_lines(res.stdout)
     assert [m["iteration"] for m in again] == [1]
-    assert again[0]["learning_rate"] == 0.0  # iteration 4's would be past the warm-up
+    spawn(_window_loss_of, 1, flags, str(run / "iter_0000003"), corpus[1],
+          str(tmp_path / "at3.json"))
+    at3 = json.loads((tmp_path / "at3.json").read_text())["loss"]
+    assert abs(again[0]["lm_loss"] - at3) <= _first_loss_bound(at3), (again[0]["lm_loss"], at3)
+    assert again[0]["learning_rate"] == WARMUP_SECOND_LR  # a schedule at its start again
+    assert lines[-1]["learning_rate"] != WARMUP_SECOND_LR  # (the checkpoint's is past it)
     assert f"loaded the model weights of {run}/iter_0000003" in res.stdout
 
 

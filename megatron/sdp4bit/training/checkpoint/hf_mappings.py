@@ -286,10 +286,10 @@ def from_hf(name: str, tensors: Tensors, model: dict) -> Tensors:
         for key, fmt in _expand(rule.megatron, model):
             names = [h.format(**fmt) for h in rule.hf]
             lacking = [n for n in names if n not in tensors]
+            used.update(n for n in names if n in tensors)
             if lacking:
                 missing += lacking
                 continue
-            used.update(names)
             out[key] = rule.from_hf(tuple(tensors[n] for n in names), model).contiguous()
     extra = sorted(set(tensors) - used)
     if missing or extra:
