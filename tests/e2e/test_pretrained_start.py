@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -91,8 +92,16 @@ def imported(corpus, tmp_path_factory):
     for kind in ("gpt2", "llama"):
         hf, ckpt = root / f"hf_{kind}", root / f"ckpt_{kind}"
         _hf_model(kind, corpus[2], str(hf))
-        res = _tool("import_hf.py", ["--hf", str(hf), "--save", str(ckpt)])
+        extra = []
+        if kind == "llama":  # --overwrite replaces what the folder held
+            ckpt.mkdir()
+            (ckpt / "stale.txt").write_text("old")
+            extra = ["--overwrite"]
+        res = _tool("import_hf.py", ["--hf", str(hf), "--save", str(ckpt), *extra])
         assert res.returncode == 0, res.stderr[-3000:]
+        assert sorted(os.listdir(ckpt)) == ["iter_0000000", "latest_checkpointed_iteration.txt"]
+        assert sorted(os.listdir(root)) == sorted(  # no temporary folder left beside it
+            [f"hf_{k}" for k in out] + [f"ckpt_{k}" for k in out] + [hf.name, ckpt.name])
         out[kind] = (str(hf), str(ckpt), res.stdout.strip().splitlines()[-1].split())
     return out
 
@@ -193,6 +202,29 @@ def test_import_matches_hugging_face_and_exports_back_bit_for_bit(imported, corp
         config = json.loads((exported / "config.json").read_text())
         assert config["vocab_size"] == corpus[2]
         spawn(_check_import, 1, hf, ckpt, flags, corpus[1], str(tmp_path / f"{kind}.json"))
+
+
+@pytest.mark.release_independent  # the tool's own files
+def test_a_failed_import_leaves_the_folder_as_it_was(imported, tmp_path):
+    hf = tmp_path / "hf"
+    shutil.copytree(imported["gpt2"][0], hf)
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "n_inner": 128}))
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    (save / "keep.txt").write_text("mine")
+    res = _tool("import_hf.py", ["--hf", str(hf), "--save", str(save), "--overwrite"])
+    assert res.returncode == 2
+    errors = [x for x in res.stderr.splitlines() if x.startswith("import_hf.py: error: ")]
+    assert errors == [
+        "import_hf.py: error: the weights do not have the shapes config.json gives: "
+        "decoder.layers.0.mlp.linear_fc1.weight [256, 64] (the model's is [128, 64]), "
+        "decoder.layers.0.mlp.linear_fc1.bias [256] (the model's is [128]), "
+        "decoder.layers.0.mlp.linear_fc2.weight [64, 256] (the model's is [64, 128]), "
+        "decoder.layers.1.mlp.linear_fc1.weight [256, 64] (the model's is [128, 64])"], res.stderr
+    assert "Traceback" not in res.stderr
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "hf"]
+    assert os.listdir(save) == ["keep.txt"]
 
 
 # ---- the runs -----------------------------------------------------------------------------
