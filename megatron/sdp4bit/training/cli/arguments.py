@@ -204,7 +204,8 @@ def _add_checkpoint_and_logging(p: argparse.ArgumentParser) -> None:
                    "--seed (the samples and their order change)")
     g.add_argument("--load-without-manifest", action="store_true",
                    help="load a checkpoint that has no manifest.json: nothing in it is verified "
-                   "(checksums, layout, settings)")
+                   "(checksums, layout, settings); a torch_dist one (e.g. Megatron-LM's) needs "
+                   "--no-load-optim --no-load-rng too, or --finetune")
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--eval-interval", type=int, default=1000)
