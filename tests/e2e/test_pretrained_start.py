@@ -186,7 +186,6 @@ def _first_loss_bound(loss: float) -> float:
     return 2 * (MICRO_BATCHES - 1) * U_FP32 * loss + 1e-6
 
 
-@pytest.mark.release_independent  # the trainer's tool and mapping over one megatron-core path
 def test_import_matches_hugging_face_and_exports_back_bit_for_bit(imported, corpus, tmp_path):
     from safetensors.torch import load_file
 
