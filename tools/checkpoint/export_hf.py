@@ -73,7 +73,7 @@ def _verify(directory: str) -> None:
     if manifest is None:
         raise ExportError(f"{directory} has no {files.MANIFEST}: not saved by this trainer")
     for name, entry in sorted(manifest["files"].items()):
-        if torch_dist_format._hash(os.path.join(directory, name)) != entry:
+        if torch_dist_format.file_hash(os.path.join(directory, name)) != entry:
             raise ExportError(f"checkpoint file {os.path.join(directory, name)} does not match "
                               "its manifest: it is damaged; export an earlier checkpoint")
 

@@ -137,8 +137,6 @@ def _fill(model, tensors: dict) -> None:
 
 def _write(args, tensors: dict, vocab: int, padded: int, partial: str, source: str) -> None:
     """Build the trainer's GPTModel (fp32, one process), load the tensors, save them."""
-    import torch
-
     from megatron.sdp4bit.config import SDP4BitConfig
     from megatron.sdp4bit.training import build
     from megatron.sdp4bit.training.checkpoint import weights_only

@@ -50,7 +50,7 @@ NOT_MODEL = ("optimizer.", "rng_state", "rerun_state_machine")
 
 
 def _chunk_state(model_chunks) -> dict[str, Any]:
-    return torch_dist_format._model_state(model_chunks)
+    return torch_dist_format.model_state(model_chunks)
 
 
 def _sharded_tensors(state: Any) -> list[ShardedTensor]:
@@ -133,7 +133,7 @@ def load_weights(directory: str, manifest: dict[str, Any] | None, model_chunks, 
     if manifest is not None:
         problem = model_settings_problem(manifest["settings"], settings, directory)
         if problem is None:
-            problem = torch_dist_format._verify(directory, manifest)
+            problem = torch_dist_format.verify_files(directory, manifest)
         if problem is not None:
             raise CheckpointError(problem)
     state = _chunk_state(model_chunks)
@@ -146,7 +146,7 @@ def load_weights(directory: str, manifest: dict[str, Any] | None, model_chunks, 
             strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
     loaded = dist_checkpointing.load(state, directory, sharded_strategy=strategy)
     for key, chunk in zip(state, model_chunks):
-        torch_dist_format._unwrap(chunk).load_state_dict(loaded[key], strict=True)
+        torch_dist_format.unwrap(chunk).load_state_dict(loaded[key], strict=True)
     for opt in common.inner_optimizers(optimizer):
         opt.reload_model_params()  # the fp32 main weights still hold the initialization
     if finetune:
@@ -169,15 +169,15 @@ def save_weights(root: str, model_chunks, settings: dict[str, Any]) -> str:
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
     dist.barrier()
-    torch_dist_format._avoid_spawned_manager()
+    torch_dist_format.avoid_spawned_manager()
     state = _chunk_state(model_chunks)
     state.update(iteration=0, checkpoint_version=3.0)
     dist_checkpointing.save(state, partial,
-                            sharded_strategy=torch_dist_format._InProcessSaveStrategy(
+                            sharded_strategy=torch_dist_format.InProcessSaveStrategy(
                                 "torch_dist", 1, thread_count=1),
                             validate_access_integrity=True)
     dist.barrier()
-    entries = torch_dist_format._hash_shares(partial, torch_dist_format._shared_listing(partial))
+    entries = torch_dist_format.hash_shares(partial, torch_dist_format.shared_listing(partial))
     if dist.get_rank() == 0:
         files.write_manifest(partial, 0, entries, {**settings, "contents": MODEL_ONLY,
                                                    "ckpt_format": torch_dist_format.FORMAT_NAME})
