@@ -1,9 +1,14 @@
-"""``--ckpt-format``: which format a save writes and which a load accepts.
+"""``--ckpt-format``: which format a save writes and which a load accepts; and which
+checkpoint a run starts from, and how.
 
-``torch_dist`` (the default, :mod:`.dist`) and ``torch`` (one file per rank,
+``torch_dist`` (the default, :mod:`.torch_dist_format`) and ``torch`` (one file per rank,
 :mod:`.torch_format`). A load finds the format of the folder the tracker names; one that
 is not ``--ckpt-format`` is refused unless ``--auto-detect-ckpt-format``, which is also how
 a checkpoint is converted: load it with that flag and save with the other format.
+
+``--finetune``, ``--pretrained-checkpoint`` (used while ``--load`` holds no checkpoint) and
+a torch_dist checkpoint without this trainer's manifest (Megatron-LM's) load the model's
+weights alone (:mod:`.weights_only`, Megatron-LM's fine-tuning semantics).
 """
 
 from __future__ import annotations
@@ -102,9 +107,9 @@ def load(args: argparse.Namespace, model_chunks, optimizer, scheduler,
             f"{args.ckpt_format}: pass --ckpt-format {found}, or --auto-detect-ckpt-format to "
             f"load it and save in {args.ckpt_format} (which converts it)")
     if weights_only.is_model_only(manifest):
-        raise CheckpointError(
-            f"checkpoint {directory} holds model weights only ({manifest['settings'].get('source', 'an import')}): "
-            f"start from it with --finetune, or --pretrained-checkpoint {root}")
+        source = manifest["settings"].get("source", "an import")
+        raise CheckpointError(f"checkpoint {directory} holds model weights only ({source}): "
+                              f"start from it with --finetune, or --pretrained-checkpoint {root}")
     options = dict(load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
                    allow_sdp4bit_change=args.allow_changed_sdp4bit_settings,
                    allow_data_change=args.allow_changed_data)
