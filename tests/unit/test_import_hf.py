@@ -124,11 +124,12 @@ def test_the_mapping_read_backwards_inverts_the_export():
           "lm_head.weight": torch.randn(10, 8, generator=gen)}
     for i in range(2):
         p = f"model.layers.{i}."
-        for name, shape in (("self_attn.q_proj.weight", (16, 8)), ("self_attn.k_proj.weight", (8, 8)),
-                            ("self_attn.v_proj.weight", (8, 8)), ("self_attn.o_proj.weight", (8, 16)),
-                            ("input_layernorm.weight", (8,)), ("post_attention_layernorm.weight", (8,)),
-                            ("mlp.gate_proj.weight", (12, 8)), ("mlp.up_proj.weight", (12, 8)),
-                            ("mlp.down_proj.weight", (8, 12))):
+        for name, shape in (
+                ("self_attn.q_proj.weight", (16, 8)), ("self_attn.k_proj.weight", (8, 8)),
+                ("self_attn.v_proj.weight", (8, 8)), ("self_attn.o_proj.weight", (8, 16)),
+                ("input_layernorm.weight", (8,)), ("post_attention_layernorm.weight", (8,)),
+                ("mlp.gate_proj.weight", (12, 8)), ("mlp.up_proj.weight", (12, 8)),
+                ("mlp.down_proj.weight", (8, 12))):
             hf[p + name] = torch.randn(*shape, generator=gen)
     megatron = hf_mappings.from_hf("LlamaForCausalLM", hf, model)
     assert megatron["decoder.layers.1.self_attention.linear_qkv.weight"].shape == (32, 8)
@@ -167,3 +168,20 @@ def test_finetune_flags_are_checked(extra, message):
     args = parse_args((FILLER + "--finetune --load x --pretrained-checkpoint y").split(),
                       world_size=1)
     assert (args.finetune, args.load, args.pretrained_checkpoint) == (True, "x", "y")
+
+
+def test_older_gpt2_files_and_tied_output_layers_are_read_as_save_pretrained_writes_them():
+    w = torch.ones(3, 2)
+    old = {"wte.weight": w, "h.0.attn.bias": torch.zeros(1), "h.0.attn.masked_bias": w,
+           "lm_head.weight": w.clone()}
+    assert import_hf._normalized("GPT2LMHeadModel", old, True, "transformer.wte.weight") == {
+        "transformer.wte.weight": w}
+    rope = {"model.embed_tokens.weight": w, "model.layers.0.self_attn.rotary_emb.inv_freq": w}
+    assert list(import_hf._normalized("LlamaForCausalLM", rope, False,
+                                      "model.embed_tokens.weight")) == ["model.embed_tokens.weight"]
+    with pytest.raises(hf_mappings.MappingError) as err:
+        import_hf._normalized("LlamaForCausalLM", {"model.embed_tokens.weight": w,
+                                                   "lm_head.weight": 2 * w}, True,
+                              "model.embed_tokens.weight")
+    assert str(err.value) == ("config.json ties the output layer to the embedding, but "
+                              "lm_head.weight differs from it")

@@ -87,21 +87,20 @@ def export(load: str, output: str, iteration: int | None = None, vocab_file: str
 
     directory = _checkpoint_dir(load, iteration)
     _verify(directory)
-    model, assumed = with_defaults(files.read_manifest(directory)["settings"]["model"])
-    config = hf_config(model)
+    settings = files.read_manifest(directory)["settings"]
+    model, assumed = with_defaults(settings["model"])
+    vocab = settings.get("vocab_size")
+    config = hf_config(model, vocab)
     name = config["architectures"][0]
     assumed = [k for k in assumed if k in READS[name]]
     if assumed:
         print(f"note: {directory}'s manifest (an older trainer's) does not record "
               + ", ".join(f"{k} (assumed the trainer's default {model[k]})" for k in assumed),
               file=sys.stderr)
-    settings = files.read_manifest(directory)["settings"]
-    vocab = settings.get("vocab_size")
-    config = hf_config(model, vocab)
     if vocab is None:
         print(f"note: {directory}'s manifest (an older trainer's) does not record the "
-              f"tokenizer's vocabulary size: the model keeps the padded {model['padded_vocab_size']} "
-              "rows", file=sys.stderr)
+              "tokenizer's vocabulary size: the model keeps the padded "
+              f"{model['padded_vocab_size']} rows", file=sys.stderr)
     tensors = unstack(read_model_tensors(directory), model)
     if vocab is not None:  # the padding rows go: the import's rule backwards (hf_mappings)
         tensors = trim_vocab(tensors, vocab)

@@ -181,8 +181,12 @@ def _gpt2_qkv_from_hf(ts: tuple[torch.Tensor, ...], m: dict) -> torch.Tensor:
     return w.view(3, heads, hidden // heads).transpose(0, 1).reshape(3 * hidden)
 
 
-def _t(ts, m=None):  # Conv1D's (in, out) <-> nn.Linear's (out, in)
-    return ts[0].t() if isinstance(ts, tuple) else (ts.t(),)
+def _conv1d_to_hf(w: torch.Tensor, m: dict) -> tuple[torch.Tensor, ...]:
+    return (w.t(),)  # GPT-2's Conv1D stores (in, out), nn.Linear (out, in)
+
+
+def _conv1d_from_hf(ts: tuple[torch.Tensor, ...], m: dict) -> torch.Tensor:
+    return ts[0].t()
 
 
 def _llama_qkv_to_hf(w: torch.Tensor, m: dict) -> tuple[torch.Tensor, ...]:
@@ -215,6 +219,7 @@ def _swiglu_to_hf(w: torch.Tensor, m: dict) -> tuple[torch.Tensor, ...]:
 
 
 H, LL = "transformer.h.{i}.", "model.layers.{i}."
+CONV1D = (_conv1d_to_hf, _conv1d_from_hf)
 RULES: dict[str, list[Rule]] = {
     "GPT2LMHeadModel": [
         Rule(WORD, ("transformer.wte.weight",)),
@@ -225,15 +230,15 @@ RULES: dict[str, list[Rule]] = {
              _gpt2_qkv_to_hf, _gpt2_qkv_from_hf),
         Rule(L + "{i}.self_attention.linear_qkv.bias", (H + "attn.c_attn.bias",),
              _gpt2_qkv_to_hf, _gpt2_qkv_from_hf),
-        Rule(L + "{i}.self_attention.linear_proj.weight", (H + "attn.c_proj.weight",), _t, _t),
+        Rule(L + "{i}.self_attention.linear_proj.weight", (H + "attn.c_proj.weight",), *CONV1D),
         Rule(L + "{i}.self_attention.linear_proj.bias", (H + "attn.c_proj.bias",)),
         Rule(L + "{i}.self_attention.linear_qkv.layer_norm_weight", (H + "ln_1.weight",)),
         Rule(L + "{i}.self_attention.linear_qkv.layer_norm_bias", (H + "ln_1.bias",)),
         Rule(L + "{i}.mlp.linear_fc1.layer_norm_weight", (H + "ln_2.weight",)),
         Rule(L + "{i}.mlp.linear_fc1.layer_norm_bias", (H + "ln_2.bias",)),
-        Rule(L + "{i}.mlp.linear_fc1.weight", (H + "mlp.c_fc.weight",), _t, _t),
+        Rule(L + "{i}.mlp.linear_fc1.weight", (H + "mlp.c_fc.weight",), *CONV1D),
         Rule(L + "{i}.mlp.linear_fc1.bias", (H + "mlp.c_fc.bias",)),
-        Rule(L + "{i}.mlp.linear_fc2.weight", (H + "mlp.c_proj.weight",), _t, _t),
+        Rule(L + "{i}.mlp.linear_fc2.weight", (H + "mlp.c_proj.weight",), *CONV1D),
         Rule(L + "{i}.mlp.linear_fc2.bias", (H + "mlp.c_proj.bias",)),
     ],
     "LlamaForCausalLM": [
