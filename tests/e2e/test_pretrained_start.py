@@ -311,10 +311,10 @@ def _write_megatron_lm_checkpoint(rank: int, world: int, root: str, window: list
              "num_floating_point_operations_so_far": 0, "rng_state": rng}
     folder = os.path.join(root, f"iter_{MEGATRON_LM_ITERATION:07d}")
     os.makedirs(folder)  # Megatron-LM creates it before the save
-    torch_dist_format.avoid_spawned_manager()  # megatron-core's writer, run in-process on CPU
-    dist_checkpointing.save(state, folder, sharded_strategy=torch_dist_format
-                            .InProcessSaveStrategy("torch_dist", 1, thread_count=1),
-                            content_metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+    # megatron-core's torch_dist writer, run in-process on CPU (the files are the same)
+    with torch_dist_format.in_process_writer() as strategy:
+        dist_checkpointing.save(state, folder, sharded_strategy=strategy, content_metadata={
+            "distrib_optim_sharding_type": "dp_reshardable"})
     with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write(str(MEGATRON_LM_ITERATION))
     with open(out, "w", encoding="utf-8") as f:

@@ -190,10 +190,10 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler, settings: dic
         return 0, 0
     directory = files.iteration_dir(root, iteration)
     entries = manifest["files"] if manifest is not None else {}
-    own, common, error = None, None, None
+    own, saved_common, error = None, None, None
     try:
-        common = files.read_verified(os.path.join(directory, "common.pt"),
-                                     entries.get("common.pt"))
+        saved_common = files.read_verified(os.path.join(directory, "common.pt"),
+                                           entries.get("common.pt"))
         name = f"rank_{dist.get_rank():05d}.pt"
         own = files.read_verified(os.path.join(directory, name), entries.get(name))
     except CheckpointError as err:
@@ -208,9 +208,9 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler, settings: dic
                 raise CheckpointError(f"model in {directory} does not match this model: "
                                       f"missing {missing[:3]}, unexpected {unexpected[:3]}")
         if load_optim:
-            common.check_schedule(scheduler, common["scheduler"], directory)
+            common.check_schedule(scheduler, saved_common["scheduler"], directory)
             _load_optimizer_state(optimizer, own["optimizer"], directory)
-            scheduler.load_state_dict(common["scheduler"])
+            scheduler.load_state_dict(saved_common["scheduler"])
     except CheckpointError as err:
         error = str(err)
     common.first_error(error)
@@ -220,4 +220,4 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler, settings: dic
             opt.reload_model_params()
     if load_rng:
         common.set_rng_state(own["rng"])
-    return common["iteration"], common["consumed_samples"]
+    return saved_common["iteration"], saved_common["consumed_samples"]

@@ -169,13 +169,11 @@ def save_weights(root: str, model_chunks, settings: dict[str, Any]) -> str:
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
     dist.barrier()
-    torch_dist_format.avoid_spawned_manager()
     state = _chunk_state(model_chunks)
     state.update(iteration=0, checkpoint_version=3.0)
-    dist_checkpointing.save(state, partial,
-                            sharded_strategy=torch_dist_format.InProcessSaveStrategy(
-                                "torch_dist", 1, thread_count=1),
-                            validate_access_integrity=True)
+    with torch_dist_format.in_process_writer() as strategy:
+        dist_checkpointing.save(state, partial, sharded_strategy=strategy,
+                                validate_access_integrity=True)
     dist.barrier()
     entries = torch_dist_format.hash_shares(partial, torch_dist_format.shared_listing(partial))
     if dist.get_rank() == 0:
