@@ -97,3 +97,21 @@ def test_what_a_full_resume_cannot_use_is_refused_in_one_line(world):
     assert str(err.value) == (
         "checkpoint imp/iter_0000005 holds model weights only (import_hf.py from /hf "
         "(LlamaForCausalLM)): start from it with --finetune, or --pretrained-checkpoint imp")
+
+
+def test_finetune_reads_a_per_rank_checkpoint_without_its_optimizer_schedule_or_rng(
+        world, monkeypatch):
+    folders, _ = world
+    folders["old"] = ("torch", OURS)
+    seen = {}
+
+    def per_rank(root, model_chunks, optimizer, scheduler, settings, **options):
+        seen.update(root=root, scheduler=scheduler, **options)
+        return 5, 80
+
+    monkeypatch.setattr(formats.torch_format, "load_checkpoint", per_rank)
+    # another --ckpt-format is no obstacle: only the weights are read
+    assert _load(_args(load="old", finetune=True)) == (0, 0, "old/iter_0000005", True)
+    assert seen == {"root": "old", "scheduler": None, "load_optim": False, "load_rng": False,
+                    "allow_sdp4bit_change": True, "allow_data_change": True,
+                    "allow_no_manifest": False}
