@@ -136,8 +136,8 @@ def worker(out: str, flags: list[str]) -> None:
     dist.barrier()
     before = _reset_peak()
     t0 = time.perf_counter()
-    iteration, _ = formats.load(args, state.model, state.optimizer, state.scheduler,
-                                state.settings)
+    iteration = formats.load(args, state.model, state.optimizer, state.scheduler,
+                             state.settings).iteration
     assert iteration == 1
     record.update(load_s=time.perf_counter() - t0, load_before=before,
                   load_peak=_status("VmHWM"))

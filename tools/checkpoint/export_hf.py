@@ -16,8 +16,9 @@ The architecture follows the model flags recorded in the manifest (hf_mappings.p
   ``--norm-epsilon`` its ``rms_norm_eps``.
 
 Any other combination is refused with one line naming, for each architecture, the settings
-that differ. The vocabulary keeps the trainer's padded size (the padding rows are never
-produced by the tokenizer). See docs/checkpoints.md.
+that differ. The vocabulary is cut back to the tokenizer's size the manifest records (the
+rows megatron padded it with go; import_hf.py adds them the same way). See
+docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import sys
 import torch
 
 from megatron.sdp4bit.training.checkpoint.hf_mappings import (
-    READS, STATES, ExportError, hf_config, with_defaults)
+    READS, ExportError, hf_config, to_hf, trim_vocab, unstack, with_defaults)
 
 
 def _checkpoint_dir(load: str, iteration: int | None) -> str:
@@ -72,7 +73,7 @@ def _verify(directory: str) -> None:
     if manifest is None:
         raise ExportError(f"{directory} has no {files.MANIFEST}: not saved by this trainer")
     for name, entry in sorted(manifest["files"].items()):
-        if torch_dist_format._hash(os.path.join(directory, name)) != entry:
+        if torch_dist_format.file_hash(os.path.join(directory, name)) != entry:
             raise ExportError(f"checkpoint file {os.path.join(directory, name)} does not match "
                               "its manifest: it is damaged; export an earlier checkpoint")
 
@@ -86,15 +87,24 @@ def export(load: str, output: str, iteration: int | None = None, vocab_file: str
 
     directory = _checkpoint_dir(load, iteration)
     _verify(directory)
-    model, assumed = with_defaults(files.read_manifest(directory)["settings"]["model"])
-    config = hf_config(model)
+    settings = files.read_manifest(directory)["settings"]
+    model, assumed = with_defaults(settings["model"])
+    vocab = settings.get("vocab_size")
+    config = hf_config(model, vocab)
     name = config["architectures"][0]
     assumed = [k for k in assumed if k in READS[name]]
     if assumed:
         print(f"note: {directory}'s manifest (an older trainer's) does not record "
               + ", ".join(f"{k} (assumed the trainer's default {model[k]})" for k in assumed),
               file=sys.stderr)
-    state = STATES[name](read_model_tensors(directory), model)
+    if vocab is None:
+        print(f"note: {directory}'s manifest (an older trainer's) does not record the "
+              "tokenizer's vocabulary size: the model keeps the padded "
+              f"{model['padded_vocab_size']} rows", file=sys.stderr)
+    tensors = unstack(read_model_tensors(directory), model)
+    if vocab is not None:  # the padding rows go: the import's rule backwards (hf_mappings)
+        tensors = trim_vocab(tensors, vocab)
+    state = to_hf(name, tensors, model)
     os.makedirs(output, exist_ok=True)
     save_file(state, os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(output, "config.json"), "w", encoding="utf-8") as f:

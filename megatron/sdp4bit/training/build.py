@@ -123,9 +123,11 @@ def claim_save_dir(args: argparse.Namespace) -> SaveDirLock | None:
 
 
 def run_settings(args: argparse.Namespace, sdp4bit_config: SDP4BitConfig,
-                 vocab: int) -> dict:
+                 vocab: int, tokenizer_vocab: int | None = None) -> dict:
     """What a checkpoint must agree with to be resumed by this run (recorded in its
-    manifest): the parallel layout, the model's shape and the SDP4Bit method."""
+    manifest): the parallel layout, the model's shape and the SDP4Bit method; and, not
+    compared, the tokenizer's vocabulary size before padding (the HF export cuts the
+    padding rows off with it)."""
     layout = {"world_size": args.world_size, "tp": args.tensor_model_parallel_size,
               "pp": args.pipeline_model_parallel_size, "dp": args.data_parallel_size,
               "ddp_bucket_size": args.ddp_bucket_size if args.overlap_grad_reduce else None}
@@ -137,7 +139,7 @@ def run_settings(args: argparse.Namespace, sdp4bit_config: SDP4BitConfig,
         "add_bias_linear", "params_dtype")}
     model["padded_vocab_size"] = vocab
     return {"layout": layout, "model": model, "data": data_settings(args),
-            "sdp4bit": method_settings(sdp4bit_config)}
+            "sdp4bit": method_settings(sdp4bit_config), "vocab_size": tokenizer_vocab}
 
 
 def data_settings(args: argparse.Namespace) -> dict:
@@ -266,17 +268,27 @@ def build_state(args: argparse.Namespace, sdp4bit_config: SDP4BitConfig,
     datasets = build_datasets(args, tokenizer)
     state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler,
                        datasets=datasets, vocab_size=vocab, timers=timers,
-                       settings=run_settings(args, sdp4bit_config, vocab))
+                       settings=run_settings(args, sdp4bit_config, vocab,
+                                             tokenizer.vocab_size))
     return state, config
 
 
 def restore(args: argparse.Namespace, state: TrainState) -> None:
-    """``--load``: continue from the latest checkpoint there (a fresh start if it has none)."""
-    if not args.load:
+    """``--load``: continue from the latest checkpoint there (a fresh start if it has none);
+    ``--finetune`` / ``--pretrained-checkpoint``: start from a checkpoint's model weights at
+    iteration 0 (training/checkpoint/weights_only.py)."""
+    if not (args.load or args.pretrained_checkpoint):
         return
-    iteration, consumed = checkpoint_formats.load(
-        args, state.model, state.optimizer, state.scheduler, state.settings)
-    state.iteration, state.consumed_samples = iteration, consumed
-    if dist.get_rank() == 0:
-        print(f"loaded checkpoint from {args.load} at iteration {iteration}"
-              if iteration else f"no checkpoint in {args.load}: starting from scratch", flush=True)
+    loaded = checkpoint_formats.load(args, state.model, state.optimizer, state.scheduler,
+                                     state.settings)
+    state.iteration, state.consumed_samples = loaded.iteration, loaded.consumed_samples
+    if dist.get_rank() != 0:
+        return
+    if loaded.source is None:
+        where = " or ".join(p for p in (args.load, args.pretrained_checkpoint) if p)
+        print(f"no checkpoint in {where}: starting from scratch", flush=True)
+    elif loaded.weights_only:
+        print(f"loaded the model weights of {loaded.source}: starting at iteration 0 with a "
+              "fresh optimizer, learning-rate schedule and RNG (fine-tuning)", flush=True)
+    else:
+        print(f"loaded checkpoint from {args.load} at iteration {loaded.iteration}", flush=True)

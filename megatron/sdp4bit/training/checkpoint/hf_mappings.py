@@ -1,7 +1,10 @@
-"""The trainer's model settings and tensors -> a Hugging Face architecture (used by export_hf.py).
+"""The trainer's model <-> a Hugging Face architecture, one mapping read in both directions
+(tools/checkpoint/export_hf.py writes with it, tools/checkpoint/import_hf.py reads with it).
 
-Two architectures are written; :func:`hf_config` picks the one the settings (the manifest's
-``settings["model"]``) map to, or refuses in one line naming, for each, what differs:
+Two architectures; :func:`hf_config` picks the one the settings (the manifest's
+``settings["model"]``) map to, or refuses in one line naming, for each, what differs, and
+:func:`trainer_flags` reads a ``config.json`` back into the trainer's model flags, refusing
+what does not map:
 
 * ``GPT2LMHeadModel``: learned absolute positions, LayerNorm, GeLU, biases, tied embeddings,
   one key/value head per query head, head dim = hidden / heads;
@@ -9,17 +12,32 @@ Two architectures are written; :func:`hf_config` picks the one the settings (the
   transformers' ``rotate_half``), RMSNorm, SwiGLU, no biases; tied or untied embeddings,
   grouped-query attention and any head dim.
 
-Tensors are megatron-core's full (unsharded) ones with the layers stacked on dim 0, as the
-torch_dist checkpoint holds them.
+Tensors are megatron-core's full (unsharded) ones, one per layer (``decoder.layers.{i}.*``,
+as ``GPTModel.state_dict()`` names them; :func:`unstack` splits the stacked tensors of a
+torch_dist checkpoint). :data:`RULES` pairs each megatron-core tensor with its Hugging Face
+tensors and the two reshapes, one the inverse of the other, so an import followed by an
+export gives back the same tensors bit for bit.
+
+The vocabulary: megatron pads the embedding and the output layer to a multiple of
+``--make-vocab-size-divisible-by`` x TP rows (:func:`~megatron.sdp4bit.training.tokenizers.
+padded_vocab_size`); the import appends zero rows up to that size and the export cuts them
+off again, down to the tokenizer's size the manifest records (:func:`pad_vocab`,
+:func:`trim_vocab`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
 
-class ExportError(ValueError):
-    """What stops the export; one line with the reason."""
+class MappingError(ValueError):
+    """What stops an import or an export; one line with the reason."""
+
+
+ExportError = MappingError
 
 
 # Settings a manifest written before the Llama export lacks, with the trainer's defaults,
@@ -88,16 +106,18 @@ def architecture(model: dict) -> str:
                                              for name, wrong in found.items()))
 
 
-def _eod(model: dict) -> int | None:
+def _eod(vocab: int) -> int | None:
     # GPT-2's <|endoftext|>, when the vocabulary is GPT-2's
-    return 50256 if model["padded_vocab_size"] > 50256 else None
+    return 50256 if vocab > 50256 else None
 
 
-def hf_config(model: dict) -> dict:
-    """``config.json`` for the settings (fp32 weights, dropout off)."""
+def hf_config(model: dict, vocab_size: int | None = None) -> dict:
+    """``config.json`` for the settings (fp32 weights, dropout off); ``vocab_size``: the
+    tokenizer's (unpadded) size, default the padded one."""
     name = architecture(model)
-    heads, hidden, eod = model["num_attention_heads"], model["hidden_size"], _eod(model)
-    common = {"architectures": [name], "vocab_size": model["padded_vocab_size"],
+    vocab = vocab_size or model["padded_vocab_size"]
+    heads, hidden, eod = model["num_attention_heads"], model["hidden_size"], _eod(vocab)
+    common = {"architectures": [name], "vocab_size": vocab,
               "torch_dtype": "float32", "bos_token_id": eod, "eos_token_id": eod}
     if name == "GPT2LMHeadModel":
         return {**common, "model_type": "gpt2", "n_positions": model["max_position_embeddings"],
@@ -120,67 +140,287 @@ def hf_config(model: dict) -> dict:
             "tie_word_embeddings": not model["untie_embeddings_and_output_weights"]}
 
 
+
+
+# ---- the tensors, both directions ------------------------------------------------------
+
 L = "decoder.layers."
+WORD, OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
+Tensors = dict[str, torch.Tensor]
 
 
-def gpt2_state(t: dict[str, torch.Tensor], model: dict) -> dict[str, torch.Tensor]:
-    """megatron-core GPT tensors -> GPT2LMHeadModel's names."""
-    heads, hidden = model["num_attention_heads"], model["hidden_size"]
-    head_dim = hidden // heads
-    out = {"transformer.wte.weight": t["embedding.word_embeddings.weight"],
-           "transformer.wpe.weight": t["embedding.position_embeddings.weight"],
-           "transformer.ln_f.weight": t["decoder.final_layernorm.weight"],
-           "transformer.ln_f.bias": t["decoder.final_layernorm.bias"]}
-    for i in range(model["num_layers"]):
-        h = f"transformer.h.{i}."
-        # megatron's fused QKV rows are [q, k, v] per head (a query group of one head); GPT-2's
-        # columns are all q, all k, all v. Conv1D stores weights as (in, out): transposed.
-        qkv_w = t[L + "self_attention.linear_qkv.weight"][i].view(heads, 3, head_dim, hidden)
-        qkv_b = t[L + "self_attention.linear_qkv.bias"][i].view(heads, 3, head_dim)
-        out[h + "attn.c_attn.weight"] = qkv_w.transpose(0, 1).reshape(3 * hidden, hidden).t()
-        out[h + "attn.c_attn.bias"] = qkv_b.transpose(0, 1).reshape(3 * hidden)
-        out[h + "attn.c_proj.weight"] = t[L + "self_attention.linear_proj.weight"][i].t()
-        out[h + "attn.c_proj.bias"] = t[L + "self_attention.linear_proj.bias"][i]
-        out[h + "ln_1.weight"] = t[L + "self_attention.linear_qkv.layer_norm_weight"][i]
-        out[h + "ln_1.bias"] = t[L + "self_attention.linear_qkv.layer_norm_bias"][i]
-        out[h + "ln_2.weight"] = t[L + "mlp.linear_fc1.layer_norm_weight"][i]
-        out[h + "ln_2.bias"] = t[L + "mlp.linear_fc1.layer_norm_bias"][i]
-        out[h + "mlp.c_fc.weight"] = t[L + "mlp.linear_fc1.weight"][i].t()
-        out[h + "mlp.c_fc.bias"] = t[L + "mlp.linear_fc1.bias"][i]
-        out[h + "mlp.c_proj.weight"] = t[L + "mlp.linear_fc2.weight"][i].t()
-        out[h + "mlp.c_proj.bias"] = t[L + "mlp.linear_fc2.bias"][i]
-    return {k: v.contiguous() for k, v in out.items()}
+@dataclass(frozen=True)
+class Rule:
+    """One megatron-core tensor <-> its Hugging Face tensor(s). ``{i}`` in the names is the
+    layer; ``to_hf(tensor, model)`` gives the HF tensors in ``hf``'s order and
+    ``from_hf(tensors, model)`` puts them back together (its exact inverse)."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    to_hf: Callable[[torch.Tensor, dict], tuple[torch.Tensor, ...]] = lambda t, m: (t,)
+    from_hf: Callable[[tuple[torch.Tensor, ...], dict], torch.Tensor] = lambda ts, m: ts[0]
+    when: Callable[[dict], bool] = lambda m: True  # the settings that have this tensor
 
 
-def llama_state(t: dict[str, torch.Tensor], model: dict) -> dict[str, torch.Tensor]:
-    """megatron-core GPT tensors -> LlamaForCausalLM's names (nn.Linear: (out, in) both)."""
-    heads, hidden, groups = model["num_attention_heads"], model["hidden_size"], _kv_heads(model)
-    ffn, head_dim = model["ffn_hidden_size"], _head_dim(model)
+def _gpt2_qkv_to_hf(w: torch.Tensor, m: dict) -> tuple[torch.Tensor, ...]:
+    # megatron's fused QKV rows are [q, k, v] per head (a query group of one head); GPT-2's
+    # columns are all q, all k, all v. Conv1D stores weights as (in, out): transposed.
+    heads, hidden = m["num_attention_heads"], m["hidden_size"]
+    if w.dim() == 2:
+        return (w.view(heads, 3, hidden // heads, hidden).transpose(0, 1)
+                .reshape(3 * hidden, hidden).t(),)
+    return (w.view(heads, 3, hidden // heads).transpose(0, 1).reshape(3 * hidden),)
+
+
+def _gpt2_qkv_from_hf(ts: tuple[torch.Tensor, ...], m: dict) -> torch.Tensor:
+    heads, hidden = m["num_attention_heads"], m["hidden_size"]
+    (w,) = ts
+    if w.dim() == 2:
+        return (w.t().reshape(3, heads, hidden // heads, hidden).transpose(0, 1)
+                .reshape(3 * hidden, hidden))
+    return w.view(3, heads, hidden // heads).transpose(0, 1).reshape(3 * hidden)
+
+
+def _conv1d_to_hf(w: torch.Tensor, m: dict) -> tuple[torch.Tensor, ...]:
+    return (w.t(),)  # GPT-2's Conv1D stores (in, out), nn.Linear (out, in)
+
+
+def _conv1d_from_hf(ts: tuple[torch.Tensor, ...], m: dict) -> torch.Tensor:
+    return ts[0].t()
+
+
+def _llama_qkv_to_hf(w: torch.Tensor, m: dict) -> tuple[torch.Tensor, ...]:
+    # megatron-core's fused QKV rows, per query group: its per_group query heads, then its
+    # key head, then its value head, each head_dim rows. Query head j of group g is head
+    # g * per_group + j, which uses key/value head g, as in transformers' repeat_kv.
+    heads, hidden, groups, head_dim = (m["num_attention_heads"], m["hidden_size"],
+                                       _kv_heads(m), _head_dim(m))
     per_group = heads // groups
-    out = {"model.embed_tokens.weight": t["embedding.word_embeddings.weight"],
-           "model.norm.weight": t["decoder.final_layernorm.weight"]}
-    if model["untie_embeddings_and_output_weights"]:
-        out["lm_head.weight"] = t["output_layer.weight"]
-    for i in range(model["num_layers"]):
-        h = f"model.layers.{i}."
-        # megatron-core's fused QKV rows, per query group: its per_group query heads, then
-        # its key head, then its value head, each head_dim rows. Query head j of group g is
-        # head g * per_group + j, which uses key/value head g, as in transformers' repeat_kv.
-        qkv = t[L + "self_attention.linear_qkv.weight"][i].view(
-            groups, per_group + 2, head_dim, hidden)
-        out[h + "self_attn.q_proj.weight"] = qkv[:, :per_group].reshape(heads * head_dim, hidden)
-        out[h + "self_attn.k_proj.weight"] = qkv[:, per_group].reshape(groups * head_dim, hidden)
-        out[h + "self_attn.v_proj.weight"] = qkv[:, per_group + 1].reshape(
-            groups * head_dim, hidden)
-        out[h + "self_attn.o_proj.weight"] = t[L + "self_attention.linear_proj.weight"][i]
-        out[h + "input_layernorm.weight"] = t[L + "self_attention.linear_qkv.layer_norm_weight"][i]
-        out[h + "post_attention_layernorm.weight"] = t[L + "mlp.linear_fc1.layer_norm_weight"][i]
-        # SwiGLU: megatron-core computes silu(first half of fc1) * second half: [gate; up].
-        fc1 = t[L + "mlp.linear_fc1.weight"][i]
-        out[h + "mlp.gate_proj.weight"] = fc1[:ffn]
-        out[h + "mlp.up_proj.weight"] = fc1[ffn:]
-        out[h + "mlp.down_proj.weight"] = t[L + "mlp.linear_fc2.weight"][i]
-    return {k: v.contiguous() for k, v in out.items()}
+    qkv = w.view(groups, per_group + 2, head_dim, hidden)
+    return (qkv[:, :per_group].reshape(heads * head_dim, hidden),
+            qkv[:, per_group].reshape(groups * head_dim, hidden),
+            qkv[:, per_group + 1].reshape(groups * head_dim, hidden))
+
+
+def _llama_qkv_from_hf(ts: tuple[torch.Tensor, ...], m: dict) -> torch.Tensor:
+    q, k, v = ts
+    heads, hidden, groups, head_dim = (m["num_attention_heads"], m["hidden_size"],
+                                       _kv_heads(m), _head_dim(m))
+    per_group = heads // groups
+    return torch.cat([q.reshape(groups, per_group, head_dim, hidden),
+                      k.reshape(groups, 1, head_dim, hidden),
+                      v.reshape(groups, 1, head_dim, hidden)], dim=1).reshape(-1, hidden)
+
+
+def _swiglu_to_hf(w: torch.Tensor, m: dict) -> tuple[torch.Tensor, ...]:
+    # SwiGLU: megatron-core computes silu(first half of fc1) * second half: [gate; up].
+    ffn = m["ffn_hidden_size"]
+    return w[:ffn], w[ffn:]
+
+
+H, LL = "transformer.h.{i}.", "model.layers.{i}."
+CONV1D = (_conv1d_to_hf, _conv1d_from_hf)
+RULES: dict[str, list[Rule]] = {
+    "GPT2LMHeadModel": [
+        Rule(WORD, ("transformer.wte.weight",)),
+        Rule("embedding.position_embeddings.weight", ("transformer.wpe.weight",)),
+        Rule("decoder.final_layernorm.weight", ("transformer.ln_f.weight",)),
+        Rule("decoder.final_layernorm.bias", ("transformer.ln_f.bias",)),
+        Rule(L + "{i}.self_attention.linear_qkv.weight", (H + "attn.c_attn.weight",),
+             _gpt2_qkv_to_hf, _gpt2_qkv_from_hf),
+        Rule(L + "{i}.self_attention.linear_qkv.bias", (H + "attn.c_attn.bias",),
+             _gpt2_qkv_to_hf, _gpt2_qkv_from_hf),
+        Rule(L + "{i}.self_attention.linear_proj.weight", (H + "attn.c_proj.weight",), *CONV1D),
+        Rule(L + "{i}.self_attention.linear_proj.bias", (H + "attn.c_proj.bias",)),
+        Rule(L + "{i}.self_attention.linear_qkv.layer_norm_weight", (H + "ln_1.weight",)),
+        Rule(L + "{i}.self_attention.linear_qkv.layer_norm_bias", (H + "ln_1.bias",)),
+        Rule(L + "{i}.mlp.linear_fc1.layer_norm_weight", (H + "ln_2.weight",)),
+        Rule(L + "{i}.mlp.linear_fc1.layer_norm_bias", (H + "ln_2.bias",)),
+        Rule(L + "{i}.mlp.linear_fc1.weight", (H + "mlp.c_fc.weight",), *CONV1D),
+        Rule(L + "{i}.mlp.linear_fc1.bias", (H + "mlp.c_fc.bias",)),
+        Rule(L + "{i}.mlp.linear_fc2.weight", (H + "mlp.c_proj.weight",), *CONV1D),
+        Rule(L + "{i}.mlp.linear_fc2.bias", (H + "mlp.c_proj.bias",)),
+    ],
+    "LlamaForCausalLM": [
+        Rule(WORD, ("model.embed_tokens.weight",)),
+        Rule("decoder.final_layernorm.weight", ("model.norm.weight",)),
+        Rule(OUTPUT, ("lm_head.weight",),
+             when=lambda m: m["untie_embeddings_and_output_weights"]),
+        Rule(L + "{i}.self_attention.linear_qkv.weight",
+             tuple(LL + f"self_attn.{x}_proj.weight" for x in "qkv"),
+             _llama_qkv_to_hf, _llama_qkv_from_hf),
+        Rule(L + "{i}.self_attention.linear_proj.weight", (LL + "self_attn.o_proj.weight",)),
+        Rule(L + "{i}.self_attention.linear_qkv.layer_norm_weight",
+             (LL + "input_layernorm.weight",)),
+        Rule(L + "{i}.mlp.linear_fc1.layer_norm_weight",
+             (LL + "post_attention_layernorm.weight",)),
+        Rule(L + "{i}.mlp.linear_fc1.weight", (LL + "mlp.gate_proj.weight",
+                                               LL + "mlp.up_proj.weight"),
+             _swiglu_to_hf, lambda ts, m: torch.cat(ts)),
+        Rule(L + "{i}.mlp.linear_fc2.weight", (LL + "mlp.down_proj.weight",)),
+    ],
+}
+
+
+def _expand(name: str, model: dict) -> list[tuple[str, dict]]:
+    if "{i}" not in name:
+        return [(name, {})]
+    return [(name.format(i=i), {"i": i}) for i in range(model["num_layers"])]
+
+
+def to_hf(name: str, tensors: Tensors, model: dict) -> Tensors:
+    """megatron-core tensors (one per layer) -> the architecture's Hugging Face tensors."""
+    out: Tensors = {}
+    for rule in RULES[name]:
+        if not rule.when(model):
+            continue
+        for key, fmt in _expand(rule.megatron, model):
+            parts = rule.to_hf(tensors[key], model)
+            out.update({h.format(**fmt): p.contiguous() for h, p in zip(rule.hf, parts)})
+    return out
+
+
+def from_hf(name: str, tensors: Tensors, model: dict) -> Tensors:
+    """The architecture's Hugging Face tensors -> megatron-core's (one per layer). Refuses in
+    one line naming the tensors that are missing or left over."""
+    out: Tensors = {}
+    missing, used = [], set()
+    for rule in RULES[name]:
+        if not rule.when(model):
+            continue
+        for key, fmt in _expand(rule.megatron, model):
+            names = [h.format(**fmt) for h in rule.hf]
+            lacking = [n for n in names if n not in tensors]
+            used.update(n for n in names if n in tensors)
+            if lacking:
+                missing += lacking
+                continue
+            out[key] = rule.from_hf(tuple(tensors[n] for n in names), model).contiguous()
+    extra = sorted(set(tensors) - used)
+    if missing or extra:
+        raise MappingError(f"the {name} weights do not match its config.json: "
+                           + "; ".join(part for part in (
+                               f"missing {', '.join(missing[:6])}" if missing else "",
+                               f"not part of the model {', '.join(extra[:6])}" if extra else "")
+                               if part))
+    return out
+
+
+def unstack(stacked: Tensors, model: dict) -> Tensors:
+    """A torch_dist checkpoint's tensors (the layers stacked on dim 0) -> one per layer."""
+    out: Tensors = {}
+    for key, value in stacked.items():
+        if key.startswith(L):
+            for i in range(model["num_layers"]):
+                out[f"{L}{i}.{key[len(L):]}"] = value[i]
+        else:
+            out[key] = value
+    return out
+
+
+def gpt2_state(stacked: Tensors, model: dict) -> Tensors:
+    """A torch_dist checkpoint's tensors -> GPT2LMHeadModel's."""
+    return to_hf("GPT2LMHeadModel", unstack(stacked, model), model)
+
+
+def llama_state(stacked: Tensors, model: dict) -> Tensors:
+    """A torch_dist checkpoint's tensors -> LlamaForCausalLM's."""
+    return to_hf("LlamaForCausalLM", unstack(stacked, model), model)
 
 
 STATES = {"GPT2LMHeadModel": gpt2_state, "LlamaForCausalLM": llama_state}
+
+
+def pad_vocab(tensors: Tensors, padded: int) -> Tensors:
+    """Append zero rows to the embedding (and untied output layer) up to ``padded`` rows."""
+    out = dict(tensors)
+    for key in (WORD, OUTPUT):
+        if key in out and out[key].shape[0] < padded:
+            w = out[key]
+            out[key] = torch.cat([w, w.new_zeros(padded - w.shape[0], *w.shape[1:])])
+    return out
+
+
+def trim_vocab(tensors: Tensors, size: int) -> Tensors:
+    """Cut the embedding (and untied output layer) back to the tokenizer's ``size`` rows."""
+    return {k: v[:size] if k in (WORD, OUTPUT) else v for k, v in tensors.items()}
+
+
+# ---- config.json -> the trainer's flags ---------------------------------------------------
+
+def _rope(config) -> tuple[str, float]:
+    """(RoPE type, theta) of a transformers config: transformers 5 keeps them in
+    ``rope_parameters``, 4 in ``rope_theta`` and ``rope_scaling``."""
+    params = getattr(config, "rope_parameters", None) or {}
+    scaling = getattr(config, "rope_scaling", None) or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    theta = params.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
+    return kind, float(theta)
+
+
+def _need(wrong: list[str], config, field: str, accepted, why: str = "") -> None:
+    value = getattr(config, field, accepted[0])
+    if value not in accepted:
+        wrong.append(f"{field} {value!r} (needs {' or '.join(map(repr, accepted))}{why})")
+
+
+def trainer_flags(config) -> tuple[str, list[str], int]:
+    """A transformers config -> (architecture, ``pretrain_gpt.py`` model flags, the
+    vocabulary size). Refuses, naming every setting that does not map."""
+    archs = list(getattr(config, "architectures", None) or [])
+    name = archs[0] if len(archs) == 1 else None
+    if name not in RULES:
+        raise MappingError(f"architecture {archs or config.model_type!r} is not imported: "
+                           f"only {' and '.join(RULES)}")
+    wrong: list[str] = []
+    f = lambda *a: [str(x) for x in a]  # noqa: E731
+    if name == "GPT2LMHeadModel":
+        hidden, heads = config.n_embd, config.n_head
+        _need(wrong, config, "activation_function", ["gelu"],
+              ": megatron-core's GeLU is the exact erf one; 'gelu_new' is the tanh "
+              "approximation")
+        _need(wrong, config, "tie_word_embeddings", [True])
+        _need(wrong, config, "scale_attn_weights", [True])
+        _need(wrong, config, "scale_attn_by_inverse_layer_idx", [False])
+        _need(wrong, config, "add_cross_attention", [False])
+        flags = f("--num-layers", config.n_layer, "--hidden-size", hidden,
+                  "--ffn-hidden-size", config.n_inner or 4 * hidden,
+                  "--num-attention-heads", heads, "--seq-length", config.n_positions,
+                  "--max-position-embeddings", config.n_positions,
+                  "--position-embedding-type", "learned_absolute", "--normalization",
+                  "LayerNorm", "--norm-epsilon", repr(float(config.layer_norm_epsilon)))
+    else:
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        groups = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        kind, theta = _rope(config)
+        if kind != "default":
+            wrong.append(f"rope type {kind!r} (needs 'default': megatron-core's RoPE here has "
+                         "no scaling)")
+        partial = getattr(config, "partial_rotary_factor", 1.0)
+        if partial != 1.0:
+            wrong.append(f"partial_rotary_factor {partial!r} (needs 1.0)")
+        _need(wrong, config, "hidden_act", ["silu"])
+        _need(wrong, config, "attention_bias", [False])
+        _need(wrong, config, "mlp_bias", [False])
+        _need(wrong, config, "pretraining_tp", [1])
+        flags = f("--num-layers", config.num_hidden_layers, "--hidden-size", hidden,
+                  "--ffn-hidden-size", config.intermediate_size,
+                  "--num-attention-heads", heads)
+        if head_dim != hidden // heads:
+            flags += f("--kv-channels", head_dim)
+        if groups != heads:
+            flags += f("--group-query-attention", "--num-query-groups", groups)
+        if theta != int(theta):
+            wrong.append(f"rope_theta {theta!r} (needs an integer: --rotary-base takes one)")
+        flags += f("--seq-length", config.max_position_embeddings,
+                   "--max-position-embeddings", config.max_position_embeddings,
+                   "--position-embedding-type", "rope", "--rotary-base", int(theta),
+                   "--normalization", "RMSNorm", "--norm-epsilon",
+                   repr(float(config.rms_norm_eps)), "--swiglu", "--disable-bias-linear")
+        if not config.tie_word_embeddings:
+            flags.append("--untie-embeddings-and-output-weights")
+    if wrong:
+        raise MappingError(f"the {name} in config.json does not map to this trainer's model: "
+                           + ", ".join(wrong))
+    return name, flags, int(config.vocab_size)

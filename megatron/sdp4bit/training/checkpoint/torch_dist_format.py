@@ -160,7 +160,7 @@ def is_dist_checkpoint(directory: str) -> bool:
     return os.path.isfile(os.path.join(directory, "metadata.json"))
 
 
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     while hasattr(chunk, "module"):
         chunk = chunk.module
     return chunk
@@ -177,10 +177,10 @@ def _rng_object() -> ShardedObject:
     return ShardedObject("rng_state", common.rng_state(), shape, (pp, tp, dp), replica_id=0)
 
 
-def _model_state(model_chunks) -> dict[str, Any]:
+def model_state(model_chunks) -> dict[str, Any]:
     if len(model_chunks) == 1:
-        return {"model": _unwrap(model_chunks[0]).sharded_state_dict()}
-    return {f"model{i}": _unwrap(m).sharded_state_dict() for i, m in enumerate(model_chunks)}
+        return {"model": unwrap(model_chunks[0]).sharded_state_dict()}
+    return {f"model{i}": unwrap(m).sharded_state_dict() for i, m in enumerate(model_chunks)}
 
 
 def _in_buffer_space(opt):
@@ -274,7 +274,7 @@ def tolerate_missing_step(opts) -> Iterator[None]:
 
 def _sharded_state(model_chunks, optimizer, sharding_type: str, *, is_loading: bool,
                    with_optimizer: bool, with_rng: bool) -> dict[str, Any]:
-    state = _model_state(model_chunks)
+    state = model_state(model_chunks)
     if with_optimizer:
         model_sd = {k: v for part in state.values() for k, v in part.items()}
         opts = common.inner_optimizers(optimizer)
@@ -287,7 +287,7 @@ def _sharded_state(model_chunks, optimizer, sharding_type: str, *, is_loading: b
     return state
 
 
-def _hash(path: str) -> dict[str, Any]:
+def file_hash(path: str) -> dict[str, Any]:
     """SHA-256 and size of a file, read in blocks; the file is fsync'ed on the way."""
     digest, size = hashlib.sha256(), 0
     with open(path, "rb") as f:
@@ -298,16 +298,16 @@ def _hash(path: str) -> dict[str, Any]:
     return {"sha256": digest.hexdigest(), "bytes": size}
 
 
-def _shared_listing(directory: str) -> list[str]:
+def shared_listing(directory: str) -> list[str]:
     names: list = [sorted(os.listdir(directory)) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(names, src=0)
     return names[0]
 
 
-def _hash_shares(directory: str, names: list[str]) -> dict[str, dict]:
+def hash_shares(directory: str, names: list[str]) -> dict[str, dict]:
     """Collective: every rank hashes every world-size-th file; all ranks get all entries."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    mine = {n: _hash(os.path.join(directory, n)) for n in names[rank::world]}
+    mine = {n: file_hash(os.path.join(directory, n)) for n in names[rank::world]}
     gathered: list = [None] * world
     dist.all_gather_object(gathered, mine)
     return {k: v for part in gathered for k, v in part.items()}
@@ -340,7 +340,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
     if faults.active("die-saving", iteration, dist.get_rank()):
         os._exit(17)
     dist.barrier()
-    entries = _hash_shares(partial, _shared_listing(partial))
+    entries = hash_shares(partial, shared_listing(partial))
     if dist.get_rank() == 0:
         files.write_manifest(partial, iteration, entries,
                              {**settings, "ckpt_format": FORMAT_NAME,
@@ -388,7 +388,7 @@ def settings_problem(saved: dict[str, Any], current: dict[str, Any], directory: 
     return problem
 
 
-def _verify(directory: str, manifest: dict[str, Any]) -> str | None:
+def verify_files(directory: str, manifest: dict[str, Any]) -> str | None:
     """Collective: every file of the manifest is present with its size and SHA-256 (each
     rank reads every world-size-th file); returns the first problem, on every rank."""
     names = sorted(manifest["files"])
@@ -400,7 +400,7 @@ def _verify(directory: str, manifest: dict[str, Any]) -> str | None:
             problem = (f"checkpoint file {path} is missing: the checkpoint is incomplete; "
                        "load an earlier one")
         else:
-            got = _hash(path)
+            got = file_hash(path)
             if got["bytes"] != entry["bytes"]:
                 problem = (f"checkpoint file {path} is {got['bytes']} bytes, the manifest says "
                            f"{entry['bytes']}: it is truncated or was replaced")
@@ -453,7 +453,7 @@ def load_checkpoint(directory: str, manifest: dict[str, Any] | None, model_chunk
                                allow_data_change)
     if problem is not None:
         raise CheckpointError(problem)
-    problem = _verify(directory, manifest)
+    problem = verify_files(directory, manifest)
     if problem is not None:
         raise CheckpointError(problem)
     same_layout = saved["layout"] == settings["layout"]
@@ -492,7 +492,7 @@ def load_checkpoint(directory: str, manifest: dict[str, Any] | None, model_chunk
                               "checkpoint") from None
     keys = ["model"] if len(model_chunks) == 1 else [f"model{i}" for i in range(len(model_chunks))]
     for key, chunk in zip(keys, model_chunks):
-        _unwrap(chunk).load_state_dict(loaded[key], strict=True)
+        unwrap(chunk).load_state_dict(loaded[key], strict=True)
     if load_optim:
         with tolerate_missing_step(common.inner_optimizers(optimizer)):
             optimizer.load_state_dict(loaded["optimizer"])

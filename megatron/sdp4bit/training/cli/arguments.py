@@ -176,6 +176,14 @@ def _add_checkpoint_and_logging(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-optim", action="store_true",
                    help="load the model weights only (the fp32 main params are taken from them)")
     g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true",
+                   help="load only the model weights of the checkpoint: start at iteration 0 "
+                   "with a fresh optimizer, learning-rate schedule and RNG, reading this run's "
+                   "data from its start (Megatron-LM's meaning; docs/checkpoints.md)")
+    g.add_argument("--pretrained-checkpoint", default=None,
+                   help="when --load is not given or holds no checkpoint yet, start from this "
+                   "folder's latest checkpoint as --finetune does (a restarted fine-tuning run "
+                   "resumes its own --load instead)")
     g.add_argument("--overwrite-checkpoints", action="store_true",
                    help="delete the checkpoints of another run found in --save (otherwise "
                    "such a --save is refused unless it is also --load)")
@@ -210,7 +218,8 @@ def _add_checkpoint_and_logging(p: argparse.ArgumentParser) -> None:
                    "--seed (the samples and their order change)")
     g.add_argument("--load-without-manifest", action="store_true",
                    help="load a checkpoint that has no manifest.json: nothing in it is verified "
-                   "(checksums, layout, settings)")
+                   "(checksums, layout, settings); a torch_dist one (e.g. Megatron-LM's) needs "
+                   "--no-load-optim --no-load-rng too, or --finetune")
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--eval-interval", type=int, default=1000)

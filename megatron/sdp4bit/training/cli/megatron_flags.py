@@ -95,7 +95,6 @@ REFUSED_FLAGS: dict[str, tuple[int | str, str]] = {
                         "the uninterrupted one only with it"),
     "--no-save-rng": (0, "checkpoints always hold the RNG states: a resumed run repeats the "
                       "uninterrupted one only with them"),
-    "--finetune": (0, "start a fine-tuning run from a checkpoint's weights outside this trainer"),
     "--use-checkpoint-args": (0, "pass the model flags on the command line"),
     "--use-dist-ckpt": (0, "it is Megatron-LM's removed name: --ckpt-format torch_dist is "
                         "the default"),

@@ -158,6 +158,12 @@ def _check_optimizer(args: argparse.Namespace) -> None:
         _fail("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
               "contradict each other: pass one")
     args.params_dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    if args.finetune and not (args.load or args.pretrained_checkpoint):
+        _fail("--finetune needs --load (the checkpoint whose weights to start from) or "
+              "--pretrained-checkpoint")
+    if (args.finetune or args.pretrained_checkpoint) and args.use_checkpoint_opt_param_scheduler:
+        _fail("--use-checkpoint-opt_param-scheduler contradicts --finetune / "
+              "--pretrained-checkpoint, which start a fresh learning-rate schedule: drop it")
     warmup, decay, _ = scheduler_steps(args)
     if warmup >= decay:  # megatron-core's scheduler asserts it
         _fail(f"the learning-rate warm-up ({warmup} samples) is not shorter than the decay "
