@@ -4,6 +4,11 @@
 :mod:`.torch_format`). A load finds the format of the folder the tracker names; one that
 is not ``--ckpt-format`` is refused unless ``--auto-detect-ckpt-format``, which is also how
 a checkpoint is converted: load it with that flag and save with the other format.
+
+``--ckpt-step N`` (Megatron-LM's flag) loads ``iter_N`` instead of the iteration the tracker
+names. A load that finds its checkpoint damaged names the newest complete one beside it
+and this flag. Before anything of a checkpoint is read, ``--load``, its tracker and every
+file of the checkpoint folder must keep the trust rule (``files.check_trusted``).
 """
 
 from __future__ import annotations
@@ -34,15 +39,31 @@ def save(args: argparse.Namespace, iteration: int, consumed_samples: int, model_
                                          optimizer, scheduler, settings)
 
 
-def _probe(root: str) -> tuple[str | None, dict | None, str | None]:
-    """Rank 0: (format of the tracker's folder or None, its manifest, problem)."""
+def _iteration(root: str, ckpt_step: int | None) -> int | None:
+    """The iteration to load: ``--ckpt-step``'s, else the tracker's (None: no checkpoint)."""
+    if ckpt_step is None:
+        return files.latest_iteration(root)
+    if not os.path.isdir(files.iteration_dir(root, ckpt_step)):
+        found = [int(n[5:]) for n in files.iteration_folders(root) if n[5:].isdigit()]
+        raise CheckpointError(
+            f"--ckpt-step {ckpt_step}: {files.iteration_dir(root, ckpt_step)} does not exist ("
+            + (f"{root} holds iterations {', '.join(map(str, found[-5:]))}" if found else
+               f"{root} holds no iter_* folder") + ")")
+    return ckpt_step
+
+
+def _probe(root: str, ckpt_step: int | None = None
+           ) -> tuple[str | None, dict | None, str | None]:
+    """Rank 0: (format of the folder to load or None, its manifest, problem)."""
     try:
-        iteration = files.latest_iteration(root)
+        files.check_trusted(root)
+        iteration = _iteration(root, ckpt_step)
         if iteration is None:
             return None, None, None
         directory = files.iteration_dir(root, iteration)
         if not os.path.isdir(directory):
             return None, None, None  # the per-rank loader names this problem
+        files.check_trusted(root, directory)
         if torch_dist_format.is_dist_checkpoint(directory):
             return "torch_dist", files.read_manifest(directory), None
         return "torch", None, None
@@ -56,7 +77,7 @@ def load(args: argparse.Namespace, model_chunks, optimizer, scheduler,
     consumed samples), (0, 0) when there is none."""
     verdict: list = [None, None, None]
     if dist.get_rank() == 0:
-        verdict = list(_probe(args.load))
+        verdict = list(_probe(args.load, args.ckpt_step))
     dist.broadcast_object_list(verdict, src=0)
     found, manifest, problem = verdict
     if problem is not None:
@@ -69,12 +90,33 @@ def load(args: argparse.Namespace, model_chunks, optimizer, scheduler,
     options = dict(load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
                    allow_sdp4bit_change=args.allow_changed_sdp4bit_settings,
                    allow_data_change=args.allow_changed_data)
-    if found == "torch_dist":
-        directory = files.iteration_dir(args.load, files.latest_iteration(args.load))
-        return torch_dist_format.load_checkpoint(directory, manifest, model_chunks, optimizer,
-                                         scheduler, settings,
-                                         fully_parallel=args.ckpt_fully_parallel_load,
-                                         **options)
-    return torch_format.load_checkpoint(args.load, model_chunks, optimizer, scheduler,
-                                         settings, allow_no_manifest=args.load_without_manifest,
-                                         **options)
+    iteration = _iteration(args.load, args.ckpt_step) if found is not None else None
+    try:
+        if found == "torch_dist":
+            directory = files.iteration_dir(args.load, iteration)
+            return torch_dist_format.load_checkpoint(directory, manifest, model_chunks,
+                                                     optimizer, scheduler, settings,
+                                                     fully_parallel=args.ckpt_fully_parallel_load,
+                                                     **options)
+        return torch_format.load_checkpoint(args.load, model_chunks, optimizer, scheduler,
+                                            settings, allow_no_manifest=args.load_without_manifest,
+                                            iteration=args.ckpt_step, **options)
+    except CheckpointError as err:
+        raise CheckpointError(with_earlier(str(err), args.load, iteration)) from None
+
+
+# Words of the load's messages for a damaged checkpoint (not for a mismatched run).
+DAMAGE = ("load an earlier", "truncated", "is missing", "does not match its SHA-256",
+          "is corrupt", "is damaged", "integrity check")
+
+
+def with_earlier(message: str, root: str, damaged: int | None) -> str:
+    """``message`` with the newest complete checkpoint of ``root`` other than ``damaged``
+    and the flag that loads it, when the message is about a damaged checkpoint."""
+    if damaged is None or not any(word in message for word in DAMAGE):
+        return message
+    earlier = files.newest_complete(root, exclude=damaged)
+    if earlier is None:
+        return f"{message} (no other complete checkpoint is in {root})"
+    return (f"{message} (the newest complete checkpoint in {root} is iteration {earlier}: "
+            f"pass --ckpt-step {earlier} to load it)")

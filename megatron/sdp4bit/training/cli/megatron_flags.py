@@ -281,6 +281,15 @@ def _check_switches(args: argparse.Namespace) -> None:
     if args.distribute_saved_activations and (granularity != "full" or args.sequence_parallel):
         _fail("--distribute-saved-activations needs --recompute-granularity full and no "
               "--sequence-parallel")
+    if args.sequence_parallel and args.tensor_model_parallel_size > 1:
+        why = _transformer_engine_missing(args.transformer_impl)
+        if why and not _have_apex():
+            # megatron-core's local layer spec then norms with WrappedTorchNorm, which asserts
+            # on sequence parallelism in every rank's model construction.
+            _fail(f"--sequence-parallel needs Transformer Engine's layers (or Apex's "
+                  f"LayerNorm), and {why}: the local layer spec's torch norm does not support "
+                  "it; drop --sequence-parallel (accepted: TP > 1 with Transformer Engine on "
+                  "CUDA or Apex installed; with TP 1 it is ignored)")
     if args.recompute_modules is not None and granularity != "selective":
         _fail("--recompute-modules needs --recompute-granularity selective "
               "(or --recompute-activations)")
@@ -289,6 +298,12 @@ def _check_switches(args: argparse.Namespace) -> None:
             _fail(f"{flag} needs --tensorboard-dir")
     if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
         _fail(f"--exit-duration-in-mins={args.exit_duration_in_mins} must be > 0")
+
+
+def _have_apex() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("apex") is not None
 
 
 def _transformer_engine_missing(impl: str) -> str | None:
