@@ -14,11 +14,13 @@ file of the checkpoint folder must keep the trust rule (``files.check_trusted``)
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from typing import Any
 
 import torch.distributed as dist
 
+from megatron.sdp4bit.integration.version import megatron_core_version
 from megatron.sdp4bit.training.checkpoint import files, torch_dist_format, torch_format
 from megatron.sdp4bit.training.checkpoint.files import CheckpointError
 
@@ -65,10 +67,48 @@ def _probe(root: str, ckpt_step: int | None = None
             return None, None, None  # the per-rank loader names this problem
         files.check_trusted(root, directory)
         if torch_dist_format.is_dist_checkpoint(directory):
-            return "torch_dist", files.read_manifest(directory), None
+            manifest = files.read_manifest(directory)
+            return "torch_dist", manifest, release_problem(directory, manifest)
         return "torch", None, None
     except CheckpointError as err:
         return None, None, str(err)
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(p) if p.isdigit() else 0 for p in version.split("+")[0].split(".")[:3])
+
+
+def release_problem(directory: str, manifest: dict | None,
+                    running: str | None = None) -> str | None:
+    """Why this megatron-core cannot read the torch_dist checkpoint ``directory``, or None.
+
+    [Note: checkpoints across megatron-core releases]
+    The manifest records the release that wrote the checkpoint (``settings.megatron_core``).
+    0.16.1 keeps the common state (iteration, schedule) in ``common.pt`` and says so in
+    ``metadata.json`` (``common_backend``); 0.19.2 writes no ``common.pt`` and reads both
+    layouts. So a checkpoint of 0.16.1 resumes under 0.19.2 (the same losses, bit for bit:
+    ``tests/e2e/test_dist_checkpoint.py``), while 0.16.1 cannot read one of 0.19.2 (it
+    fails on every rank looking for ``common.pt``): a checkpoint written by a newer release
+    than the running one is refused, naming both. A manifest written before the release was
+    recorded is placed by that layout."""
+    running = running or megatron_core_version()
+    saved = ((manifest or {}).get("settings") or {}).get("megatron_core")
+    if not isinstance(saved, str):
+        try:
+            with open(os.path.join(directory, "metadata.json"), encoding="utf-8") as f:
+                common_backend = "common_backend" in json.load(f)
+        except (OSError, ValueError):
+            return None  # the load names the damage
+        if common_backend or _release(running) >= (0, 19):
+            return None
+        saved = "0.19 or later (no common.pt)"
+    elif _release(saved) <= _release(running):
+        return None
+    return (f"checkpoint {directory} was written by megatron-core {saved}, and this run has "
+            f"megatron-core {running}, which cannot read it: resume it with megatron-core "
+            f"{saved.split()[0]} (requirements.txt pins it for Python >= 3.12), or load a "
+            f"checkpoint "
+            f"written by {running}")
 
 
 def load(args: argparse.Namespace, model_chunks, optimizer, scheduler,
