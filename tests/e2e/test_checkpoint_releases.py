@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.trainer import ROOT, TINY, one_error_line, trainer_env
+from tests.helpers.trainer import ROOT, TINY, launch, one_error_line, trainer_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.release_independent]
 
@@ -51,6 +51,8 @@ def _interpreters() -> dict[str, str]:
 
 
 def _run(python: str, args: list[str]) -> subprocess.CompletedProcess:
+    if Path(python).parent.parent == Path(sys.prefix):  # this release: the forked ranks
+        return launch([*FLAGS, *args], nproc=2)
     cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            os.path.join(ROOT, "pretrain_gpt.py"), *FLAGS, *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300,
