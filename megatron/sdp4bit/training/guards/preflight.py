@@ -283,13 +283,6 @@ def check_cache_folder(args: argparse.Namespace, folder: str) -> None:
             if name.endswith((".npy", ".txt")):
                 _trusted(os.path.join(folder, name), "dataset index cache",
                          f"delete it (it is rebuilt), or {fix}")
-    elif not args.data_cache_path:
-        # the nearest folder that exists: megatron-core creates the rest
-        existing = folder
-        while not os.path.isdir(existing) and os.path.dirname(existing) != existing:
-            existing = os.path.dirname(existing)
-        if existing != folder:
-            _trusted(existing, "the dataset folder", fix)
     if not args.data_cache_path:
         try:
             os.makedirs(folder, exist_ok=True)

@@ -295,3 +295,26 @@ def test_split_spellings_agree():
 def test_abbreviations_are_refused():
     with pytest.raises(ArgumentsError, match="unrecognized arguments: --num-lay"):
         parse("--num-lay 3")
+
+
+def test_sequence_parallel_on_the_local_layer_spec_is_refused_before_distributed_starts():
+    """megatron-core's torch norm (the local spec without Apex) asserts on sequence
+    parallelism in every rank's model construction: 13 tracebacks from a TP 2 run."""
+    with pytest.raises(ArgumentsError) as err:
+        parse("--tensor-model-parallel-size 2 --sequence-parallel --transformer-impl local")
+    assert str(err.value) == (
+        "--sequence-parallel needs Transformer Engine's layers (or Apex's LayerNorm), and "
+        "--transformer-impl local does not use it: the local layer spec's torch norm does not "
+        "support it; drop --sequence-parallel (accepted: TP > 1 with Transformer Engine on "
+        "CUDA or Apex installed; with TP 1 it is ignored)")
+    assert not parse("--sequence-parallel").sequence_parallel  # TP 1: nothing to split
+
+
+def test_ckpt_step_needs_load_and_a_non_negative_iteration():
+    assert parse("--load x --ckpt-step 20").ckpt_step == 20
+    with pytest.raises(ArgumentsError, match=re.escape(
+            "--ckpt-step 20 needs --load (the folder holding iter_0000020)")):
+        parse("--ckpt-step 20")
+    with pytest.raises(ArgumentsError, match=re.escape("--ckpt-step=-1 must be an iteration "
+                                                       "number >= 0")):
+        parse("--load x --ckpt-step -1")
