@@ -390,7 +390,7 @@ def test_preprocess_is_atomic_and_refuses_empty_input(data_prefix, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"text": "fine"}) + "\n" + "{broken\n")
     tool = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file",
-            merges, "--output-prefix", out]
+            merges, "--output-prefix", out, "--overwrite"]
 
     def preprocess(*args: str) -> subprocess.CompletedProcess:
         return _launch.python(os.path.join(ROOT, "tools", "preprocess_data.py"), tool + list(args),
