@@ -121,7 +121,11 @@ def load(args: argparse.Namespace, model_chunks, optimizer, scheduler,
     dist.broadcast_object_list(verdict, src=0)
     found, manifest, problem = verdict
     if problem is not None:
-        raise CheckpointError(problem)
+        try:
+            damaged = _iteration(args.load, args.ckpt_step)
+        except CheckpointError:
+            damaged = None
+        raise CheckpointError(with_earlier(problem, args.load, damaged))
     if found is not None and found != args.ckpt_format and not args.auto_detect_ckpt_format:
         raise CheckpointError(
             f"the checkpoint in {args.load} is in format {found}, this run's --ckpt-format is "
