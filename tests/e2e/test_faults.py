@@ -155,13 +155,14 @@ def test_checkpoint_tampering_and_damage_are_named(trained_4, tmp_path):
     open(target, "wb").write(bytes(data))
     resume = SHORT + SDP4BIT + ["--mock-data", "--load", ckpt]
     resume[resume.index("--train-iters") + 1] = "10"
+    none = f" (no other complete checkpoint is in {ckpt})"  # iteration 4 is its only one
     assert one_error_line(launch(resume)) == (
         f"checkpoint file {target} does not match its SHA-256 in the manifest: it changed "
-        "after it was written (disk or copy error); load an earlier checkpoint")
+        "after it was written (disk or copy error); load an earlier checkpoint" + none)
     os.remove(target)
     assert one_error_line(launch(resume)) == (
         f"checkpoint file {target} is missing: the checkpoint is incomplete; load an earlier "
-        "one")
+        "one" + none)
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("four\n")
     assert one_error_line(launch(resume)).startswith(
