@@ -20,8 +20,7 @@ gets the ``pretrain_gpt.py`` data flags, one per line, for scripts to read.
 
 The cache is built in a fresh temporary folder beside ``--cache-dir`` and renamed to it when
 complete, replacing an older cache of this tool whole (never mixing files of two builds).
-A non-empty ``--cache-dir`` that is not this tool's cache (no stamp) is refused unless
-``--overwrite``. Every error, a full disk included, is one line and leaves nothing behind.
+A ``--cache-dir`` holding files this tool does not write is refused unless ``--overwrite``. Every error, a full disk included, is one line and leaves nothing behind.
 
 Usage::
 
@@ -215,11 +214,14 @@ def prepare(cache: Path, force: bool = False, workers: int = 1,
         return p
     if cache.exists() and not cache.is_dir():
         raise DataError(f"--cache-dir {cache} is a file: give a folder")
+    # what this tool writes (an older version's interrupted build left .tmp files)
+    own = {x.name for x in p.values()} | {f"{p['prefix'].name}{e}" for e in (".bin", ".idx")}
     held = sorted(x.name for x in cache.iterdir()) if cache.is_dir() else []
-    if held and not p["stamp"].is_file() and not overwrite:
-        raise DataError(f"--cache-dir {cache} is not empty and holds no {STAMP_NAME} of this "
-                        f"tool (it holds {', '.join(held[:3])}{', ...' if len(held) > 3 else ''})"
-                        ": pass --overwrite to replace the whole folder, or choose another "
+    foreign = [n for n in held if n not in own and not n.endswith(".tmp")]
+    if foreign and not overwrite:
+        raise DataError(f"--cache-dir {cache} holds files this tool did not write ("
+                        f"{', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}): pass "
+                        "--overwrite to replace the whole folder, or choose another "
                         "--cache-dir")
     tmp = None
     try:
@@ -262,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="where the dataset is built and cached (default: data/cache)")
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace a non-empty --cache-dir that is not this tool's cache")
+                        help="replace a --cache-dir holding files this tool did not write")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     parser.add_argument("--print-flags", action="store_true",
                         help="print the pretrain_gpt.py data flags on stdout, one per line")

@@ -132,9 +132,9 @@ def test_a_foreign_folder_needs_overwrite_and_a_full_disk_leaves_nothing(tmp_pat
     (cache / "notes.txt").write_text("mine")
     assert pdd.main(["--cache-dir", str(cache)]) == 1
     assert capsys.readouterr().err == (
-        f"prepare_default_data.py: error: --cache-dir {cache} is not empty and holds no "
-        f"{pdd.STAMP_NAME} of this tool (it holds notes.txt): pass --overwrite to replace the "
-        "whole folder, or choose another --cache-dir\n")
+        f"prepare_default_data.py: error: --cache-dir {cache} holds files this tool did not "
+        "write (notes.txt): pass --overwrite to replace the whole folder, or choose another "
+        "--cache-dir\n")
     # a short text instead of the Bible: the folder is replaced whole, nothing mixed in
     monkeypatch.setattr(pdd, "chapters", lambda db: iter([{"text": "In the beginning"}] * 3))
     assert pdd.main(["--cache-dir", str(cache), "--overwrite"]) == 0
