@@ -4,8 +4,8 @@
     torchrun --nproc-per-node 8 pretrain_gpt.py <Megatron-LM flags> \\
         --use-distributed-optimizer --quantized-weights --quantized-gradients --hadamard-transform
 
-Reads top to bottom: parse -> config -> init distributed -> check inputs -> build ->
-install -> loop. See ``python pretrain_gpt.py --help`` for every flag. A bad flag, file or
+Reads top to bottom: parse -> config -> what this machine has -> init distributed -> check
+inputs -> build -> install -> loop. See ``python pretrain_gpt.py --help`` for every flag. A bad flag, file or
 checkpoint stops every rank with one line (``--debug`` adds the traceback).
 """
 
@@ -21,6 +21,9 @@ from megatron.sdp4bit.training.observe.noise import announce, quiet_megatron_cor
 quiet_megatron_core()  # before megatron-core's first import: its noise fires on import
 
 from megatron.sdp4bit.training.cli.arguments import ArgumentsError, parse_args, sdp4bit_config_from_args  # noqa: E402
+from megatron.sdp4bit.training.cli.installed import check_installed  # noqa: E402
+from megatron.sdp4bit.training.observe.logging import format_arguments  # noqa: E402
+from megatron.sdp4bit.training.guards import exit_signal  # noqa: E402
 
 
 def _fail(message: str, code: int, debug: bool = False) -> int:
@@ -55,7 +58,18 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(argv)
     except ArgumentsError as err:
         return _fail(str(err), 2)
+    # --exit-signal-handler: from here to the process's end the signal only asks for a save
+    # at the end of an iteration; one that comes after the loop changes nothing (the run is
+    # ending anyway). Never released: a signal in the moment between a release and the exit
+    # would kill a rank that has finished.
+    signal_handler = exit_signal.install(args.exit_signal)
     sdp4bit_config = sdp4bit_config_from_args(args)
+    try:  # what this machine lacks for these flags, before any process group exists
+        check_installed(args, quantized=sdp4bit_config.enabled)
+    except ArgumentsError as err:
+        return _fail(str(err), 2)
+    if os.environ.get("RANK", "0") == "0":
+        print(format_arguments(args), flush=True)  # Megatron-LM's arguments dump
 
     from megatron.sdp4bit.training import build, loop, sdp4bit_setup, tokenizers
     from megatron.sdp4bit.training.guards import preflight
@@ -73,11 +87,14 @@ def main(argv: list[str] | None = None) -> int:
         announce("building the model, the optimizer and the datasets")
         state, transformer_config = build.build_state(args, sdp4bit_config)
         state.ranks_per_node = ranks_per_node
-        handle = sdp4bit_setup.install(sdp4bit_config, state, transformer_config)
+        handle = sdp4bit_setup.install(
+            sdp4bit_config, state, transformer_config,
+            allow_untested_version=args.allow_untested_megatron_core)
         build.restore(args, state)
         announce(f"training iterations {state.iteration + 1} to {args.train_iters}, a log "
                  f"line every {args.log_interval}")
-        loop.train(args, state, on_iteration=sdp4bit_setup.iteration_hook(handle))
+        loop.train(args, state, on_iteration=sdp4bit_setup.iteration_hook(handle),
+                   exit_signal=signal_handler)
         sdp4bit_setup.uninstall(args, state, handle)
         sdp4bit_setup.print_summary(args, state, handle)
     except build.USER_ERRORS as err:

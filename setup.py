@@ -30,7 +30,14 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8"],
-        "logging": ["tensorboard>=2.16"],
+        "logging": ["tensorboard>=2.16"],  # --tensorboard-dir
+        "wandb": ["wandb>=0.16"],  # --wandb-project
+        # GPU clusters: Transformer Engine's layers and attention kernels
+        # (--transformer-impl transformer_engine). 2.9 to 2.11: the range megatron-core
+        # 0.16.1 declares (its "dev" extra); 0.19.2's "te" extra takes any release. Wheels of
+        # the core library for CUDA 13 as megatron-core's extras choose; with a CUDA 12 build
+        # of torch install transformer-engine[core_cu12,pytorch] of the same range instead.
+        "te": ["transformer-engine[core_cu13,pytorch]>=2.9.0,<2.12.0"],
         "plot": ["matplotlib>=3.8"],  # tools/plot_metrics.py, tools/loss_compare.py
         "export": ["transformers>=4.40", "safetensors>=0.4"],  # tools/checkpoint/export_hf.py
     },

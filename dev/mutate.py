@@ -98,15 +98,21 @@ MUTATIONS = [
        [Edit(AG, "HOP_PARAM = 2  # distinct from the gradient hops' seeds\n",
              "HOP_PARAM = 2  # distinct from the gradient hops' seeds\n_PREVIOUS = {}\n"),
         Edit(AG, "    with timed(stats, \"params-quantize\", replica.device):\n"
-                 "        ops.qwd_sender(main_shard.view(-1),\n"
-                 "                       replica[rank * shard:(rank + 1) * shard] if diff else None,",
+                 "        target = main_shard.view(-1)\n",
              "    base = _PREVIOUS.get(replica.data_ptr(),\n"
              "                         replica[rank * shard:(rank + 1) * shard].float())\n"
              "    _PREVIOUS[replica.data_ptr()] = main_shard.detach().float().clone()\n"
              "    with timed(stats, \"params-quantize\", replica.device):\n"
-             "        ops.qwd_sender(main_shard.view(-1),\n"
+             "        target = main_shard.view(-1)\n"),
+        Edit(AG, "        ops.qwd_sender(target,\n"
+                 "                       replica[rank * shard:(rank + 1) * shard] if diff else None,",
+             "        ops.qwd_sender(target,\n"
              "                       base if diff else None,")],
        [D + "test_comm_all_gather.py", EXACT]),
+    _m("qwd-rounded-target-ignored",
+       "--weight-difference-target rounded-main parsed but the fp32 main weights still sent",
+       [Edit(AG, 'if diff and config.target == "rounded-main":', "if False:")],
+       [D + "test_comm_all_gather.py"]),
     _m("rounding-bias-0.95u", "stochastic rounding with 0.95 u in all three backends",
        list(BIAS.values()),
        [U + "test_rounding_statistics.py", D + "test_rounding_noise.py", EXACT]),

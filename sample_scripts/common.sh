@@ -33,6 +33,8 @@
 #   TRAIN_ITERS     iterations [80000 accuracy, 30 speed]
 #   MICRO_BATCH_SIZE  [the model card's]
 #   WANDB_PROJECT   W&B project; empty = no W&B [empty]
+#   SHUTDOWN_TIMEOUT  seconds torchrun waits for its workers after a signal before SIGKILL:
+#                   the time to finish an iteration and save a checkpoint [120]
 #   EXTRA_ARGS      more pretrain_gpt.py flags, appended last (word-split) [empty]
 
 if [[ -z "${SDP4BIT_HOME:-}" || ! -f "$SDP4BIT_HOME/pretrain_gpt.py" ]]; then
@@ -99,7 +101,22 @@ method_args() {
     esac
 }
 
-# Flags every run shares: optimizer and schedule of the paper, bf16, distributed optimizer.
+# Flags every run shares: optimizer and schedule of the paper, bf16, distributed optimizer,
+# and a clean stop on SIGTERM (--exit-signal-handler: every rank finishes its iteration, one
+# checkpoint is saved there when the run has --save, every rank exits 0).
+#
+# Preemption and time limits. Each batch script asks SLURM for SIGTERM 3 minutes before its
+# --time (#SBATCH --signal=TERM@180; SLURM may send it up to a minute earlier). Without 'B:'
+# SLURM signals the job step, i.e. the torchrun that srun started on every node (and, with
+# proctrack/cgroup, its workers too: a second SIGTERM changes nothing), not the batch shell,
+# which would only run a trap after srun returned. torchrun passes SIGTERM to its workers and
+# waits SHUTDOWN_TIMEOUT seconds (torchrun's own default is 30) before SIGKILL: 120 s covers
+# an iteration and the save of these models; 180 s of warning leave a minute for the rest. A
+# preemption or the limit itself sends SIGTERM too, with only KillWait (often 30 s) before
+# SIGKILL. torchrun exits 1 after any signal (it reports the signal, whatever its workers
+# did), so such a job ends FAILED, TIMEOUT or PREEMPTED with a complete checkpoint:
+# submitting the script again continues from it. With LAUNCHER=torchrun inside a job (no srun)
+# the early signal does not reach torchrun. docs/reliability.md: Preemption.
 _common_args() {
     local lr="$1" min_lr
     min_lr="$(awk -v x="$lr" 'BEGIN { printf "%g", x / 10 }')"  # cosine decay to lr/10
@@ -111,6 +128,7 @@ _common_args() {
         --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8 --weight-decay 0.1 --clip-grad 1.0
         --bf16 --use-distributed-optimizer
         --recompute-activations --recompute-granularity selective
+        --exit-signal-handler
     )
     if [[ -n "${WANDB_PROJECT:-}" ]]; then
         ARGS+=(--wandb-project "$WANDB_PROJECT" --wandb-exp-name "$RUN_NAME"
@@ -169,6 +187,9 @@ speed_args() {
         --tokenizer-type NullTokenizer --vocab-size 50257
         --log-interval 1 --eval-interval 1000000 --eval-iters 0
         --tensorboard-dir "$RUN_DIR/tensorboard" --metrics-jsonl "$RUN_DIR/metrics.jsonl"
+        # Transformer Engine's layers, as Megatron-LM's GPU runs use them (pip install -e
+        # ".[te]"); without it: EXTRA_ARGS="--transformer-impl local"
+        --transformer-impl transformer_engine
     )
     if [[ "$2" != baseline ]]; then
         ARGS+=("${METHOD_ARGS[@]}")
@@ -186,6 +207,7 @@ sdp4bit_launch() {
         --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE"
         --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"
         --rdzv-id "${SLURM_JOB_ID:-sdp4bit-$RUN_NAME}"
+        --shutdown-timeout "${SHUTDOWN_TIMEOUT:-120}"
     )
     if ! command -v torchrun >/dev/null 2>&1; then
         echo "sample_scripts: torchrun is not on PATH: activate the Python environment" \

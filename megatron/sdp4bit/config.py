@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 SUPPORTED_BITS = (4, 8)
-KERNEL_BACKENDS = ("auto", "torch", "triton", "cpu")  # quantization.backend.KernelBackend
+KERNEL_BACKENDS = ("auto", "torch", "triton", "cpu")
+"""The kernel backends, the one list of them (``quantization.backend.KernelBackend`` is made
+from it; the ``--kernel-backend`` choices are read from the field below)."""
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -41,6 +43,12 @@ class SDP4BitConfig:
     weight_quantization_mode: Literal["diff", "direct"] = "diff"
     """``diff`` = qWD (quantize w_main - w_replica); ``direct`` = the paper's qW ablation
     (quantize the weights themselves)."""
+
+    weight_difference_target: Literal["main", "rounded-main"] = "main"
+    """What qWD moves the 16-bit replica towards: ``main`` quantizes the fp32 main weights
+    minus the replica (every element's sub-ulp residual is sent again each step);
+    ``rounded-main`` quantizes the main weights rounded to the replica's dtype minus the
+    replica (zero wherever that rounding did not change), as the authors' code does."""
 
     quantized_gradients: bool = False
     """TLq: two-level quantized all-to-all in place of the gradient reduce-scatter."""
@@ -74,15 +82,18 @@ class SDP4BitConfig:
     """Rounding of every quantizer: unbiased stochastic rounding or round-to-nearest."""
 
     dp_ranks_per_node: int | None = None
-    """Data-parallel ranks per node N; ``None`` = detect from where the ranks run."""
+    """Data-parallel ranks per node N; ``None`` = detect from where the ranks run (host
+    name and torchrun's node rank, never the GPU count). N consecutive DP ranks must run on
+    one node: a cyclic placement is refused (use ``srun --distribution=block``)."""
 
     seed: int = 1234
     """Seed of the counter-based stochastic-rounding streams."""
 
-    kernel_backend: Literal["auto", "torch", "triton", "cpu"] = "auto"
-    """``auto`` = Triton kernels for CUDA tensors, compiled CPU kernels for CPU tensors;
-    ``torch`` = the pure-torch references (same bits, slower); ``triton`` / ``cpu`` force
-    one of the compiled backends."""
+    kernel_backend: Literal[KERNEL_BACKENDS] = "auto"
+    """``auto`` = Triton kernels for CUDA tensors (refused, not replaced, when triton cannot
+    be imported), compiled CPU kernels for CPU tensors (built on first use with the system C
+    compiler); ``torch`` = the pure-torch references; ``triton`` / ``cpu`` force one of the
+    compiled backends. All give the same bits."""
 
     def __post_init__(self) -> None:
         check_bits("weight_quantization_bits", self.weight_quantization_bits)
@@ -96,6 +107,15 @@ class SDP4BitConfig:
             raise ValueError(
                 f"weight_quantization_mode={self.weight_quantization_mode!r}: use 'diff' or 'direct'"
             )
+        if self.weight_difference_target not in ("main", "rounded-main"):
+            raise ValueError(f"weight_difference_target={self.weight_difference_target!r}: "
+                             "use 'main' or 'rounded-main'")
+        if self.weight_difference_target != "main" and (
+                not self.quantized_weights or self.weight_quantization_mode != "diff"):
+            # Only qWD sends a difference; accepting the setting elsewhere would ignore it.
+            raise ValueError(
+                f"weight_difference_target={self.weight_difference_target} applies to qWD "
+                "only: it needs quantized_weights with weight_quantization_mode=diff")
         if self.quantization_rounding not in ("stochastic", "nearest"):
             raise ValueError(
                 f"quantization_rounding={self.quantization_rounding!r}: use 'stochastic' or 'nearest'"

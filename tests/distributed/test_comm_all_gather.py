@@ -178,6 +178,37 @@ def _backend_cases(rank: int, world: int) -> None:
         assert torch.equal(replica, replicas[0][1]), f"{backend} and torch backends disagree"
 
 
+def _rounded_target_cases(rank: int, world: int) -> None:
+    """The 'rounded-main' target through the collective ([Note: what qWD sends]): where the
+    main weight, rounded to bf16, equals the replica, the replica keeps its bits; with the
+    'main' target many of those elements move (their sub-ulp residual is dithered). Replicas
+    stay bitwise identical on every rank with either target (I1). Production kernels."""
+    from megatron.sdp4bit.comm import WeightQuantConfig, weight_difference_all_gather
+
+    own = slice(rank * SHARD, (rank + 1) * SHARD)
+    moved = {}
+    for target in ("rounded-main", "main"):
+        cfg = WeightQuantConfig(group_size=GROUP, target=target)
+        gen = torch.Generator().manual_seed(90 + rank)
+        replica = _initial(world, torch.bfloat16, 1.0)
+        main = replica[own].float().clone()
+        moved[target] = 0
+        for step in range(4):
+            ulp = torch.exp2(torch.floor(torch.log2(main.abs())) - 7)
+            tiny = (torch.arange(SHARD) + step) % 2 == 0
+            main += torch.where(tiny, 0.2 * ulp, 1e-2) * torch.randn(SHARD, generator=gen)
+            kept = main.to(torch.bfloat16) == replica[own]
+            before = replica[own].clone()
+            weight_difference_all_gather(replica, main, group=None, config=cfg,
+                                         seed=1000 + step)
+            changed = replica[own].view(torch.int16) != before.view(torch.int16)
+            moved[target] += int((changed & kept).sum())
+            assert int(kept.sum()) > SHARD // 4  # the residuals kept many bf16 values
+            _check_step(replica, [])
+    assert moved["rounded-main"] == 0, moved
+    assert moved["main"] > 20, moved  # ~0.1 x 500 kept elements over the 4 steps
+
+
 def _byte_cases(rank: int, world: int) -> None:
     from megatron.sdp4bit.comm import CommStats, WeightQuantConfig, weight_difference_all_gather
 
@@ -232,6 +263,7 @@ def _worker(rank: int, world: int, steps: int) -> None:
     _qwd_cases(rank, world, steps)
     _async_and_plain_cases(rank, world)
     _byte_cases(rank, world)
+    _rounded_target_cases(rank, world)
     _backend_cases(rank, world)
     _bad_input_cases(rank, world)
 

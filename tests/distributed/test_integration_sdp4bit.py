@@ -1,11 +1,12 @@
 """SDP4Bit installed in megatron-core's DDP + DistributedOptimizer: 4 gloo ranks as 2 nodes x 2.
 
-The tiny GPT trains 30 steps with each method (baseline, qWD, TLq, TLq-HS, both). Checked
-in every run: replicas bitwise identical on all DP ranks at every step (with TP 2 also the
-TP ranks' copies of the weights TP does not split, replica and fp32 main weights), the loss falls,
-the final loss is within ``LOSS_BOUND`` of the baseline's, every bucket went through the
-quantized collectives once per step, and the byte counters equal the wire sizes computed
-from the bucket sizes. One spawn per topology (DP4, TP2xDP2, PP2xDP2); sub-cases loop inside.
+The tiny GPT trains 30 steps with each method (baseline, qWD with either difference target,
+TLq, TLq-HS, both). Checked in every run: replicas bitwise identical on all DP ranks at
+every step (with TP 2 also the TP ranks' copies of the weights TP does not split, replica
+and fp32 main weights), the loss falls, the final loss is within ``LOSS_BOUND`` of the
+baseline's, every bucket went through the quantized collectives once per step, and the byte
+counters equal the wire sizes computed from the bucket sizes. One spawn per topology (DP4,
+TP2xDP2, PP2xDP2); sub-cases loop inside.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ MIN_RELATIVE_DROP = 0.25
 BASE = dict(gq_group_size_intra=128)  # what every released SDP4Bit script passes
 METHODS = {
     "qWD": dict(quantized_weights=True),
+    "qWD-rounded": dict(quantized_weights=True, weight_difference_target="rounded-main"),
     "TLq": dict(quantized_gradients=True),
     "TLq-HS": dict(quantized_gradients=True, hadamard_transform=True),
     "SDP4Bit": dict(quantized_weights=True, quantized_gradients=True, hadamard_transform=True),
@@ -209,7 +211,7 @@ def _methods_worker(rank: int, world_size: int, tp: int, pp: int, methods: list[
 @pytest.mark.parametrize(
     "tp,pp,methods,overlap_methods",
     [
-        (1, 1, ["qWD", "TLq", "TLq-HS", "SDP4Bit"], ["SDP4Bit"]),
+        (1, 1, ["qWD", "qWD-rounded", "TLq", "TLq-HS", "SDP4Bit"], ["SDP4Bit"]),
         (2, 1, ["SDP4Bit"], ["SDP4Bit"]),
         (1, 2, [], ["SDP4Bit"]),
     ],

@@ -42,17 +42,18 @@ def _dryrun(args: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
 def test_trains_evaluates_saves_and_resumes_on_the_cuda_branch(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     # 2 nodes x 2 ranks: both hops of the gradient all-to-all, the qWD all-gather; the
-    # timer table and --exit-duration-in-mins add their own collectives
+    # timer table, --exit-duration-in-mins and --exit-signal-handler add their own collectives
     first = _dryrun(["--train-iters", "3", "--eval-interval", "3", "--eval-iters", "1",
                      "--dp-ranks-per-node", "2", "--save", ckpt, "--save-interval", "3",
-                     "--timing-log-level", "1", "--exit-duration-in-mins", "1000"],
-                    nproc=4)
+                     "--timing-log-level", "1", "--exit-duration-in-mins", "1000",
+                     "--exit-signal-handler"], nproc=4)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-5000:]
     out = first.stdout
     assert "cuda dry run: torch.cuda.is_available() is True" in out
     assert re.search(r"iteration\s+3/\s+3 .*lm loss: [0-9.E+-]+", out)
     assert "validation loss at iteration 3" in out
-    assert f"saved checkpoint at iteration       3 to {ckpt}" in out
+    assert f"successfully saved checkpoint from iteration       3 to {ckpt} [ t 1/1, p 1/1 ]" \
+        in out
     checked = int(re.search(r"cuda dry run: done, (\d+) collectives", out).group(1))
     assert checked >= 3 * 3  # per step at least: loss, finiteness, the two quantized hops
     second = _dryrun(["--train-iters", "4", "--dp-ranks-per-node", "2", "--load", ckpt,

@@ -103,8 +103,9 @@ def test_method_trains(method, data, data_prefix, tmp_path):
     tests = [r for r in records if "test_lm_loss" in r]
     if per_split:  # the log names the files; the test set is evaluated once, at the end
         assert f"data: train {prefix}; valid {prefix}; test {prefix}" in res.stdout
-        assert [r["iteration"] for r in tests] == [20] and " test loss at iteration 20 |" \
-            in res.stdout and tests[0]["test_lm_loss"] < train[0]["lm_loss"]
+        assert [r["iteration"] for r in tests] == [20] and \
+            " validation loss at iteration 20 on test set |" in res.stdout and \
+            tests[0]["test_lm_loss"] < train[0]["lm_loss"]
     else:
         assert not tests and " data: " in res.stdout
     for rec, line in zip(train, lines):

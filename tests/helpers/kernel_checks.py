@@ -61,12 +61,18 @@ def random_wire(count: int, numel: int, bits: int, group: int, *, seed: int,
 
 def check_qwd_sender(device: str, *, impl=None, numel: int, bits: int, group: int,
                      replica_dtype: torch.dtype | None, stochastic: bool, seed: int,
-                     nonfinite: bool = False) -> None:
+                     nonfinite: bool = False, rounded_main: bool = False) -> None:
+    """``rounded_main``: the main weights come rounded to the replica's dtype, as qWD's
+    'rounded-main' target hands them over; about half the elements then equal the replica
+    exactly (a zero difference) and the others moved by a few units in the last place."""
     g = torch.Generator().manual_seed(seed % (1 << 63))
     main = torch.randn(numel, generator=g)
     replica = None
     if replica_dtype is not None:
         replica = (main + 1e-2 * torch.randn(numel, generator=g)).to(replica_dtype)
+    if rounded_main:
+        moved = torch.rand(numel, generator=g) < 0.5
+        main = torch.where(moved, main, replica.float()).to(replica_dtype)
     if nonfinite:
         main[1] = float("nan")
         main[-1] = float("inf")

@@ -31,6 +31,14 @@ def test_weight_config_from_sdp4bit() -> None:
                         weight_quantization_mode="direct")
     assert WeightQuantConfig.from_sdp4bit(cfg) == WeightQuantConfig(
         bits=8, group_size=512, mode="direct", stochastic=True, kernel_backend="auto")
+    rounded = SDP4BitConfig(quantized_weights=True, weight_difference_target="rounded-main")
+    assert WeightQuantConfig.from_sdp4bit(rounded).target == "rounded-main"
+    assert WeightQuantConfig.from_sdp4bit(SDP4BitConfig()).target == "main"
+    # Only qWD sends a difference: the target is refused where it would be ignored.
+    for off in (dict(), dict(quantized_weights=True, weight_quantization_mode="direct")):
+        with pytest.raises(ValueError, match="weight_difference_target=rounded-main applies "
+                           "to qWD only"):
+            SDP4BitConfig(weight_difference_target="rounded-main", **off)
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -53,6 +61,9 @@ def test_gradient_config_rejects(kwargs: dict, message: str) -> None:
     (dict(bits=3), "bits=3 is not supported"),
     (dict(group_size=-2), "group_size=-2 must be a positive even integer"),
     (dict(mode="qw"), "mode='qw'"),
+    (dict(target="bf16"), "target='bf16': use 'main' or 'rounded-main'"),
+    (dict(mode="direct", target="rounded-main"), "target='rounded-main' applies to mode "
+     "'diff' .qWD. only"),
 ])
 def test_weight_config_rejects(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

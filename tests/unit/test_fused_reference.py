@@ -102,3 +102,40 @@ def test_message_shape_errors_name_the_fix():
         fmt.check_message_shape(100, 4, 64)
     with pytest.raises(ValueError, match="not a multiple of 4"):
         fmt.check_message_shape(12, 4, 2)
+
+
+def test_rounded_main_sends_zero_where_the_16bit_weight_is_unchanged():
+    """qWD's 'rounded-main' target (comm/all_gather.py, [Note: what qWD sends]): the sender
+    gets the main weights rounded to bf16, so an element whose bf16 value did not change has
+    a difference of exactly 0, code 0 under stochastic rounding, and keeps its bits; with
+    the fp32 main weights the same element's sub-ulp residual is sent as a whole step with
+    probability residual / step, so many such elements move."""
+    shard, group = 4096, 2048
+    g = torch.Generator().manual_seed(3)
+    replica = torch.randn(shard, generator=g).to(torch.bfloat16)
+    ulp = torch.exp2(torch.floor(torch.log2(replica.float().abs())) - 7)  # bf16: 8-bit significand
+    kept = torch.arange(shard) % 2 == 0
+    # kept: a residual of 0.2 ulp (below the 0.25 ulp of the gap under a power of two);
+    # the others: a real update, 0.01 x N(0, 1), which sets each group's step (~0.005)
+    residual = 0.2 * ulp * torch.where(torch.rand(shard, generator=g) < 0.5, -1.0, 1.0)
+    main = replica.float() + torch.where(kept, residual, 1e-2 * torch.randn(shard, generator=g))
+    assert torch.equal(main.to(torch.bfloat16)[kept], replica[kept])
+
+    def send(target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        message = torch.empty(fmt.message_nbytes(shard, 4, group), dtype=torch.uint8)
+        ref.qwd_sender(target, replica, message, bits=4, group_size=group, stochastic=True,
+                       seed=11)
+        after = replica.clone()
+        ref.qwd_receiver(message, after, world=1, bits=4, group_size=group)
+        codes = fmt.unpack_codes(fmt.split_message(message, shard, 4, group)[1], 4)
+        return codes.view(-1).long() - 8, after  # q = code - (qmax + 1)
+
+    q, after = send(main.to(torch.bfloat16))
+    assert (q[kept] == 0).all()
+    assert torch.equal(after[kept].view(torch.int16), replica[kept].view(torch.int16))
+    assert (q[~kept] != 0).sum() > 0.6 * int((~kept).sum())  # the updates are sent (~75%)
+    q32, after32 = send(main)
+    moved = int((after32[kept] != replica[kept]).sum())
+    # r / s averages ~0.18 over these magnitudes: 378 nonzero codes and 305 moved bf16 values
+    # of 2048 with this seed, against exactly 0 with the rounded target
+    assert int((q32[kept] != 0).sum()) > 200 and moved > 200, moved

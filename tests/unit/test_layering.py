@@ -7,6 +7,7 @@ so a lazy import that closes a cycle or climbs a layer is seen too.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,11 +115,68 @@ def test_nothing_imports_the_entry_point():
     assert not users, users
 
 
+@functools.lru_cache(maxsize=None)
+def _tree(path: Path) -> ast.AST:
+    """A file's syntax tree, parsed once for all the tests of this module."""
+    return ast.parse(path.read_text(encoding="utf-8"))
+
+
 def _imports_any(path: Path) -> set[str]:
     names = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module)
     return names
+
+
+# docs/design.md, "The repository, folder by folder": what each top-level folder may import
+# from the others (the package itself is open to all of them).
+MAY_IMPORT = {
+    "megatron": set(),
+    "tools": set(),
+    "dev": {"dev"},
+    "benchmarks": {"benchmarks", "tests.helpers"},
+    "tests": {"tests.helpers", "dev", "benchmarks"},
+}
+REPO_PACKAGES = ("tests", "dev", "benchmarks", "tools")
+
+
+def _repo_imports(path: Path) -> set[str]:
+    """The absolute imports of ``path`` that name a package of the repository other than
+    ``megatron``, as written (``tests.helpers.trainer``, ``dev``...)."""
+    return {m for m in _imports_any(path)
+            if m.split(".")[0] in REPO_PACKAGES}
+
+
+def test_folders_import_only_what_the_map_allows():
+    bad = []
+    for folder, allowed in MAY_IMPORT.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            for module in _repo_imports(path):
+                if not any(module == a or module.startswith(a + ".") for a in allowed):
+                    bad.append(f"{path.relative_to(ROOT)} -> {module}")
+    assert not bad, bad
+
+
+def test_the_cuda_dry_run_is_imported_only_by_its_tool():
+    users = sorted(str(p.relative_to(ROOT))
+                   for folder in ("megatron", "tools", "dev", "benchmarks", "tests")
+                   for p in (ROOT / folder).rglob("*.py") if _imports_testing(p))
+    assert users == ["dev/cuda_dryrun.py"], users
+
+
+def _imports_testing(path: Path) -> bool:
+    """Whether ``path`` imports ``megatron.sdp4bit.testing`` (or a module of it), in either
+    spelling (``import megatron.sdp4bit.testing...``, ``from megatron.sdp4bit import testing``)."""
+    for node in ast.walk(_tree(path)):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        if any(n == "megatron.sdp4bit.testing" or n.startswith("megatron.sdp4bit.testing.")
+               for n in names):
+            return True
+    return False

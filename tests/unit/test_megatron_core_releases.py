@@ -52,19 +52,87 @@ def test_install_picks_the_tested_release_by_python(source) -> None:
         assert _megatron_core_pick(reqs, python) == [new], (source, python)
 
 
-def test_untested_version_is_refused_naming_both(monkeypatch) -> None:
+@pytest.fixture
+def untested(monkeypatch, caplog):
+    """megatron-core reports 0.17.0 (its files are the tested release's); the check's
+    once-per-release warning and the engine's accepted changes start empty."""
     from megatron.core import package_info
 
+    from megatron.sdp4bit.integration import patches, version
+
     monkeypatch.setattr(package_info, "__version__", "0.17.0")
+    monkeypatch.setattr(version, "_warned", set())
+    monkeypatch.setattr(patches, "_ACCEPTED_CHANGES", set())
+    caplog.set_level("WARNING", logger="megatron.sdp4bit")
+    return caplog
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "megatron.sdp4bit"]
+
+
+def test_untested_release_with_every_target_in_place_runs_with_one_warning(untested) -> None:
+    assert check_megatron_core_version() == "0.17.0"
+    assert check_megatron_core_version() == "0.17.0"  # warned once per process
+    assert _warnings(untested) == [
+        "SDP4Bit: warning: megatron-core 0.17.0 was never tested (tested: 0.16.1, 0.19.2); "
+        "every attribute SDP4Bit replaces is present with the signature it was checked "
+        "with, so it runs"]
+
+
+def test_untested_release_with_a_moved_target_is_refused_naming_it(untested,
+                                                                   monkeypatch) -> None:
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+
+    from megatron.sdp4bit.integration import patches
+    from megatron.sdp4bit.integration.install import START_GRAD_SYNC
+
+    renamed = "megatron.core.distributed.param_and_grad_buffer._ParamAndGradBucketGroup"
+    monkeypatch.setattr(_ParamAndGradBucketGroup, "start_grad_sync",
+                        lambda self, force_all_reduce=False, new_option=None: None)
     message = ("SDP4Bit was tested with megatron-core 0.16.1 and 0.19.2 but megatron-core 0.17.0 "
-               "is installed: install megatron-core==0.19.2 (Python >= 3.12) or "
-               "megatron-core==0.16.1 (Python < 3.12), or pass allow_untested_version=True to "
-               "try this one (then run tests/distributed/test_integration_sdp4bit.py against it "
-               "first)")
+               f"is installed, and {renamed}.start_grad_sync changed: its signature is (self, "
+               "force_all_reduce, new_option), checked as (self, force_all_reduce) on "
+               "megatron-core 0.16.1 and 0.19.2: install megatron-core==0.19.2 (Python >= 3.12) "
+               "or megatron-core==0.16.1 (Python < 3.12), or pass allow_untested_version=True "
+               "to try this one (then run tests/distributed/test_integration_sdp4bit.py "
+               "against it first)")
     with pytest.raises(RuntimeError) as err:
         check_megatron_core_version()
     assert str(err.value) == message
+    with pytest.raises(RuntimeError, match=r"or add --allow-untested-megatron-core to try"):
+        check_megatron_core_version(how_to_allow="add --allow-untested-megatron-core")
+    assert _warnings(untested) == []
+    # The engine refuses the changed target until the user accepts the release.
+    with pytest.raises(patches.ReplacementError, match=r"start_grad_sync changed"):
+        patches.apply([START_GRAD_SYNC.on(object.__new__(_ParamAndGradBucketGroup))])
     assert check_megatron_core_version(allow_untested_version=True) == "0.17.0"
+    assert _warnings(untested) == [
+        f"SDP4Bit: warning: megatron-core 0.17.0 was never tested (tested: 0.16.1, 0.19.2) and "
+        f"{renamed}.start_grad_sync changed: its signature is (self, force_all_reduce, "
+        "new_option), checked as (self, force_all_reduce) on megatron-core 0.16.1 and 0.19.2; "
+        "running anyway as asked"]
+    group = object.__new__(_ParamAndGradBucketGroup)
+    with patches.applied([START_GRAD_SYNC.on(group, bucket_ids=[], topology=None, group_id=0,
+                                             state=None)]):
+        assert "start_grad_sync" in vars(group)
+    assert "start_grad_sync" not in vars(group)
+
+
+def test_untested_release_with_a_missing_target_stays_refused(untested, monkeypatch) -> None:
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    monkeypatch.delattr(mcore_random, "_set_cuda_rng_state")
+    with pytest.raises(RuntimeError, match=r"megatron-core 0\.17\.0 is installed, and "
+                       r"megatron\.core\.tensor_parallel\.random\._set_cuda_rng_state is "
+                       r"missing: install"):
+        check_megatron_core_version()
+    assert check_megatron_core_version(allow_untested_version=True) == "0.17.0"
+    from megatron.sdp4bit.integration import patches
+    from megatron.sdp4bit.integration.cuda_stubs import SHARED_STUBS
+
+    with pytest.raises(patches.ReplacementError, match=r"_set_cuda_rng_state is missing"):
+        patches.apply(SHARED_STUBS)
 
 
 @pytest.mark.parametrize("installed,release", [("0.19.2+0d43811", "0.19.2"), ("0.16.1", "0.16.1")])
@@ -73,8 +141,10 @@ def test_local_version_label_is_not_part_of_the_release(monkeypatch, installed, 
     inside a clone): that names no megatron-core change and must not be refused."""
     from megatron.core import package_info
 
+    from megatron.sdp4bit.integration import version
+
+    monkeypatch.setattr(version, "_warned", set())
     monkeypatch.setattr(package_info, "__version__", installed)
     assert check_megatron_core_version() == release
     monkeypatch.setattr(package_info, "__version__", "0.19.3+0d43811")
-    with pytest.raises(RuntimeError, match=r"but megatron-core 0\.19\.3 is installed"):
-        check_megatron_core_version()
+    assert check_megatron_core_version() == "0.19.3"  # untested: the table decides

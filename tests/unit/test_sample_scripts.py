@@ -4,8 +4,8 @@ Each script is checked with ``bash -n``, then run with fake ``torchrun``/``srun`
 ``sbatch`` first on ``PATH``: the fake ``torchrun`` records its argv, the fake ``srun`` records
 its own and runs the rest of its command line. The recorded ``pretrain_gpt.py`` arguments go
 through ``megatron.sdp4bit.training.cli.arguments.parse_args`` (full validation, no process group)
-and the result is compared with the paper's model cards and methods (README: Reproducing
-the paper). The batch scripts' ``#SBATCH`` headers are read as sbatch reads them.
+and the result is compared with the paper's model cards and methods (docs/reproducing.md,
+docs/cluster.md). The batch scripts' ``#SBATCH`` headers are read as sbatch reads them.
 """
 
 from __future__ import annotations
@@ -99,7 +99,8 @@ def run_script(script: Path, fake_bin: Path, tmp_path: Path, **env: str) -> dict
     base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     for name in ("NNODES", "GPUS_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "CLUSTER", "LAUNCHER",
                  "SDP4BIT_HOME", "EXTRA_ARGS", "TRAIN_ITERS", "MICRO_BATCH_SIZE", "DATA_PATH",
-                 "WANDB_PROJECT"):
+                 "WANDB_PROJECT", "MODEL", "STUDY_ROOT", "STUDY_METHODS", "ROUNDING_SEEDS",
+                 "BASELINE_SEEDS", "EVAL_DATA_SEED", "TASK"):
         base.pop(name, None)
     base.update(PATH=f"{fake_bin}{os.pathsep}{base['PATH']}", RECORD_DIR=str(records),
                 RUN_ROOT=str(tmp_path / "runs"), **env)
@@ -130,8 +131,8 @@ def option(args: list[str], name: str) -> str:
 
 def test_every_script_is_valid_bash_and_executable():
     scripts = all_scripts()
-    # 20 accuracy + 10 speed + the sweep + common.sh
-    assert len(scripts) == len(ACCURACY_MODELS) * len(METHODS) + 2 * len(SPEED_MODELS) + 2
+    # 20 accuracy + the accuracy study + 10 speed + the sweep + common.sh
+    assert len(scripts) == len(ACCURACY_MODELS) * len(METHODS) + 2 * len(SPEED_MODELS) + 3
     for script in scripts:
         result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
         assert result.returncode == 0, f"{script}: {result.stderr}"
@@ -281,6 +282,7 @@ def test_accuracy_scripts_parse_with_the_model_card(model, fake_bin, tmp_path):
         run_dir = tmp_path / "runs" / "accuracy" / model / method
         assert args.save == args.load == str(run_dir / "checkpoints")
         assert args.metrics_jsonl == str(run_dir / "metrics.jsonl")
+        assert args.transformer_impl == "auto"  # Transformer Engine where it is installed
         check_method(args, method)
 
 
@@ -308,6 +310,8 @@ def test_speed_scripts_under_slurm_use_the_papers_parallelism(cluster, fake_bin,
             assert (args.tokenizer_type, args.vocab_size) == ("NullTokenizer", 50257)
             assert args.global_batch_size == 4 * gpus // (tp * pp)
             assert args.train_iters == 30 and args.log_interval == 1
+            # Transformer Engine's layers, as Megatron-LM's GPU runs use them
+            assert args.transformer_impl == "transformer_engine"
             check_method(args, method)
             pipeline = 8 if method == "sdp4bit" and model in ("1.3B", "2.7B", "6.7B") else 1
             assert args.gradient_alltoall_pipeline == pipeline
@@ -350,3 +354,93 @@ def test_sweep_submits_every_speed_script_per_node_count(fake_bin, tmp_path):
                       for n in ("4", "16") for m in SPEED_MODELS for k in ("baseline", "sdp4bit"))
     assert submitted == expected
     assert all(j[0] == "--nodes" and j[2:4] == ["--partition", "gpu"] for j in jobs)
+
+
+# The accuracy study's array tasks with the defaults: (method, label, script method) in order.
+STUDY = SCRIPTS / "accuracy" / "study.sbatch"
+STUDY_TASKS = [("baseline", "ref", "baseline"), ("baseline", "seed1235", "baseline"),
+               ("baseline", "seed1236", "baseline")] + [
+    (m, f"rs{r}", script) for m, script in (
+        ("qW", "quantWeightDiff"), ("qWD", "quantWeightDiff"),
+        ("qWD-rounded", "quantWeightDiff"), ("TLq", "quantGradwithoutHT"),
+        ("TLq-HS", "quantGrad"), ("SDP4Bit", "quantWeightDiff_Grad")) for r in (1, 2, 3)]
+
+
+def test_accuracy_study_array_runs_every_method_and_seed(fake_bin, tmp_path):
+    """sample_scripts/accuracy/study.sbatch: its header as sbatch reads it (an array of one
+    task per run), the task list it prints without SLURM, and each task's command line: the
+    accuracy script's flags for the method, its seed, the shared held-out samples, and its
+    own run folder <study root>/<method>/<label>/ (benchmarks/accuracy_study.py reads that)."""
+    options = sbatch_options(sbatch_header(STUDY))
+    assert options["--job-name"] == "sdp4bit-acc-study"
+    assert options["--array"] == f"0-{len(STUDY_TASKS) - 1}"
+    assert options["--output"] == "logs/%x-%A_%a.out"
+    assert slurm_minutes(options["--time"]) == 24 * 60
+    assert "--partition" not in options and "--account" not in options
+    listing = subprocess.run(["bash", str(STUDY)], capture_output=True, text=True, timeout=60,
+                             env={k: v for k, v in os.environ.items() if k != "TASK"
+                                  and not k.startswith("SLURM_")}).stdout.splitlines()
+    last = len(STUDY_TASKS) - 1
+    assert listing[-1] == f"{len(STUDY_TASKS)} tasks: sbatch --array=0-{last} {STUDY}"
+    assert [tuple(line.split()[1:3]) for line in listing[:-1]] == [t[:2] for t in STUDY_TASKS]
+    root = tmp_path / "study"
+    slurm = dict(SLURM_JOB_ID="99", SLURM_JOB_NUM_NODES="4", SLURM_GPUS_ON_NODE="4",
+                 SLURM_JOB_NODELIST="gpu-node-[07-10]", STUDY_ROOT=str(root))
+    # The listing above checked every task's method and label; the command lines of the
+    # baseline's two kinds of runs and of one rounding seed of every method (bash is slow).
+    picked = [0, 2] + [k for k, t in enumerate(STUDY_TASKS) if t[1] == "rs2"]
+    for task in picked:
+        method, label, script = STUDY_TASKS[task]
+        rec = run_script(STUDY, fake_bin, tmp_path, SLURM_ARRAY_TASK_ID=str(task), **slurm)
+        _, cmd = pretrain_argv(rec["torchrun"])
+        args = parse_args(cmd, world_size=16)
+        if method != "qW":  # qW: the qWD script's flags with the direct mode added
+            check_method(args, script)
+        cfg = sdp4bit_config_from_args(args)
+        assert cfg.weight_quantization_mode == ("direct" if method == "qW" else "diff")
+        assert cfg.weight_difference_target == ("rounded-main" if method == "qWD-rounded"
+                                                else "main")
+        assert args.seed == (int(label[4:]) if label.startswith("seed") else 1234)
+        assert args.rounding_seed == (int(label[2:]) if label.startswith("rs") else None)
+        assert args.eval_data_seed == 4321 and args.train_iters == 80000
+        run_dir = root / method / label / "accuracy" / "125M" / script
+        assert args.metrics_jsonl == str(run_dir / "metrics.jsonl")
+        assert args.save == args.load == str(run_dir / "checkpoints")
+    result = subprocess.run(["bash", str(STUDY)], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "TASK": str(len(STUDY_TASKS)),
+                                 "PATH": f"{fake_bin}{os.pathsep}{os.environ['PATH']}",
+                                 "RECORD_DIR": str(tmp_path)})
+    assert result.returncode == 2 and result.stderr.strip() == (
+        f"task {len(STUDY_TASKS)}: the study has {len(STUDY_TASKS)} tasks (0-"
+        f"{len(STUDY_TASKS) - 1}); submit with --array=0-{len(STUDY_TASKS) - 1}")
+
+
+def test_scripts_save_on_slurms_early_sigterm_within_torchruns_wait(fake_bin, tmp_path):
+    """Every batch script asks SLURM for SIGTERM ahead of --time, sent to the job step (where
+    srun runs torchrun), not to the batch shell alone ('B:'); the trainer catches that signal
+    (--exit-signal-handler) and torchrun waits for the save longer than its default 30 s, yet
+    ends before the time limit."""
+    leads = set()
+    for script in batch_scripts():
+        header = sbatch_header(script)
+        signal_option = sbatch_options(header)["--signal"]
+        m = re.fullmatch(r"TERM@(\d+)", signal_option)
+        assert m, f"{script}: --signal={signal_option}"
+        leads.add(int(m[1]))
+        comments = " ".join(line.lstrip("# ") for line in header if not line.startswith("#SBATCH"))
+        assert f"--signal={signal_option} above" in comments and "--exit-signal-handler" in comments
+    (lead,) = leads
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_GPUS_ON_NODE": "4",
+             "SLURM_JOB_NODELIST": "gpu-node-[07-08]"}
+    for script in (accuracy_script("1.3B", "quantWeightDiff_Grad"), speed_script("1.3B", "sdp4bit")):
+        rec = run_script(script, fake_bin, tmp_path, **slurm)
+        assert "srun" in rec  # the step SLURM signals
+        launcher, cmd = pretrain_argv(rec["torchrun"])
+        wait = int(option(launcher, "--shutdown-timeout"))
+        # SLURM may signal up to 60 s early, never late: torchrun's wait must end before --time
+        assert 30 < wait < lead, (wait, lead)
+        args = parse_args(cmd, world_size=8)
+        assert args.exit_signal_handler and args.exit_signal == "SIGTERM"
+        assert (args.save is not None) == (script.name == "train.sh")
+    rec = run_script(speed_script("1.3B", "sdp4bit"), fake_bin, tmp_path, SHUTDOWN_TIMEOUT="90")
+    assert option(pretrain_argv(rec["torchrun"])[0], "--shutdown-timeout") == "90"

@@ -45,6 +45,15 @@ def test_qwd_sender(bits, group, numel, replica, stochastic):
                             seed=seed)
 
 
+@pytest.mark.parametrize("replica", ["bf16", "fp16"])
+def test_qwd_sender_of_rounded_main_weights(replica):
+    """qWD's 'rounded-main' target: 16-bit main weights, zero differences in every group."""
+    for seed in SEEDS:
+        kc.check_qwd_sender(CPU, numel=4096, bits=4, group=2048,
+                            replica_dtype=DTYPES[replica], stochastic=True, seed=seed,
+                            rounded_main=True)
+
+
 @pytest.mark.parametrize("accumulate", [True, False], ids=["add", "overwrite"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32", "fp16"])
 @pytest.mark.parametrize("bits,group,world", [(4, 64, 1), (4, 64, 3), (8, 32, 3),

@@ -10,6 +10,21 @@ so it is sent again. Per element, with ``u`` the largest update in a group and `
 previous error, ``e' < (u + e) / qmax`` (stochastic rounding), which stays below
 ``u / (qmax - 1)``.
 
+[Note: what qWD sends]
+With ``target`` 'main' (the default) the difference is ``w_r - w~_r``: the fp32 main weights
+minus the 16-bit replica. Where the replica already holds the main weight rounded to 16
+bits, the difference is that rounding's residual (below half a unit in the last place), and
+it is sent again every step. Its group's step ``s`` is set by the group's largest
+difference, so stochastic rounding sends a residual ``r`` as 0, or as one whole step with
+probability ``r / s``: unbiased (the replica follows the fp32 weights on average), but an
+element whose 16-bit value should not move is moved by a step now and then, a dither.
+With 'rounded-main' the difference is ``round(w_r) - w~_r``, round() to the replica's
+dtype, as the authors' code computes it (it writes the main weights into the 16-bit
+parameter buffer before quantizing): exactly zero where the rounded weight equals the
+replica, so such an element gets code 0 and is left alone. Both targets are pure functions
+of (main, replica), which a checkpoint holds, so either resumes bit for bit; the all-gather
+and the update below are the same for both.
+
 Every rank, the owner included, applies the same dequantized messages to the same replica
 with the same fp32 arithmetic and one rounding to the replica dtype, so replicas stay
 bitwise identical on all ranks (invariant I1) without ever sending the full weights.
@@ -82,11 +97,13 @@ def weight_difference_all_gather(replica: torch.Tensor, main_shard: torch.Tensor
     ``replica``: the 1D parameter buffer (bf16/fp32/fp16), W equal shards, identical on all
     ranks of ``group`` and still holding the previous replica (shard r = this rank's
     ``replica[r*S:(r+1)*S]``). ``main_shard``: this rank's new fp32 (or any float) main
-    weights, S elements. Mode 'diff' (qWD) sends ``Q(main_shard - replica shard)`` and adds
-    every rank's dequantized message to its shard; 'direct' (qW) sends ``Q(main_shard)`` and
-    overwrites. ``S`` must be a multiple of :func:`~megatron.sdp4bit.comm.padding.
-    required_divisor` ``(W, weight_group=..., weight_bits=...) / W``. ``stats``: byte counters
-    (split by ``ranks_per_node``, the DP ranks per node; ``None`` = one node) and phase times.
+    weights, S elements. Mode 'diff' (qWD) sends ``Q(main_shard - replica shard)`` (with
+    ``config.target`` 'rounded-main': ``Q(main_shard cast to the replica dtype - replica
+    shard)``, [Note: what qWD sends]) and adds every rank's dequantized message to its
+    shard; 'direct' (qW) sends ``Q(main_shard)`` and overwrites. ``S`` must be a multiple
+    of :func:`~megatron.sdp4bit.comm.padding.required_divisor` ``(W, weight_group=...,
+    weight_bits=...) / W``. ``stats``: byte counters (split by ``ranks_per_node``, the DP
+    ranks per node; ``None`` = one node) and phase times.
 
     The message is quantized at call time; with ``async_op`` the returned
     :class:`CollectiveWork`'s ``wait()`` applies the update (leave ``replica`` untouched
@@ -107,7 +124,12 @@ def weight_difference_all_gather(replica: torch.Tensor, main_shard: torch.Tensor
     diff = config.mode == "diff"
     message = torch.empty(nbytes, dtype=torch.uint8, device=replica.device)  # 1D uint8
     with timed(stats, "params-quantize", replica.device):
-        ops.qwd_sender(main_shard.view(-1),
+        target = main_shard.view(-1)
+        if diff and config.target == "rounded-main":
+            # Rounded here, once, so that every backend reads the same values: each kernel
+            # widens its input to fp32 exactly. See [Note: what qWD sends].
+            target = target.to(replica.dtype)
+        ops.qwd_sender(target,
                        replica[rank * shard:(rank + 1) * shard] if diff else None,
                        message, bits=config.bits, group_size=config.group_size,
                        stochastic=config.stochastic, seed=derive_seed(seed, HOP_PARAM, 0, rank),

@@ -107,6 +107,10 @@ class WeightQuantConfig:
     mode: Literal["diff", "direct"] = "diff"
     """'diff' = qWD (send Q(main - replica), add it); 'direct' = qW (send Q(main), overwrite)."""
 
+    target: Literal["main", "rounded-main"] = "main"
+    """qWD only: 'main' sends Q(main - replica); 'rounded-main' sends
+    Q(round_to_replica_dtype(main) - replica), zero where the rounded weight is unchanged."""
+
     stochastic: bool = True
     """Stochastic rounding (unbiased) if True, round-to-nearest otherwise."""
 
@@ -118,6 +122,10 @@ class WeightQuantConfig:
         _check_group("group_size", self.group_size)
         if self.mode not in ("diff", "direct"):
             raise ValueError(f"mode={self.mode!r}: use 'diff' (qWD) or 'direct' (qW)")
+        if self.target not in ("main", "rounded-main"):
+            raise ValueError(f"target={self.target!r}: use 'main' or 'rounded-main'")
+        if self.target != "main" and self.mode != "diff":
+            raise ValueError(f"target={self.target!r} applies to mode 'diff' (qWD) only")
         _check_backend(self.kernel_backend)
 
     @classmethod
@@ -126,6 +134,7 @@ class WeightQuantConfig:
             bits=config.weight_quantization_bits,
             group_size=config.wq_group_size,
             mode=config.weight_quantization_mode,
+            target=config.weight_difference_target,
             stochastic=config.stochastic,
             kernel_backend=config.kernel_backend,
         )

@@ -10,7 +10,9 @@
     handle.uninstall()                             # megatron-core's own collectives again
 
 ``enable_cpu_mode()`` (``cpu_mode.py``) makes megatron-core run on CPU with gloo; it is
-never called when CUDA is available. See docs/integration.md.
+never called when CUDA is available. Every megatron-core or torch attribute these replace is
+an entry of one table, applied by one engine (``patches.py``); ``check_megatron_core_version``
+decides with it whether an untested megatron-core release may run. See docs/integration.md.
 """
 
 from megatron.sdp4bit.integration.cpu_mode import cpu_mode_active, enable_cpu_mode

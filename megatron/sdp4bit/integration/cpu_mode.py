@@ -7,7 +7,8 @@ one of those calls raises or takes the wrong branch. ``enable_cpu_mode()`` is th
 place in SDP4Bit that changes that; nothing else in the package touches devices, and a
 run with CUDA never calls it (it refuses to switch on when CUDA is available).
 
-What it changes (all in this process, in the thread that calls it, until exit):
+What it changes (all in this process, in the thread that calls it, until exit), each a
+replacement of the table (``patches.py``) but item 2 and 3, a mode:
 
 1. ``torch.cuda.current_device`` returns ``0`` instead of raising "Torch not compiled with
    CUDA enabled". Used by ``param_and_grad_buffer`` (buffer allocation),
@@ -26,21 +27,14 @@ What it changes (all in this process, in the thread that calls it, until exit):
    string test and raise ``TypeError`` for anything else; ``clip_grads`` asserts it.
    This is the one rewrite of a call that does not raise on CPU; ``Tensor.type()`` without
    arguments is used nowhere in SDP4Bit.
-4. The "CUDA" random state is the CPU generator's: ``torch.cuda.get_rng_state`` returns
-   ``torch.get_rng_state()``, ``torch.cuda.manual_seed`` seeds the CPU generator, and
-   megatron-core's ``tensor_parallel.random._set_cuda_rng_state`` sets it (its CUDA version
-   queues the call until CUDA initialises, i.e. never). ``CudaRNGStatesTracker`` (used by
-   ``model_parallel_cuda_manual_seed`` and by every attention layer's ``fork()`` around
-   dropout) then swaps the CPU generator's state, which is the generator that CPU dropout
-   draws from: the tracker keeps its meaning (distinct streams per TP rank) on CPU.
-5. ``torch.cuda.current_stream()`` returns the CPU stream (``torch.cpu.current_stream()``,
-   whose ``wait_event`` / ``wait_stream`` do nothing: CPU work is synchronous). megatron-core
-   0.19.2's ``start_grad_sync`` reads it on every call (to wait on CUDA-graph events, which
-   a CPU run never has); 0.16.1 does not call it on these paths.
+4. The "CUDA" random state is the CPU generator's, and
+5. ``torch.cuda.current_stream()`` is a stream that never waits: both are the stubs the
+   CUDA dry run applies too (``cuda_stubs.py``, [Note: the CUDA runtime on the CPU]).
 6. megatron-core's causal attention mask, ``transformer.utils.get_default_causal_mask(sq)``,
    is replaced by one that builds the same boolean mask on the CPU, in ``transformer.utils``
-   and in ``fusions.fused_softmax`` (which imported the name and is its only caller). The
-   function is the same in 0.16.1 and 0.19.2: ``torch.triu(torch.ones(sq, sq,
+   and in ``fusions.fused_softmax`` (which imported the name and is its only caller).
+   [Note: the causal mask in the backward pass]
+   The function is the same in 0.16.1 and 0.19.2: ``torch.triu(torch.ones(sq, sq,
    device="cuda"), diagonal=1).bool()``. The mode of item 2 rewrites that call in the
    forward pass, but activation recompute (``--recompute-granularity selective`` recomputes
    ``core_attn``, ``full`` whole layers) runs the attention again inside the backward pass,
@@ -65,30 +59,16 @@ There is no ``disable``: a process either runs megatron-core on CPU or not.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["enable_cpu_mode", "cpu_mode_active"]
+from megatron.sdp4bit.integration import patches
+from megatron.sdp4bit.integration.cuda_stubs import SHARED_STUBS, cuda_type_name, names_cuda
+from megatron.sdp4bit.integration.patches import MODULE, both, declare
+
+__all__ = ["enable_cpu_mode", "cpu_mode_active", "names_cuda"]
 
 _mode: "_CudaToCpuMode | None" = None
-
-
-def names_cuda(device: Any) -> bool:
-    """Whether a torch ``device=`` argument names a CUDA device (an ordinal, "cuda", "cuda:N",
-    a CUDA ``torch.device``)."""
-    if isinstance(device, bool):
-        return False
-    if isinstance(device, int):
-        return True  # a bare ordinal is a CUDA device for every torch factory
-    if isinstance(device, torch.device):
-        return device.type == "cuda"
-    if isinstance(device, str):
-        return device == "cuda" or device.startswith("cuda:")
-    return False
-
-
 _CPU = torch.device("cpu")
 
 
@@ -106,33 +86,25 @@ class _CudaToCpuMode(TorchFunctionMode):
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)
             if args[0].device.type == "cpu" and args[0].is_floating_point():
-                return name.replace("torch.", "torch.cuda.", 1)
+                return cuda_type_name(name)
             return name
         return func(*args, **kwargs)
 
 
-def _current_device_cpu() -> int:
-    return 0
-
-
-def _cuda_get_rng_state_cpu(device: Any = "cuda") -> torch.Tensor:
-    return torch.get_rng_state()
-
-
-def _cuda_manual_seed_cpu(seed: int) -> None:
-    torch.manual_seed(seed)
-
-
-def _megatron_set_rng_state_cpu(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
-    torch.set_rng_state(new_state)
-
-
-def _current_stream_cpu(device: Any = None) -> torch.cpu.Stream:
-    return torch.cpu.current_stream()
-
-
 def _default_causal_mask_cpu(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+_MASK_NOTE = "[Note: the causal mask in the backward pass] (integration/cpu_mode.py)"
+CPU_MODE_STUBS = SHARED_STUBS + (
+    declare("cpu.transformer_utils.get_default_causal_mask",
+            "megatron.core.transformer.utils", "get_default_causal_mask", MODULE,
+            _default_causal_mask_cpu, note=_MASK_NOTE, checked=both("(sq)")),
+    declare("cpu.fused_softmax.get_default_causal_mask", "megatron.core.fusions.fused_softmax",
+            "get_default_causal_mask", MODULE, _default_causal_mask_cpu, note=_MASK_NOTE,
+            checked=both("(sq)")),
+)
+"""What CPU mode replaces: the shared CUDA stubs and megatron-core's causal mask."""
 
 
 def cpu_mode_active() -> bool:
@@ -156,17 +128,7 @@ def enable_cpu_mode(*, force: bool = False) -> None:
             "unchanged. Run on the GPU without CPU mode, hide the GPUs "
             "(CUDA_VISIBLE_DEVICES=''), or pass force=True to debug on the CPU anyway."
         )
-    from megatron.core.fusions import fused_softmax as mcore_fused_softmax
-    from megatron.core.tensor_parallel import random as mcore_random
-    from megatron.core.transformer import utils as mcore_transformer_utils
-
-    torch.cuda.current_device = _current_device_cpu
-    torch.cuda.current_stream = _current_stream_cpu
-    torch.cuda.get_rng_state = torch.cuda.random.get_rng_state = _cuda_get_rng_state_cpu
-    torch.cuda.manual_seed = torch.cuda.random.manual_seed = _cuda_manual_seed_cpu
-    mcore_random._set_cuda_rng_state = _megatron_set_rng_state_cpu
-    mcore_transformer_utils.get_default_causal_mask = _default_causal_mask_cpu
-    mcore_fused_softmax.get_default_causal_mask = _default_causal_mask_cpu
+    patches.apply(CPU_MODE_STUBS)  # for the life of the process: there is no disable
     mode = _CudaToCpuMode()
     mode.__enter__()
     _mode = mode

@@ -9,6 +9,7 @@ called from three places: the backward hook once every gradient of the group is 
 (``register_grad_ready``), ``finish_grad_sync`` (first batch, and always without overlap),
 and ``DistributedDataParallel.start_grad_sync``.
 
+[Note: the replaced start_grad_sync]
 The replacement below is bound on each bucket-group instance (so all three callers reach
 it) and keeps that contract: same early return in the first batch, same preparation of the
 buckets (``releases.prepare_grads_for_sync``: 0.19.2's CUDA-graph events and fp32 local
@@ -40,7 +41,6 @@ with one in flight). One-hop topologies (N = 1 or M = 1) have nothing to advance
 
 from __future__ import annotations
 
-import types
 from collections.abc import Sequence
 
 import torch
@@ -79,7 +79,7 @@ def advance_pending_grad_works(state: RunState) -> None:
 
 def make_start_grad_sync(bucket_group, *, bucket_ids: list[int], topology: DPTopology,
                          group_id: int, state: RunState):
-    """A ``start_grad_sync`` for ``bucket_group`` (bind it with :func:`types.MethodType`)."""
+    """A ``start_grad_sync`` for ``bucket_group`` (the engine binds it on the instance)."""
     original = type(bucket_group).start_grad_sync  # megatron-core's, for the warm-up iterations
 
     def start_grad_sync(self, force_all_reduce: bool | None = False) -> None:
@@ -127,5 +127,5 @@ def make_start_grad_sync(bucket_group, *, bucket_ids: list[int], topology: DPTop
         else:
             self.grad_reduce_handle = None
 
-    return types.MethodType(start_grad_sync, bucket_group)
+    return start_grad_sync
 

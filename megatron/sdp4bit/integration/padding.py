@@ -21,22 +21,47 @@ outside the context is refused with the fix, never used unpadded.
 from __future__ import annotations
 
 import contextlib
-import math
 import types
 from collections.abc import Iterator
 
 from megatron.sdp4bit.comm import divisor_from_config
 from megatron.sdp4bit.config import SDP4BitConfig
+from megatron.sdp4bit.integration import patches
+from megatron.sdp4bit.integration.patches import MODULE, declare
 from megatron.sdp4bit.integration.releases import bucket_padding_module
 
 
-def _padded_math(config: SDP4BitConfig) -> types.SimpleNamespace:
-    def lcm(dp_size: int, *rest: int) -> int:
-        return math.lcm(dp_size, *rest, divisor_from_config(config, dp_size))
+def _padded_math(original: types.ModuleType, *, config: SDP4BitConfig) -> types.SimpleNamespace:
+    """The module's ``math`` with an ``lcm`` that also takes in the quantizers' divisor."""
 
-    namespace = types.SimpleNamespace(**{k: getattr(math, k) for k in dir(math) if not k.startswith("_")})
-    namespace.lcm = lcm
-    return namespace
+    def lcm(dp_size: int, *rest: int) -> int:
+        return original.lcm(dp_size, *rest, divisor_from_config(config, dp_size))
+
+    names = {k: getattr(original, k) for k in dir(original) if not k.startswith("_")}
+    return types.SimpleNamespace(**{**names, "lcm": lcm})
+
+
+def _is_padding_module(name: str):
+    return lambda: bucket_padding_module().__name__ == name
+
+
+_NOTE = "[Note: why padding goes around DDP construction] (integration/padding.py)"
+_BUFFER = "megatron.core.distributed.param_and_grad_buffer"
+_LAYOUT = "megatron.core.optimizer.param_layout"
+PADDING = (
+    declare("padding.param_and_grad_buffer.math", _BUFFER, "math", MODULE, _padded_math,
+            wraps=True, note=_NOTE, witness="_ParamAndGradBuffer",
+            checked={"0.16.1": "(ddp_config, param_dtype, grad_dtype, params, "
+                               "data_parallel_group, bucket_size, param_to_name, "
+                               "gradient_scaling_factor, param_indices, nccl_ub, "
+                               "pg_collection)"},
+            applies=_is_padding_module(_BUFFER)),
+    declare("padding.param_layout.math", _LAYOUT, "math", MODULE, _padded_math, wraps=True,
+            note=_NOTE, witness="bucket_end_divisor",
+            checked={"0.19.2": "(data_parallel_world_size, pad_for_high_nccl_busbw)"},
+            applies=_is_padding_module(_LAYOUT)),
+)
+"""Exactly one applies: the module whose ``math`` gives the bucket-end divisor."""
 
 
 @contextlib.contextmanager
@@ -52,10 +77,6 @@ def sdp4bit_padding(config: SDP4BitConfig) -> Iterator[None]:
     if not config.enabled:
         yield
         return
-    module = bucket_padding_module()
-    previous = module.math
-    module.math = _padded_math(config)
-    try:
+    entry = next(e for e in PADDING if patches.applies(e))
+    with patches.applied([entry.on(config=config)]):
         yield
-    finally:
-        module.math = previous

@@ -1,20 +1,21 @@
 """qWD in megatron-core's parameter sync: main-shard views, the replaced copy and all-gather.
 
 megatron-core 0.16.1 and 0.19.2 alike, bf16/fp16 parameters with the distributed optimizer:
+``DistributedOptimizer.step_with_ready_grads`` runs the inner Adam step on the fp32 main
+shards, then ``_copy_main_params_to_model_params`` writes each main shard, cast to bf16,
+into *this rank's shard of the bucket's* ``param_data`` (the replica), then, without
+``overlap_param_gather``, ``start_param_sync`` all-gathers every bucket's ``param_data``
+from those shards (0.19.2: through ``DDP._start_bucket_group_param_sync``, which calls the
+bucket group's ``start_param_sync``). With ``overlap_param_gather`` the all-gathers are
+issued later, bucket by bucket, from the forward pre-hooks of the next iteration.
 
-* ``DistributedOptimizer.step_with_ready_grads`` runs the inner Adam step on the fp32 main
-  shards, then ``_copy_main_params_to_model_params`` writes each main shard, cast to bf16,
-  into *this rank's shard of the bucket's* ``param_data`` (the replica), then, without
-  ``overlap_param_gather``, ``start_param_sync`` all-gathers every bucket's ``param_data``
-  from those shards (0.19.2: through ``DDP._start_bucket_group_param_sync``, which calls the
-  bucket group's ``start_param_sync``). With ``overlap_param_gather`` the all-gathers are
-  issued later, bucket by bucket, from the forward pre-hooks of the next iteration.
-* So between the Adam step and the all-gather, the replica shard still holds the previous
-  replica *unless the copy has run*. The installed copy therefore skips the 16-bit groups:
-  the replica shard keeps the old values (no extra copy of the weights is needed to take the
-  difference), and the replaced ``start_param_sync`` sends ``Q(main - replica shard)`` and
-  applies every rank's dequantized difference on every rank (the owner too), which both
-  updates the replica and keeps it bitwise identical across DP ranks.
+[Note: qWD keeps the replica until the all-gather]
+Between the Adam step and the all-gather, the replica shard still holds the previous
+replica *unless the copy has run*. The installed copy therefore skips the 16-bit groups:
+the replica shard keeps the old values (no extra copy of the weights is needed to take the
+difference), and the replaced ``start_param_sync`` sends ``Q(main - replica shard)`` and
+applies every rank's dequantized difference on every rank (the owner too), which both
+updates the replica and keeps it bitwise identical across DP ranks.
 
 The main shard of a bucket is not contiguous in the optimizer (one fp32 tensor per
 parameter piece), so each all-gather first gathers this rank's pieces into a shard-sized
@@ -36,13 +37,13 @@ layer still folds in the DP rank.
 
 from __future__ import annotations
 
-import types
 from dataclasses import dataclass
 
 import torch
 
 from megatron.sdp4bit.comm import weight_difference_all_gather
 from megatron.sdp4bit.comm.stats import timed
+from megatron.sdp4bit.integration.buckets import Buckets
 from megatron.sdp4bit.integration.releases import post_param_sync
 from megatron.sdp4bit.integration.state import KIND_PARAM, KIND_TIED_PARAM, RunState
 from megatron.sdp4bit.integration.tp_duplicates import TPDuplicates
@@ -66,11 +67,11 @@ class MainShard:
         return self.scratch
 
 
-def main_shards(optimizers, bucket_id_of: dict[int, int], dp_rank_of: dict[int, int],
-                world_of: dict[int, int]) -> dict[int, MainShard]:
-    """Bucket id -> :class:`MainShard`, read from every ``DistributedOptimizer``'s range maps.
+def main_shards(optimizers, buckets: Buckets) -> dict[int, MainShard]:
+    """Bucket id -> :class:`MainShard` for every bucket of ``buckets``, read from every
+    ``DistributedOptimizer``'s range maps (a bucket with no 16-bit main piece on this rank
+    gets an empty one: its shard is all padding or fp32).
 
-    ``bucket_id_of`` / ``dp_rank_of`` / ``world_of`` are keyed by ``id(bucket)``.
     Uses ``model_float16_groups`` / ``shard_fp32_from_float16_groups`` (parallel lists of
     model params and their fp32 main shards), ``model_param_gbuf_map`` (param -> buffer,
     bucket) and the range map's ``gbuf_world_in_bucket`` (the piece's place in the bucket).
@@ -81,15 +82,16 @@ def main_shards(optimizers, bucket_id_of: dict[int, int], dp_rank_of: dict[int, 
                                            opt.shard_fp32_from_float16_groups):
             for model_param, main in zip(model_group, main_group):
                 gbuf_index, _, bucket_index = opt.model_param_gbuf_map[model_param]
-                bucket = opt.buffers[gbuf_index].buckets[bucket_index]
-                key = id(bucket)
-                world = world_of[key]
-                shard = bucket.param_data.numel() // world
+                info = buckets.of(opt.buffers[gbuf_index].buckets[bucket_index])
+                shard = info.shard_numel
                 world_range = opt._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
-                start = world_range.start - dp_rank_of[key] * shard
+                start = world_range.start - info.shard_start
                 assert 0 <= start and start + main.numel() <= shard, "piece outside the shard"
-                entry = shards.setdefault(bucket_id_of[key], MainShard(shard, bucket.param_data.device, []))
+                entry = shards.setdefault(
+                    info.id, MainShard(shard, info.bucket.param_data.device, []))
                 entry.pieces.append((start, main))
+    for info in buckets:
+        shards.setdefault(info.id, MainShard(info.shard_numel, info.bucket.param_data.device, []))
     return shards
 
 
@@ -156,7 +158,7 @@ def make_start_param_sync(bucket_group, *, bucket_ids: list[int], shards: dict[i
             post_param_sync(self)
         self.param_gather_dispatched = True
 
-    return types.MethodType(start_param_sync, bucket_group)
+    return start_param_sync
 
 
 def make_copy_main_params_to_model_params(optimizer):
@@ -170,4 +172,4 @@ def make_copy_main_params_to_model_params(optimizer):
     def _copy_main_params_to_model_params(self) -> None:
         assert not any(self.model_fp32_groups), "qWD installed with fp32 model params"
 
-    return types.MethodType(_copy_main_params_to_model_params, optimizer)
+    return _copy_main_params_to_model_params

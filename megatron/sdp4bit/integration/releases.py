@@ -32,6 +32,22 @@ from __future__ import annotations
 
 import types
 
+TESTED_MEGATRON_CORE_VERSIONS = ("0.16.1", "0.19.2")
+"""0.16.1 is the release for Python < 3.12 (CI), 0.19.2 the one for Python >= 3.12 (what a
+GPU cluster set up today gets); ``setup.py`` and ``requirements.txt`` choose by interpreter."""
+
+
+def megatron_core_version() -> str:
+    """The installed release, without a local version label.
+
+    megatron-core 0.19.2's ``package_info`` appends ``+<commit>`` of whatever git repository
+    its files sit in (e.g. a virtual environment inside a clone of this repository gives
+    ``0.19.2+0d43811``): that label names no megatron-core change, so it is dropped.
+    """
+    from megatron.core import package_info
+
+    return str(package_info.__version__).split("+", 1)[0]
+
 
 def bucket_padding_module() -> types.ModuleType:
     """The megatron-core module whose global ``math.lcm`` gives the bucket-end divisor."""

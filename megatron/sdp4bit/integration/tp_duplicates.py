@@ -34,11 +34,12 @@ learned positions about (6 L h + s h) elements, for RoPE + RMSNorm models 2 L h.
 
 from __future__ import annotations
 
-import types
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from megatron.sdp4bit.integration.buckets import Buckets
 
 
 def is_tp_duplicate(param: torch.nn.Parameter) -> bool:
@@ -87,13 +88,11 @@ def _broadcast_elements(data: torch.Tensor, offsets: torch.Tensor, src: int, gro
     data.index_copy_(0, offsets, values)
 
 
-def tp_duplicates(model_chunks, bucket_ids: dict[int, int], dp_rank_of: dict[int, int],
-                  world_of: dict[int, int]) -> TPDuplicates | None:
+def tp_duplicates(model_chunks, buckets: Buckets) -> TPDuplicates | None:
     """The duplicated elements of every bucket of ``model_chunks``, or None with TP = 1.
 
-    ``bucket_ids`` / ``dp_rank_of`` / ``world_of`` are keyed by ``id(bucket)``. Offsets come
-    from each buffer's ``param_index_map`` (param -> start and end in the buffer), less the
-    bucket's ``offset`` in it.
+    Offsets come from each buffer's ``param_index_map`` (param -> start and end in the
+    buffer), less the bucket's ``offset`` in it.
     """
     from megatron.core import parallel_state
 
@@ -104,7 +103,7 @@ def tp_duplicates(model_chunks, bucket_ids: dict[int, int], dp_rank_of: dict[int
     for chunk in model_chunks:
         for buffer in chunk.buffers:
             for bucket in buffer.buckets:
-                key = id(bucket)
+                info = buckets.of(bucket)
                 ranges = []
                 for param in bucket.params_list:
                     if is_tp_duplicate(param):
@@ -114,32 +113,26 @@ def tp_duplicates(model_chunks, bucket_ids: dict[int, int], dp_rank_of: dict[int
                     continue
                 device = bucket.grad_data.device
                 offsets = torch.cat(ranges).sort().values
-                shard = bucket.grad_data.numel() // world_of[key]
-                first = dp_rank_of[key] * shard
-                mine = offsets[(offsets >= first) & (offsets < first + shard)] - first
-                bid = bucket_ids[key]
-                found.bucket_offsets[bid] = offsets.to(device)
+                first = info.shard_start
+                mine = offsets[(offsets >= first) & (offsets < info.shard_end)] - first
+                found.bucket_offsets[info.id] = offsets.to(device)
                 if mine.numel():
-                    found.shard_offsets[bid] = mine.to(device)
+                    found.shard_offsets[info.id] = mine.to(device)
     return found
 
 
-def make_copy_model_grads_to_main_grads(optimizer, duplicates: TPDuplicates,
-                                        bucket_ids: dict[int, int], dp_rank_of: dict[int, int],
-                                        world_of: dict[int, int]):
+def make_copy_model_grads_to_main_grads(optimizer, duplicates: TPDuplicates, buckets: Buckets):
     """The optimizer's copy of the reduced gradients, after the TP sync of the duplicated
     ones (see [Note: TP-duplicated weights])."""
     original = type(optimizer)._copy_model_grads_to_main_grads
     shards = []
     for buffer in optimizer.buffers:
         for bucket in buffer.buckets:
-            key = id(bucket)
-            size = bucket.grad_data.numel() // world_of[key]
-            rank = dp_rank_of[key]
-            shards.append((bucket_ids[key], bucket.grad_data[rank * size:(rank + 1) * size]))
+            info = buckets.of(bucket)
+            shards.append((info.id, bucket.grad_data[info.shard_start:info.shard_end]))
 
     def _copy_model_grads_to_main_grads(self) -> None:
         duplicates.sync_gradients(shards)
         original(self)
 
-    return types.MethodType(_copy_model_grads_to_main_grads, optimizer)
+    return _copy_model_grads_to_main_grads

@@ -1,42 +1,69 @@
-"""Which megatron-core releases the seams were checked against.
+"""Whether SDP4Bit runs on the installed megatron-core: the releases it was tested on, and
+the table of replacements for any other.
 
-The integration replaces private behaviours of megatron-core (see docs/integration.md):
-``_ParamAndGradBucketGroup.start_grad_sync`` / ``start_param_sync``,
-``DistributedOptimizer._copy_main_params_to_model_params`` and the bucket-end padding.
-Their bodies are re-stated (not copied) in SDP4Bit's replacements, so a megatron-core
-release that changes them must be re-checked before it is allowed here. Where the tested
-releases differ, ``releases.py`` names the difference.
+SDP4Bit replaces attributes of megatron-core and torch (``patches.py``: the table, each
+entry with the releases it was checked on and the signature it was checked with), and its
+replacements re-state or wrap what they replace. Where the tested releases differ,
+``releases.py`` names the difference.
 
-0.16.1 is the release for Python < 3.12 (CI), 0.19.2 the one for Python >= 3.12 (what a
-GPU cluster set up today gets); ``setup.py`` and ``requirements.txt`` choose by interpreter.
+[Note: an untested megatron-core release]
+On 0.16.1 and 0.19.2 every entry was checked by hand and by the release walk
+(tests/distributed/test_integration_replacements.py). On any other release,
+:func:`check_megatron_core_version` walks the whole table with the engine's own check
+(``patches.first_problem``): if every target is present with the signature it was checked
+with, SDP4Bit runs, with one warning line naming the release; otherwise it refuses, naming
+the first target that moved, unless the user accepts that (``allow_untested_version=True``,
+the trainer's ``--allow-untested-megatron-core``): then it runs with one warning line naming
+the moved target, and the engine lets the moved (not the missing) targets be replaced.
 """
 
 from __future__ import annotations
 
-TESTED_MEGATRON_CORE_VERSIONS = ("0.16.1", "0.19.2")
+import logging
+
+from megatron.sdp4bit.integration import patches
+from megatron.sdp4bit.integration.releases import (
+    TESTED_MEGATRON_CORE_VERSIONS,
+    megatron_core_version,
+)
+
+__all__ = ["TESTED_MEGATRON_CORE_VERSIONS", "check_megatron_core_version",
+           "megatron_core_version"]
+
+_log = logging.getLogger("megatron.sdp4bit")
+_warned: set[str] = set()
 
 
-def megatron_core_version() -> str:
-    """The installed release, without a local version label.
-
-    megatron-core 0.19.2's ``package_info`` appends ``+<commit>`` of whatever git repository
-    its files sit in (e.g. a virtual environment inside a clone of this repository gives
-    ``0.19.2+0d43811``): that label names no megatron-core change, so it is dropped.
-    """
-    from megatron.core import package_info
-
-    return str(package_info.__version__).split("+", 1)[0]
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        _log.warning(message)
 
 
-def check_megatron_core_version(*, allow_untested_version: bool = False) -> str:
-    """Return the installed version; raise ``RuntimeError`` unless it is a tested one."""
+def check_megatron_core_version(*, allow_untested_version: bool = False,
+                                how_to_allow: str = "pass allow_untested_version=True") -> str:
+    """Return the installed release if SDP4Bit may run on it; raise ``RuntimeError`` (one
+    line) if not. See [Note: an untested megatron-core release]. ``how_to_allow`` is the
+    override the refusal names (the trainer names its flag)."""
     version = megatron_core_version()
-    if version not in TESTED_MEGATRON_CORE_VERSIONS and not allow_untested_version:
-        old, new = TESTED_MEGATRON_CORE_VERSIONS
-        raise RuntimeError(
-            f"SDP4Bit was tested with megatron-core {old} and {new} but megatron-core {version} "
-            f"is installed: install megatron-core=={new} (Python >= 3.12) or "
-            f"megatron-core=={old} (Python < 3.12), or pass allow_untested_version=True to try "
-            "this one (then run tests/distributed/test_integration_sdp4bit.py against it first)"
-        )
-    return version
+    if version in TESTED_MEGATRON_CORE_VERSIONS:
+        return version
+    old, new = TESTED_MEGATRON_CORE_VERSIONS
+    entries = [e for e in patches.all_replacements() if patches.applies(e)]
+    moved = patches.first_problem(entries, version)
+    if moved is None:
+        _warn_once(version, f"SDP4Bit: warning: megatron-core {version} was never tested (tested: "
+                   f"{old}, {new}); every attribute SDP4Bit replaces is present with the "
+                   "signature it was checked with, so it runs")
+        return version
+    if allow_untested_version:
+        patches.accept_changed(e for e in entries if patches.problem(e, version) is not None)
+        _warn_once(version, f"SDP4Bit: warning: megatron-core {version} was never tested "
+                   f"(tested: {old}, {new}) and {moved}; running anyway as asked")
+        return version
+    raise RuntimeError(
+        f"SDP4Bit was tested with megatron-core {old} and {new} but megatron-core {version} "
+        f"is installed, and {moved}: install megatron-core=={new} (Python >= 3.12) or "
+        f"megatron-core=={old} (Python < 3.12), or {how_to_allow} to try this one (then "
+        "run tests/distributed/test_integration_sdp4bit.py against it first)"
+    )

@@ -8,27 +8,25 @@ import os
 
 import torch
 
+from megatron.sdp4bit.config import KERNEL_BACKENDS
+
 BACKEND_ENV = "SDP4BIT_KERNEL_BACKEND"
 
 
-class KernelBackend(enum.Enum):
-    """``AUTO`` = Triton for CUDA tensors (``ImportError`` when triton cannot be imported:
-    the references are never chosen silently on a GPU), the compiled CPU kernels for CPU
-    tensors (the torch references, with one warning, where those cannot be built);
-    ``TORCH`` / ``TRITON`` / ``CPU`` force one. All produce the same bytes.
+KernelBackend = enum.Enum("KernelBackend", {name.upper(): name for name in KERNEL_BACKENDS})
+KernelBackend.__doc__ = """``AUTO`` = Triton for CUDA tensors (``ImportError`` when triton cannot be
+imported: the references are never chosen silently on a GPU), the compiled CPU kernels for
+CPU tensors (the torch references, with one warning, where those cannot be built);
+``TORCH`` / ``TRITON`` / ``CPU`` force one. All produce the same bytes. One member per name
+of ``megatron.sdp4bit.config.KERNEL_BACKENDS``.
 
-    ``TRITON`` on CPU tensors only works under ``TRITON_INTERPRET=1`` (tests, debugging).
-    The environment variable ``SDP4BIT_KERNEL_BACKEND`` (auto, torch, triton, cpu) overrides
-    ``AUTO`` for a whole process, e.g. to debug numerics with the references.
-    """
-
-    AUTO = "auto"
-    TORCH = "torch"
-    TRITON = "triton"
-    CPU = "cpu"
+``TRITON`` on CPU tensors only works under ``TRITON_INTERPRET=1`` (tests, debugging).
+The environment variable ``SDP4BIT_KERNEL_BACKEND`` (auto, torch, triton, cpu) overrides
+``AUTO`` for a whole process, e.g. to debug numerics with the references.
+"""
 
 
-BACKEND_NAMES = tuple(b.value for b in KernelBackend)
+BACKEND_NAMES = KERNEL_BACKENDS
 
 
 @functools.lru_cache(maxsize=None)

@@ -6,9 +6,15 @@ one process behave, as far as Python code can tell, like a rank of a CUDA run:
 
 1. ``torch.cuda.is_available()`` is True, so the trainer takes its CUDA branch
    (``torch.cuda.set_device``, ``backend="nccl"``, ``model.cuda()``, ``non_blocking`` copies,
-   the "CUDA" RNG, timers that synchronize, megatron-core's GPU allocations). The runtime
-   calls are stubs (streams and events do nothing: CPU work is synchronous).
-2. Every tensor is a CPU tensor underneath, computing for real, but carries what it would
+   the "CUDA" RNG, timers that synchronize, megatron-core's GPU allocations).
+   [Note: the dry run's CUDA runtime]
+   The runtime calls are stubs: CPU mode's (``integration/cuda_stubs.py``: current device,
+   stream, "CUDA" random state) and the rest of what a CUDA process asks (availability,
+   device count and properties, memory counters, events and streams that do nothing: CPU
+   work is synchronous; NVTX ranges; ``torch._dynamo`` off, so that megatron-core's
+   ``jit_fuser`` fusions run eagerly instead of being compiled for the real, CPU, device).
+2. [Note: a GPU run's tensors, tagged]
+   Every tensor is a CPU tensor underneath, computing for real, but carries what it would
    be on a GPU run as its Python class: :class:`DeviceTensor` (allocated on or moved to
    ``cuda``; reports ``device == cuda:N`` and ``is_cuda``) or :class:`HostTensor` (a factory
    without a device or with ``"cpu"``, ``.cpu()``, ``.to("cpu")``, ``torch.load`` with
@@ -16,15 +22,21 @@ one process behave, as far as Python code can tell, like a rank of a CUDA run:
    of every result: host only when every tensor input is host, as CUDA ops do. Plain
    tensors are those made in C++ (autograd's gradients): on a GPU run they sit on the
    device of their inputs, so they count as device tensors.
-3. ``init_process_group("nccl")`` and ``new_group(backend="nccl")`` get gloo, and every
+3. [Note: NCCL's rules on gloo]
+   ``init_process_group("nccl")`` and ``new_group(backend="nccl")`` get gloo, and every
    tensor collective of ``torch.distributed`` is wrapped by a check of NCCL's rules before
-   gloo runs it: a host tensor, a non-contiguous tensor, mixed dtypes, or sizes that do not
-   fit the group (all-gather, reduce-scatter, all-to-all) raise :class:`CudaDryRunError`
+   gloo runs it (in ``torch.distributed`` and ``distributed_c10d``, and in the megatron-core
+   module globals that captured one at import, ``dist_all_gather_func = ...``): a host
+   tensor, a non-contiguous tensor, mixed dtypes, or sizes that do not fit the group
+   (all-gather, reduce-scatter, all-to-all) raise :class:`CudaDryRunError`
    with one line naming the collective, the group and the tensor. Object collectives
    (``all_gather_object``...) are exempt: torch moves their bytes to the device itself.
 
 Only :func:`enable_cuda_dryrun` switches it on (``dev/cuda_dryrun.py`` calls it before
-importing the trainer); nothing else imports this module. Limits: docs/cuda_dryrun.md.
+importing the trainer); nothing else imports this module (the replacement table lists its
+entries). Every replaced attribute is an entry of that table (:data:`DRY_RUN`): CPU mode's
+CUDA stubs plus the rest of the runtime, the collectives and ``torch.load``.
+Limits: docs/cuda_dryrun.md.
 """
 
 from __future__ import annotations
@@ -43,7 +55,10 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from megatron.sdp4bit.integration.cpu_mode import names_cuda
+from megatron.sdp4bit.integration import cuda_stubs, patches
+from megatron.sdp4bit.integration.cuda_stubs import SHARED_STUBS, cuda_type_name, names_cuda
+from megatron.sdp4bit.integration.patches import MODULE, both, declare
+from megatron.sdp4bit.quantization.backend import BACKEND_ENV, KernelBackend
 
 __all__ = ["CudaDryRunError", "DeviceTensor", "HostTensor", "enable_cuda_dryrun",
            "cuda_dryrun_active", "is_host"]
@@ -53,9 +68,6 @@ class CudaDryRunError(RuntimeError):
     """A collective that NCCL would refuse on a GPU run (one line: collective, group, tensor)."""
 
 
-_DEVICE_INDEX = [0]  # what torch.cuda.set_device chose
-
-
 class DeviceTensor(torch.Tensor):
     """A CPU tensor that a GPU run would hold on the current CUDA device."""
 
@@ -63,7 +75,7 @@ class DeviceTensor(torch.Tensor):
 
     @property
     def device(self) -> torch.device:  # type: ignore[override]
-        return torch.device("cuda", _DEVICE_INDEX[0])
+        return torch.device("cuda", cuda_stubs.DEVICE_INDEX[0])
 
     @property
     def is_cuda(self) -> bool:  # type: ignore[override]
@@ -163,7 +175,7 @@ class _DryRunMode(TorchFunctionMode):
             with torch._C.DisableTorchFunctionSubclass():
                 name = func(*args)
             # megatron-core's optimizers recognise 16-bit parameters by the CUDA type name
-            return name.replace("torch.", "torch.cuda.", 1) if not is_host(args[0]) else name
+            return cuda_type_name(name) if not is_host(args[0]) else name
         cls = None
         if "device" in kwargs and kwargs["device"] is not None:
             if names_cuda(kwargs["device"]):
@@ -359,132 +371,182 @@ def _gloo_for_nccl(fn: Callable, position: int) -> Callable:
     return wrapper
 
 
-_replaced: dict[int, Callable] = {}  # id(original) -> wrapper
+_replaced: dict[int, Callable] = {}  # id(original) -> its one wrapper
 
 
-def _wrap_collectives() -> None:
-    from torch.distributed import distributed_c10d as c10d
+def _wrapper_for(name: str) -> Callable[[Callable], Callable]:
+    """The maker of collective ``name``'s wrapper: one wrapper per original, wherever the
+    original is found (``torch.distributed``, ``distributed_c10d``, a captured global)."""
 
-    for names, make in ((_CHECKED, _checked), (_OBJECT, None)):
-        for name in names:
-            original = getattr(c10d, name, None)
-            if original is None:
-                continue
-            wrapper = _checked(name, original) if make else _exempted(original)
-            _replaced[id(original)] = wrapper
-            for module in (c10d, dist):
-                if getattr(module, name, None) is original:
-                    setattr(module, name, wrapper)
-    dist.init_process_group = c10d.init_process_group = _gloo_for_nccl(c10d.init_process_group, 0)
-    dist.new_group = c10d.new_group = _gloo_for_nccl(c10d.new_group, 2)
+    def wrap(original: Callable) -> Callable:
+        if id(original) not in _replaced:
+            _replaced[id(original)] = (_checked(name, original) if name in _CHECKED
+                                       else _exempted(original))
+        return _replaced[id(original)]
+
+    return wrap
 
 
-def rebind_captured_collectives() -> None:
-    """Point module globals that captured a collective before the wrap (megatron-core's
-    ``dist_all_gather_func = torch.distributed.all_gather_into_tensor``) at the check."""
+def _gloo_maker(position: int) -> Callable[[Callable], Callable]:
+    return lambda original: _gloo_for_nccl(original, position)
+
+
+def _set_device(device: Any) -> None:
+    cuda_stubs.DEVICE_INDEX[0] = device.index or 0 if isinstance(device, torch.device) else int(
+        str(device).split(":")[-1]) if not isinstance(device, int) else device
+
+
+def _device_count() -> int:
+    return max(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))), 1)
+
+
+_RUNTIME_NOTE = "[Note: the dry run's CUDA runtime] (testing/cuda_dryrun.py)"
+_NCCL_NOTE = "[Note: NCCL's rules on gloo] (testing/cuda_dryrun.py)"
+
+
+def _nothing() -> Callable[..., None]:
+    # A new function each time: torch._dynamo's trace rules key torch's functions by
+    # identity and refuse one object standing for two of them.
+    return lambda *args, **kwargs: None
+
+
+def _zero() -> Callable[..., int]:
+    return lambda device=None: 0
+
+
+# (torch.cuda attribute, stub, fingerprint of torch's own)
+_RUNTIME = (
+    ("is_available", lambda: True, "()"),
+    ("is_initialized", lambda: True, "()"),
+    ("device_count", _device_count, "()"),
+    ("set_device", _set_device, "(device)"),
+    ("synchronize", _nothing(), "(device)"),
+    ("Event", cuda_stubs.Event, "(enable_timing, blocking, interprocess, external)"),
+    ("Stream", cuda_stubs.Stream, "(device, priority, **kwargs)"),
+    ("default_stream", lambda device=None: cuda_stubs.STREAM, "(device)"),
+    ("stream", lambda s=None: contextlib.nullcontext(), "(stream)"),
+    ("set_rng_state", lambda state, device="cuda": torch.set_rng_state(state),
+     "(new_state, device)"),
+    ("manual_seed_all", _nothing(), "(seed)"),
+    ("empty_cache", _nothing(), "()"),
+    ("memory_allocated", _zero(), "(device)"),
+    ("max_memory_allocated", _zero(), "(device)"),
+    ("memory_reserved", _zero(), "(device)"),
+    ("max_memory_reserved", _zero(), "(device)"),
+    ("reset_peak_memory_stats", _nothing(), "(device)"),
+    ("get_device_capability", lambda device=None: (9, 0), "(device)"),
+    ("get_device_name", lambda device=None: "CUDA dry run (CPU)", "(device)"),
+)
+RUNTIME_STUBS = tuple(
+    declare(f"dryrun.cuda.{attr}", "torch.cuda", attr, MODULE, stub, note=_RUNTIME_NOTE,
+            checked=both(fp)) for attr, stub, fp in _RUNTIME) + (
+    declare("dryrun.cuda.random.set_rng_state", "torch.cuda.random", "set_rng_state", MODULE,
+            dict((a, s) for a, s, _ in _RUNTIME)["set_rng_state"], note=_RUNTIME_NOTE,
+            checked=both("(new_state, device)")),
+    declare("dryrun.cuda.nvtx.range_push", "torch.cuda.nvtx", "range_push", MODULE, _nothing(),
+            note=_RUNTIME_NOTE, checked=both("(msg)")),
+    declare("dryrun.cuda.nvtx.range_pop", "torch.cuda.nvtx", "range_pop", MODULE, _nothing(),
+            note=_RUNTIME_NOTE, checked=both("()")),
+    declare("dryrun.dynamo.disable", "torch._dynamo.config", "disable", MODULE, True,
+            note=_RUNTIME_NOTE, checked=both("<bool>")),
+)
+
+_C10D = "torch.distributed.distributed_c10d"
+# megatron-core module globals that hold a collective captured at import (same in 0.16.1
+# and 0.19.2); a capture not listed here is refused by enable_cuda_dryrun.
+CAPTURED = (
+    ("megatron.core.distributed.param_and_grad_buffer", "dist_all_gather_func",
+     "all_gather_into_tensor"),
+    ("megatron.core.distributed.param_and_grad_buffer", "dist_reduce_scatter_func",
+     "reduce_scatter_tensor"),
+    ("megatron.core.tensor_parallel.layers", "dist_all_gather_func", "all_gather_into_tensor"),
+    ("megatron.core.tensor_parallel.layers", "dist_reduce_scatter_func",
+     "reduce_scatter_tensor"),
+    ("megatron.core.tensor_parallel.mappings", "dist_all_gather_func",
+     "all_gather_into_tensor"),
+    ("megatron.core.tensor_parallel.mappings", "dist_reduce_scatter_func",
+     "reduce_scatter_tensor"),
+    ("megatron.core.tensor_parallel.utils", "dist_all_gather_func", "all_gather_into_tensor"),
+    ("megatron.core.timers", "dist_all_gather_func", "all_gather_into_tensor"),
+    ("megatron.core.transformer.multi_token_prediction", "dist_all_gather_func",
+     "all_gather_into_tensor"),
+    ("megatron.core.utils", "dist_all_gather_func", "all_gather_into_tensor"),
+)
+
+
+# The parameters of torch's collectives (torch 2.13, pinned by requirements.txt) that the
+# checks above were written against: _check_call binds the arguments by these names.
+_COLLECTIVE_PARAMS = {
+    "all_reduce": "(tensor, op, group, async_op)",
+    "broadcast": "(tensor, src, group, async_op, group_src)",
+    "reduce": "(tensor, dst, op, group, async_op, group_dst)",
+    "send": "(tensor, dst, group, tag, group_dst)",
+    "recv": "(tensor, src, group, tag, group_src)",
+    "isend": "(tensor, dst, group, tag, group_dst)",
+    "irecv": "(tensor, src, group, tag, group_src)",
+    "all_gather": "(tensor_list, tensor, group, async_op)",
+    "all_gather_into_tensor": "(output_tensor, input_tensor, group, async_op)",
+    "all_gather_single": "(output_tensor, input_tensor, group, async_op)",
+    "_all_gather_base": "(output_tensor, input_tensor, group, async_op)",
+    "reduce_scatter": "(output, input_list, op, group, async_op)",
+    "reduce_scatter_tensor": "(output, input, op, group, async_op)",
+    "_reduce_scatter_base": "(output, input, op, group, async_op)",
+    "all_to_all": "(output_tensor_list, input_tensor_list, group, async_op)",
+    "all_to_all_single": "(output, input, output_split_sizes, input_split_sizes, group, "
+                         "async_op)",
+    "gather": "(tensor, gather_list, dst, group, async_op, group_dst)",
+    "scatter": "(tensor, scatter_list, src, group, async_op, group_src)",
+    "batch_isend_irecv": "(p2p_op_list)",
+    "all_gather_object": "(object_list, obj, group)",
+    "broadcast_object_list": "(object_list, src, group, device, group_src)",
+    "gather_object": "(obj, object_gather_list, dst, group, group_dst)",
+    "scatter_object_list": "(scatter_object_output_list, scatter_object_input_list, src, "
+                           "group, group_src)",
+    "send_object_list": "(object_list, dst, group, device, group_dst, use_batch)",
+    "recv_object_list": "(object_list, src, group, device, group_src, use_batch)",
+    "barrier": "(group, async_op, device_ids, timeout)",
+    "monitored_barrier": "(group, timeout, wait_all_ranks)",
+    "init_process_group": "(backend, init_method, timeout, world_size, rank, store, "
+                          "group_name, pg_options, device_id, _ranks)",
+    "new_group": "(ranks, timeout, backend, pg_options, use_local_synchronization, "
+                 "group_desc, device_id, sort_ranks)",
+}
+
+
+def _collective_fingerprint(name: str) -> str:
+    return _COLLECTIVE_PARAMS[name]
+
+
+COLLECTIVES = tuple(
+    declare(f"dryrun.{where}.{name}", module, name, MODULE, _wrapper_for(name), wraps=True,
+            note=_NCCL_NOTE, checked=both(_collective_fingerprint(name)))
+    for name in _CHECKED + _OBJECT for where, module in (("c10d", _C10D),
+                                                         ("dist", "torch.distributed"))
+) + tuple(
+    declare(f"dryrun.{where}.{name}", module, name, MODULE, _gloo_maker(position), wraps=True,
+            note=_NCCL_NOTE, checked=both(_collective_fingerprint(name)))
+    for name, position in (("init_process_group", 0), ("new_group", 2))
+    for where, module in (("c10d", _C10D), ("dist", "torch.distributed"))
+) + tuple(
+    declare(f"dryrun.captured.{module.removeprefix('megatron.core.')}.{attr}", module, attr,
+            MODULE,
+            _wrapper_for(name), wraps=True, note=_NCCL_NOTE,
+            checked=both(_collective_fingerprint(name)))
+    for module, attr, name in CAPTURED
+)
+
+
+def _undeclared_capture() -> str | None:
+    """A megatron module global that still holds an unwrapped collective, or None."""
+    originals = {id(w._sdp4bit_dryrun_original): w.__name__ for w in _replaced.values()}
     for name, module in list(sys.modules.items()):
         if not name.startswith("megatron") or not isinstance(module, types.ModuleType):
             continue
         for attr, value in list(vars(module).items()):
-            if callable(value) and id(value) in _replaced:
-                setattr(module, attr, _replaced[id(value)])
-
-
-# --- the CUDA runtime, stubbed ------------------------------------------------------------
-
-class _Event:
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        import time
-
-        self._time, self._clock = None, time.perf_counter
-
-    def record(self, stream: Any = None) -> None:
-        self._time = self._clock()
-
-    def synchronize(self) -> None:
-        pass
-
-    def wait(self, stream: Any = None) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def elapsed_time(self, end: "_Event") -> float:
-        return ((end._time or 0.0) - (self._time or 0.0)) * 1e3
-
-
-class _Stream:
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def wait_stream(self, other: Any) -> None:
-        pass
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-    def record_event(self, event: Any = None) -> _Event:
-        event = event or _Event()
-        event.record()
-        return event
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-
-_STREAM = _Stream()
-
-
-def _set_device(device: Any) -> None:
-    _DEVICE_INDEX[0] = device.index or 0 if isinstance(device, torch.device) else int(
-        str(device).split(":")[-1]) if not isinstance(device, int) else device
-
-
-def _stub_cuda_runtime() -> None:
-    from megatron.core.tensor_parallel import random as mcore_random
-
-    cuda = torch.cuda
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    stubs: dict[str, Any] = dict(
-        is_available=lambda: True,
-        is_initialized=lambda: True,
-        device_count=lambda: max(local_world, 1),
-        set_device=_set_device,
-        current_device=lambda: _DEVICE_INDEX[0],
-        synchronize=lambda device=None: None,
-        Event=_Event,
-        Stream=_Stream,
-        current_stream=lambda device=None: _STREAM,
-        default_stream=lambda device=None: _STREAM,
-        stream=lambda s=None: contextlib.nullcontext(),
-        get_rng_state=lambda device="cuda": torch.get_rng_state(),
-        set_rng_state=lambda state, device="cuda": torch.set_rng_state(state),
-        # "the CUDA generator" is the CPU one (as in CPU mode); torch.manual_seed seeds it
-        # and then calls manual_seed_all, which has nothing left to do
-        manual_seed=lambda seed: torch.default_generator.manual_seed(int(seed)),
-        manual_seed_all=lambda seed: None,
-        empty_cache=lambda: None,
-        memory_allocated=lambda device=None: 0,
-        max_memory_allocated=lambda device=None: 0,
-        memory_reserved=lambda device=None: 0,
-        max_memory_reserved=lambda device=None: 0,
-        reset_peak_memory_stats=lambda device=None: None,
-        get_device_capability=lambda device=None: (9, 0),
-        get_device_name=lambda device=None: "CUDA dry run (CPU)",
-    )
-    for name, stub in stubs.items():
-        setattr(cuda, name, stub)
-    cuda.random.get_rng_state = stubs["get_rng_state"]
-    cuda.random.set_rng_state = stubs["set_rng_state"]
-    cuda.random.manual_seed = stubs["manual_seed"]
-    cuda.nvtx.range_push = lambda *a, **k: None
-    cuda.nvtx.range_pop = lambda *a, **k: None
-    mcore_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: \
-        torch.set_rng_state(new_state)
+            if id(value) in originals:
+                return (f"{name}.{attr} holds torch.distributed.{originals[id(value)]} "
+                        "unchecked: add it to CAPTURED in megatron/sdp4bit/testing/cuda_dryrun.py")
+    return None
 
 
 def _host_load(load: Callable) -> Callable:
@@ -497,6 +559,14 @@ def _host_load(load: Callable) -> Callable:
         return _retag(out, DeviceTensor)  # loaded where it was saved: on the device
     return wrapper
 
+
+LOAD = declare("dryrun.torch.load", "torch", "load", MODULE, _host_load, wraps=True,
+               note="[Note: a GPU run's tensors, tagged] (testing/cuda_dryrun.py)",
+               checked=both("(f, map_location, pickle_module, *, weights_only, mmap, "
+                            "**pickle_load_args)"))
+
+DRY_RUN = SHARED_STUBS + RUNTIME_STUBS + COLLECTIVES + (LOAD,)
+"""Everything the dry run replaces: CPU mode's CUDA stubs plus NCCL's rules."""
 
 _mode: _DryRunMode | None = None
 
@@ -515,16 +585,11 @@ def enable_cuda_dryrun() -> None:
         raise RuntimeError("the CUDA dry run emulates CUDA on the CPU; this machine has a GPU: "
                            "run pretrain_gpt.py on it instead")
     # Triton cannot run here: the quantization kernels use their torch references.
-    os.environ["SDP4BIT_KERNEL_BACKEND"] = "torch"
-    # torch.compile'd fusions (megatron-core's jit_fuser: bias-dropout-add, bias-GeLU) run
-    # eagerly: inductor would compile them for the real (CPU) device, not for CUDA.
-    import torch._dynamo as dynamo
-
-    dynamo.config.disable = True
-    _wrap_collectives()
-    _stub_cuda_runtime()
-    rebind_captured_collectives()
-    torch.load = _host_load(torch.load)
+    os.environ[BACKEND_ENV] = KernelBackend.TORCH.value
+    patches.apply(DRY_RUN)  # for the life of the process
+    undeclared = _undeclared_capture()
+    if undeclared is not None:
+        raise CudaDryRunError(f"CUDA dry run: {undeclared}")
     mode = _DryRunMode()
     mode.__enter__()
     _mode = mode

@@ -36,6 +36,7 @@ from megatron.sdp4bit.training.model import (
     transformer_config_from_args,
     wrap_ddp,
 )
+from megatron.sdp4bit.training.observe.logging import format_parameter_count
 from megatron.sdp4bit.training.observe.noise import announce
 from megatron.sdp4bit.training.observe.timers import Timers
 from megatron.sdp4bit.training.tokenizers import build_tokenizer, padded_vocab_size
@@ -162,6 +163,8 @@ def data_settings(args: argparse.Namespace) -> dict:
                 for s in ("train", "valid", "test")}
     if args.split_vector is not None:  # '98,2,0' and '98, 2, 0' agree
         data["split"] = ",".join(f"{x:.6g}" for x in args.split_vector)
+    if getattr(args, "eval_data_seed", None) is not None:  # absent: the evaluations use --seed
+        data["eval_data_seed"] = args.eval_data_seed
     return {**data, "seed": args.seed}
 
 
@@ -171,6 +174,8 @@ def method_settings(config: SDP4BitConfig) -> dict:
     keys = ["quantized_weights", "quantized_gradients"]
     if config.quantized_weights:
         keys += ["weight_quantization_bits", "wq_group_size", "weight_quantization_mode"]
+        if config.weight_quantization_mode == "diff":
+            keys.append("weight_difference_target")
     if config.quantized_gradients:
         keys += ["gradient_quantization_bits_intra", "gq_group_size_intra",
                  "gradient_quantization_bits_inter", "gq_group_size_inter",
@@ -241,7 +246,13 @@ def build_state(args: argparse.Namespace, sdp4bit_config: SDP4BitConfig,
         if args.timing_log_level else None
     config = transformer_config_from_args(args, timers)
     with sdp4bit_padding(sdp4bit_config):
-        model = [wrap_ddp(args, config, build_model(args, config, vocab))]
+        gpt = build_model(args, config, vocab)
+        if parallel_state.get_data_parallel_rank() == 0:  # Megatron-LM's line, one per TP x PP
+            print(format_parameter_count(parallel_state.get_tensor_model_parallel_rank(),
+                                         parallel_state.get_pipeline_model_parallel_rank(),
+                                         sum(p.nelement() for p in gpt.parameters())),
+                  flush=True)
+        model = [wrap_ddp(args, config, gpt)]
     # Megatron-LM's hooks: finalize (DP grad sync, embedding tying) and gradient-sync control.
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model[0].no_sync

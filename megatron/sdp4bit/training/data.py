@@ -8,11 +8,18 @@ or each from its own files (``--train-data-path``, ``--valid-data-path``,
 dataset (no validation without ``--valid-data-path``). The sampler hands every DP rank its
 slice of each global batch in order, starting at ``consumed_samples``, so a resumed run
 reads exactly the samples the uninterrupted run would have read.
+
+Every split is shuffled with ``--seed`` (Megatron-LM's behaviour), so runs that differ in
+``--seed`` evaluate on different samples. ``--eval-data-seed`` shuffles the validation and
+test splits with a seed of their own: they are built a second time with it (the training
+split of that second build is asked for no samples, which keeps its index one epoch long),
+and the training split is the one of the first build.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -72,9 +79,15 @@ def build_datasets(args: argparse.Namespace, tokenizer) -> list:
     cls = MockGPTDataset if args.mock_data else GPTDataset
     config = dataset_config(args, tokenizer)
     sizes = dataset_sizes(args)
+    eval_seed = getattr(args, "eval_data_seed", None)
 
     def build() -> list:
-        return BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
+        datasets = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
+        if eval_seed is not None and eval_seed != args.seed:
+            held_out = dataclasses.replace(config, random_seed=eval_seed)
+            datasets[1:] = BlendedMegatronDatasetBuilder(
+                cls, [0, *sizes[1:]], lambda: True, held_out).build()[1:]
+        return datasets
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     datasets = build() if rank == 0 else None

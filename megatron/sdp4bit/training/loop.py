@@ -1,5 +1,5 @@
 """The training loop: steps (:mod:`.step`), LR schedule, evaluation, logging, checkpoints,
-``--exit-interval``, skipped steps and the replica check."""
+``--exit-interval``, ``--exit-signal-handler``, skipped steps and the replica check."""
 
 from __future__ import annotations
 
@@ -15,9 +15,16 @@ from megatron.sdp4bit.comm.stats import CommStats
 from megatron.sdp4bit.config import SDP4BitConfig
 from megatron.sdp4bit.training.checkpoint import formats as checkpoint_formats
 from megatron.sdp4bit.training.guards import faults
+from megatron.sdp4bit.training.guards.exit_signal import ExitSignal
 from megatron.sdp4bit.training.observe.comm_counters import add_unquantized_iteration, snapshot_fields
 from megatron.sdp4bit.training.data import batch_iterator
-from megatron.sdp4bit.training.observe.logging import MetricsWriter, format_eval_lines, format_train_line
+from megatron.sdp4bit.training.observe.logging import (
+    format_eval_lines,
+    format_saved,
+    format_saving,
+    format_train_line,
+)
+from megatron.sdp4bit.training.observe.metrics_writer import MetricsWriter
 from megatron.sdp4bit.training.cli.megatron_flags import exit_duration_reached
 from megatron.sdp4bit.training.guards.replicas import check_replicas, gather_pending
 from megatron.sdp4bit.training.step import evaluate, has_loss_scaler, train_step
@@ -86,11 +93,32 @@ def _save(args, state: TrainState) -> None:
     if faults.active("nan-weight", state.iteration, dist.get_rank()):
         with torch.no_grad():
             next(state.model[0].parameters()).view(-1)[0] = float("nan")
+    # Megatron-LM's two lines, from rank 0 as there: cluster tooling waits for the second.
+    if dist.get_rank() == 0:
+        print(format_saving(state.iteration, args.save, args.ckpt_format), flush=True)
     checkpoint_formats.save(args, state.iteration, state.consumed_samples, state.model,
                             state.optimizer, state.scheduler, state.settings)
     state.saved_iteration = state.iteration
+    if dist.get_rank() == 0:
+        print(format_saved(state.iteration, args.save, args.tensor_model_parallel_size,
+                           args.pipeline_model_parallel_size), flush=True)
+
+
+def _exit_on_signal(args, state: TrainState, signal: ExitSignal, saved: bool) -> None:
+    """Every rank agreed that the signal came: save this iteration (unless just saved)."""
+    start = time.monotonic()
+    if args.save and not saved:
+        _save(args, state)
     if _is_logging_rank():
-        print(f"saved checkpoint at iteration {state.iteration:7d} to {args.save}", flush=True)
+        if not args.save:
+            done = "no --save: nothing saved"
+        elif state.saved_iteration != state.iteration:  # _save said why it did not
+            done = "this iteration not saved"
+        else:
+            done = ("checkpoint saved" if saved
+                    else f"checkpoint saved in {time.monotonic() - start:.1f} s")
+        print(f"exiting program after receiving {signal.name} at iteration "
+              f"{state.iteration} ({done})", flush=True)
 
 
 def _healthy_checkpoint(args, state: TrainState) -> str:
@@ -145,8 +173,10 @@ def _check_progress(state: TrainState, start_iteration: int) -> None:
             "--initial-loss-scale or --lr, or check the data")
 
 
-def train(args: argparse.Namespace, state: TrainState, on_iteration=None) -> TrainState:
-    """Run from ``state.iteration`` to ``--train-iters`` (or ``--exit-interval``).
+def train(args: argparse.Namespace, state: TrainState, on_iteration=None,
+          exit_signal: ExitSignal | None = None) -> TrainState:
+    """Run from ``state.iteration`` to ``--train-iters`` (or ``--exit-interval``, or the
+    iteration at whose end the ranks agree that ``exit_signal`` came).
 
     ``on_iteration(iteration)`` runs before each step (SDP4Bit uses it to start gradient
     quantization at ``--gradients-quantization-start-iteration``).
@@ -184,6 +214,11 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None) -> Tra
             state.last_loss = loss
             window_loss += loss
             window_iters += 1
+            if metrics is not None and metrics.iteration_due(state.iteration):
+                # Megatron-LM's per-iteration TensorBoard/W&B scalars
+                metrics.iteration(state.iteration, state.consumed_samples, loss,
+                                  state.optimizer.param_groups[0]["lr"],
+                                  state.optimizer.get_loss_scale().item(), float(grad_norm))
             if state.iteration % args.log_interval == 0:
                 elapsed = (time.time() - window_start) / window_iters
                 comm = snapshot_fields(state.comm_stats, window_iters)
@@ -218,7 +253,7 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None) -> Tra
                     state.last_val_loss = val
                     if metrics is not None:
                         print(format_eval_lines(state.iteration, val), flush=True)
-                        metrics.evaluation(state.iteration, val)
+                        metrics.evaluation(state.iteration, state.consumed_samples, val)
                 window_start = time.time()  # evaluation time is not iteration time
             if faults.active("flip-replica", state.iteration, dist.get_rank()):
                 with torch.no_grad():
@@ -231,6 +266,9 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None) -> Tra
             if args.save and args.save_interval and state.iteration % args.save_interval == 0:
                 _save(args, state)
                 saved = True
+            if exit_signal is not None and exit_signal.agreed():  # collective
+                _exit_on_signal(args, state, exit_signal, saved)
+                return state
             if args.exit_interval and state.iteration % args.exit_interval == 0:
                 if args.save and not saved:
                     _save(args, state)
@@ -253,8 +291,9 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None) -> Tra
             if test is not None:
                 state.last_test_loss = test
                 if metrics is not None:
-                    print(format_eval_lines(state.iteration, test, label="test"), flush=True)
-                    metrics.evaluation(state.iteration, test, split="test")
+                    print(format_eval_lines(state.iteration, test, split="test"), flush=True)
+                    metrics.evaluation(state.iteration, state.consumed_samples, test,
+                                       split="test")
     finally:
         if metrics is not None:
             metrics.close()

@@ -1,7 +1,7 @@
 """Model, DDP wrapper and optimizer from the command line: megatron-core's own classes.
 
-``GPTModel`` with the local layer spec (Transformer Engine's when it is importable and CUDA
-is present), wrapped in ``Float16Module`` for bf16/fp16, then in megatron-core's
+``GPTModel`` with Transformer Engine's layer spec (``--transformer-impl transformer_engine``,
+or ``auto`` when it is importable and CUDA is present) or megatron-core's local one, wrapped in ``Float16Module`` for bf16/fp16, then in megatron-core's
 ``DistributedDataParallel``; the optimizer comes from ``get_megatron_optimizer`` (the
 distributed optimizer with ``--use-distributed-optimizer``).
 """
@@ -21,27 +21,10 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_mega
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron.sdp4bit.training.cli.installed import uses_transformer_engine
 from megatron.sdp4bit.training.cli.megatron_flags import transformer_config_overrides
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _use_transformer_engine(impl: str) -> bool:
-    if impl == "local":
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        if impl == "transformer_engine":
-            raise ImportError("--transformer-impl transformer_engine: the transformer_engine "
-                              "package is not installed; pip install transformer-engine or use "
-                              "--transformer-impl local") from None
-        return False
-    if not torch.cuda.is_available():
-        if impl == "transformer_engine":
-            raise NotImplementedError("--transformer-impl transformer_engine needs CUDA")
-        return False
-    return True
 
 
 def transformer_config_from_args(args: argparse.Namespace, timers=None) -> TransformerConfig:
@@ -97,7 +80,9 @@ def transformer_config_from_args(args: argparse.Namespace, timers=None) -> Trans
 
 def build_model(args: argparse.Namespace, config: TransformerConfig, vocab_size: int) -> GPTModel:
     """One GPTModel chunk for this pipeline stage (no virtual pipeline)."""
-    if _use_transformer_engine(args.transformer_impl):
+    # pretrain_gpt.py refused --transformer-impl transformer_engine without CUDA and the
+    # package before anything started (training/cli/installed.py).
+    if uses_transformer_engine(args.transformer_impl):
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )

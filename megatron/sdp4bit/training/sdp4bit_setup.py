@@ -11,14 +11,18 @@ from megatron.sdp4bit.config import SDP4BitConfig
 from megatron.sdp4bit.training.loop import TrainState
 
 
-def install(config: SDP4BitConfig, state: TrainState, transformer_config) -> object | None:
+def install(config: SDP4BitConfig, state: TrainState, transformer_config, *,
+            allow_untested_version: bool = False) -> object | None:
     """Install the quantized collectives when a quantization flag is on; ``None`` otherwise
-    (the run then uses megatron-core's collectives unchanged)."""
+    (the run then uses megatron-core's collectives unchanged). ``allow_untested_version``:
+    ``--allow-untested-megatron-core`` (refused or warned about before the run started,
+    training/cli/installed.py)."""
     if not config.enabled:
         return None
     from megatron.sdp4bit.integration import install_sdp4bit
 
-    handle = install_sdp4bit(state.model, state.optimizer, config)
+    handle = install_sdp4bit(state.model, state.optimizer, config,
+                             allow_untested_version=allow_untested_version)
     handle.stats.timing = state.timers is not None  # quantize / wait / dequantize phases
     state.comm_stats = handle.stats
     state.sdp4bit = config
@@ -32,7 +36,10 @@ def describe(config: SDP4BitConfig) -> str:
     """One line saying what is quantized and how, for the log."""
     parts = []
     if config.quantized_weights:
-        name = "qWD" if config.weight_quantization_mode == "diff" else "qW (direct)"
+        name = "qW (direct)"
+        if config.weight_quantization_mode == "diff":
+            name = "qWD" + (" of the rounded main weights"
+                            if config.weight_difference_target == "rounded-main" else "")
         parts.append(f"weights {name} {config.weight_quantization_bits}-bit, "
                      f"group {config.wq_group_size}")
     if config.quantized_gradients:

@@ -74,3 +74,25 @@ def test_data_path_is_divided_by_split(corpora):
     datasets = build_datasets(args, build_tokenizer(args))
     for dataset in datasets:
         assert _tokens(dataset) - {build_tokenizer(args).eod} <= set(range(20, 30))
+
+
+def _samples(dataset) -> list[list[int]]:
+    return [dataset[i]["tokens"].tolist() for i in range(len(dataset))]
+
+
+def test_eval_data_seed_keeps_the_held_out_samples_across_seeds(corpora, tmp_path):
+    """--seed shuffles every split; with --eval-data-seed the validation and test samples
+    no longer depend on it (the study compares runs of other --seed on them), while the
+    training samples still do."""
+    def build(*extra: str) -> list:
+        args = parse_args(MODEL + ["--data-path", corpora["b"], "--split", "6,3,3",
+                                   "--data-cache-path", str(tmp_path), *extra], world_size=1)
+        return [_samples(d) for d in build_datasets(args, build_tokenizer(args))]
+
+    plain = [build("--seed", str(s)) for s in (1, 2)]
+    fixed = [build("--seed", str(s), "--eval-data-seed", "9") for s in (1, 2)]
+    assert plain[0][1] != plain[1][1]  # the validation samples follow --seed without it
+    assert fixed[0][1] == fixed[1][1] and fixed[0][2] == fixed[1][2]
+    assert fixed[0][0] != fixed[1][0]  # the training order is still --seed's
+    assert fixed[0][0] == plain[0][0] and fixed[1][0] == plain[1][0]
+    assert fixed[0][1] == build("--seed", "9")[1]  # the same as a run at --seed 9

@@ -23,7 +23,9 @@ class _Optimizer:
 
 def _run(monkeypatch, capsys, outcomes, *, scale=None, save_interval=1, limit=4):
     args = argparse.Namespace(loss_scale=None, min_loss_scale=1.0, save="CK",
-                              max_consecutive_skipped_iterations=limit)
+                              max_consecutive_skipped_iterations=limit,
+                              ckpt_format="torch_dist", tensor_model_parallel_size=1,
+                              pipeline_model_parallel_size=1)
     state = loop.TrainState(model=[], optimizer=_Optimizer(scale), scheduler=None, datasets=[],
                             vocab_size=0)
     saved = []

@@ -72,6 +72,11 @@ def describe(values: dict[str, Any]) -> str:
 LATER_MODEL_SETTINGS = ("norm_epsilon", "rotary_base", "rotary_percent")
 
 
+# SDP4Bit settings recorded since they were added, with the value every run had before:
+# an older manifest lacks them and is read as having that value.
+LATER_SDP4BIT_SETTINGS = {"weight_difference_target": "main"}
+
+
 def settings_problem(saved: dict[str, Any], current: dict[str, Any], directory: str,
                       allow_sdp4bit_change: bool, allow_data_change: bool = False) -> str | None:
     if "model" in saved:
@@ -95,6 +100,9 @@ def settings_problem(saved: dict[str, Any], current: dict[str, Any], directory: 
         return (f"checkpoint {directory} was trained with {describe(was)}; this run has "
                 f"{describe(now)}: resume with the checkpoint's --data-path, --split and "
                 "--seed, or pass --allow-changed-data to continue on other data")
+    if "sdp4bit" in saved:
+        saved = {**saved, "sdp4bit": {**{k: v for k, v in LATER_SDP4BIT_SETTINGS.items()
+                                         if k in current["sdp4bit"]}, **saved["sdp4bit"]}}
     if saved.get("sdp4bit") != current["sdp4bit"] and not allow_sdp4bit_change:
         old, new = saved.get("sdp4bit", {}), current["sdp4bit"]
         diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))

@@ -1,6 +1,6 @@
 """``--ckpt-format``: which format a save writes and which a load accepts.
 
-``torch_dist`` (the default, :mod:`.dist`) and ``torch`` (one file per rank,
+``torch_dist`` (the default, :mod:`.torch_dist_format`) and ``torch`` (one file per rank,
 :mod:`.torch_format`). A load finds the format of the folder the tracker names; one that
 is not ``--ckpt-format`` is refused unless ``--auto-detect-ckpt-format``, which is also how
 a checkpoint is converted: load it with that flag and save with the other format.

@@ -14,10 +14,12 @@ checked, a SHA-256 manifest, no non-finite checkpoint, and a folder that becomes
 megatron-core's ``torch_dist`` save prepares the write plan, then hands the writing to
 forked processes fed through a ``spawn`` multiprocessing manager, after a
 ``torch.cuda.synchronize()``. Without CUDA the synchronize raises, and the spawned manager
-hangs under torchrun. :class:`_InProcessSaveStrategy` keeps megatron-core's plan,
+hangs under torchrun. The in-process writer keeps megatron-core's plan,
 metadata and file layout but writes the buckets in this process, one after another, with
 megatron-core's own per-bucket writer (``FileSystemWriterAsync.write_preloaded_data``,
-fsync included). It is used on CPU and on GPU alike: saves are synchronous here.
+fsync included), and gives the writer a local results queue instead of the spawned
+manager's. :func:`in_process_writer` binds that on one strategy, for one save. It is used
+on CPU and on GPU alike: saves are synchronous here.
 
 [Note: the fully reshardable save of a buffer with several buckets]
 megatron-core's ``fully_reshardable`` save (``sharded_param_state_fully_reshardable``, in
@@ -31,18 +33,20 @@ the padding before it, and the last one is filled up with zeros (megatron-core t
 "param range exceeds unpadded buffer ... data corruption"): its fp32 main weights and Adam
 moments on disk are wrong, and a resume from them jumps (the loss of a PP 2 -> 1 resume went
 from 5.42 to 6.14 one step after the load). The load side slices each parameter by its own
-range and is right. :func:`_bucket_space_world_tensors` puts every bucket's values back at
+range and is right. :func:`bucket_space_world_tensors` puts every bucket's values back at
 its offset in the buffer (zeros in the padding) before megatron-core cuts them, for the
 save and for the (empty) tensors a load builds its request from.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import os
 import queue
 import shutil
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -50,7 +54,6 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import ShardedObject
-from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
@@ -65,6 +68,8 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     TorchDistSaveShardedStrategy,
 )
 
+from megatron.sdp4bit.integration import patches
+from megatron.sdp4bit.integration.patches import INSTANCE, MODULE, both, declare
 from megatron.sdp4bit.training.checkpoint import common
 from megatron.sdp4bit.training.checkpoint import files
 from megatron.sdp4bit.training.checkpoint.files import CheckpointError
@@ -77,9 +82,9 @@ RESHARDABLE = {"dp_reshardable": {"world_size", "dp"},
                "fully_reshardable": {"world_size", "dp", "tp", "pp", "ddp_bucket_size"}}
 
 
-class _InProcessSaveStrategy(TorchDistSaveShardedStrategy):
-    """megatron-core's torch_dist save with the buckets written in this process
-    (see [Note: the writer on CPU])."""
+def _in_process_callbacks(strategy: TorchDistSaveShardedStrategy):
+    """The strategy's ``_get_save_and_finalize_callbacks`` with the buckets written in this
+    process (see [Note: the writer on CPU])."""
 
     def _get_save_and_finalize_callbacks(self, writer, save_state_dict_ret,
                                          *_async_strategy) -> AsyncRequest:
@@ -108,12 +113,34 @@ class _InProcessSaveStrategy(TorchDistSaveShardedStrategy):
 
         return AsyncRequest(write, (), [finalize])
 
+    return _get_save_and_finalize_callbacks
 
-def _avoid_spawned_manager() -> None:
+
+def _local_results_queue(original: Any) -> queue.Queue:
     # FileSystemWriterAsync asks a module-level getter for its results queue, which starts a
     # spawn-context manager process the first time; our writer replaces the queue anyway.
-    if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = queue.Queue()
+    return queue.Queue()
+
+
+_WRITER_NOTE = "[Note: the writer on CPU] (training/checkpoint/torch_dist_format.py)"
+_STRATEGIES = "megatron.core.dist_checkpointing.strategies"
+SAVE_CALLBACKS = declare(
+    "checkpoint.save_callbacks", f"{_STRATEGIES}.torch:TorchDistSaveShardedStrategy",
+    "_get_save_and_finalize_callbacks", INSTANCE, _in_process_callbacks, note=_WRITER_NOTE,
+    checked={"0.16.1": "(self, writer, save_state_dict_ret)",
+             "0.19.2": "(self, writer, save_state_dict_ret, async_strategy)"})
+RESULTS_QUEUE = declare(
+    "checkpoint.results_queue", f"{_STRATEGIES}.filesystem_async", "_results_queue", MODULE,
+    _local_results_queue, wraps=True, note=_WRITER_NOTE, checked=both("<NoneType>"))
+
+
+@contextlib.contextmanager
+def in_process_writer() -> Iterator[TorchDistSaveShardedStrategy]:
+    """megatron-core's torch_dist save strategy writing its buckets in this process, with no
+    manager process for the results, for one save (see [Note: the writer on CPU])."""
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+    with patches.applied([SAVE_CALLBACKS.on(strategy), RESULTS_QUEUE]):
+        yield strategy
 
 
 # megatron-core's own integrity manifest (0.19: save/load(verify_integrity=True)).
@@ -156,21 +183,18 @@ def _model_state(model_chunks) -> dict[str, Any]:
     return {f"model{i}": _unwrap(m).sharded_state_dict() for i, m in enumerate(model_chunks)}
 
 
-def _bucket_space_world_tensors(opt) -> None:
-    """Make ``opt.get_parameter_state_dp_zero()`` return its world tensors in the buffer's
-    coordinates (see [Note: the fully reshardable save of a buffer with several buckets]).
+def _in_buffer_space(opt):
+    """``opt.get_parameter_state_dp_zero`` returning its world tensors in the buffer's
+    coordinates (see [Note: the fully reshardable save of a buffer with several buckets])."""
+    original = type(opt).get_parameter_state_dp_zero
 
-    Set on the instance for one ``sharded_state_dict`` call; :func:`_sharded_state` removes
-    it again."""
-    original = opt.get_parameter_state_dp_zero
-
-    def in_buffer_space(*args, **kwargs):
-        state = original(*args, **kwargs)
+    def get_parameter_state_dp_zero(self, *args, **kwargs):
+        state = original(self, *args, **kwargs)
         if state is None:
             return None
         # A load asks for empty tensors (its request's shapes): then nothing is copied.
         empty = kwargs.get("empty_data", len(args) > 1 and args[1])
-        for gbuf_idx, buffer in enumerate(opt.buffers):
+        for gbuf_idx, buffer in enumerate(self.buffers):
             starts = [start for start, _ in buffer.bucket_indices]
             lengths = [bucket.numel_unpadded for bucket in buffer.buckets]
             for world in state[gbuf_idx].values():
@@ -192,7 +216,60 @@ def _bucket_space_world_tensors(opt) -> None:
                     del packed
         return state
 
-    opt.get_parameter_state_dp_zero = in_buffer_space
+    return get_parameter_state_dp_zero
+
+
+def _tolerating_missing_step(opt):
+    """``opt._set_main_param_and_optimizer_states`` passing the current ``step`` through
+    (see :func:`tolerate_missing_step`)."""
+    original = type(opt)._set_main_param_and_optimizer_states
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        group, order = self.model_param_group_index_map[model_param]
+        main = self.optimizer.param_groups[group]["params"][order]
+        step = self.optimizer.state[main].get("step")
+        if step is not None and "step" not in tensors:
+            tensors = {**tensors, "step": step.clone()}
+        original(self, model_param, tensors)
+
+    return _set_main_param_and_optimizer_states
+
+
+_DIST_OPT = "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer"
+BUCKET_SPACE = declare(
+    "checkpoint.get_parameter_state_dp_zero", _DIST_OPT, "get_parameter_state_dp_zero",
+    INSTANCE, _in_buffer_space,
+    note="[Note: the fully reshardable save of a buffer with several buckets] "
+         "(training/checkpoint/torch_dist_format.py)",
+    checked=both("(self, use_gloo_comm, empty_data, return_on_all_ranks)"))
+MISSING_STEP = declare(
+    "checkpoint.set_main_param_and_optimizer_states", _DIST_OPT,
+    "_set_main_param_and_optimizer_states", INSTANCE, _tolerating_missing_step,
+    note="[Note: the fully reshardable load has no step] "
+         "(training/checkpoint/torch_dist_format.py)",
+    checked=both("(self, model_param, tensors)"))
+
+
+@contextlib.contextmanager
+def bucket_space_world_tensors(opts) -> Iterator[None]:
+    """For one ``sharded_state_dict`` call: the optimizers' gathered world tensors in the
+    buffer's coordinates ([Note: the fully reshardable save of a buffer with several
+    buckets])."""
+    with patches.applied([BUCKET_SPACE.on(opt) for opt in opts]):
+        yield
+
+
+@contextlib.contextmanager
+def tolerate_missing_step(opts) -> Iterator[None]:
+    """For one ``load_state_dict`` call of a fully_reshardable checkpoint.
+
+    [Note: the fully reshardable load has no step]
+    The fully_reshardable load hands megatron-core's state setter no ``step`` (it is kept in
+    the param groups), and the setter, on the torch-Adam path, copies every key the Adam
+    state has, ``step`` included. The replacement passes the current step through; the
+    checkpoint's is set afterwards by :func:`_restore_steps`."""
+    with patches.applied([MISSING_STEP.on(opt) for opt in opts]):
+        yield
 
 
 def _sharded_state(model_chunks, optimizer, sharding_type: str, *, is_loading: bool,
@@ -201,16 +278,10 @@ def _sharded_state(model_chunks, optimizer, sharding_type: str, *, is_loading: b
     if with_optimizer:
         model_sd = {k: v for part in state.values() for k, v in part.items()}
         opts = common.inner_optimizers(optimizer)
-        if sharding_type == "fully_reshardable":
-            for opt in opts:
-                _bucket_space_world_tensors(opt)
-        try:
+        with bucket_space_world_tensors(opts if sharding_type == "fully_reshardable" else []):
             state["optimizer"] = optimizer.sharded_state_dict(
                 model_sd, is_loading=is_loading,
                 metadata={"distrib_optim_sharding_type": sharding_type})
-        finally:
-            for opt in opts:
-                opt.__dict__.pop("get_parameter_state_dp_zero", None)
     if with_rng:
         state["rng_state"] = _rng_object()
     return state
@@ -255,18 +326,17 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
     dist.barrier()
-    _avoid_spawned_manager()
     state = _sharded_state(model_chunks, optimizer, sharding_type, is_loading=False,
                            with_optimizer=True, with_rng=True)
     state.update(iteration=iteration, consumed_samples=consumed_samples,
                  opt_param_scheduler=scheduler.state_dict(), checkpoint_version=3.0)
-    strategy = _InProcessSaveStrategy("torch_dist", 1, thread_count=1)
-    if fully_parallel:
-        strategy = FullyParallelSaveStrategyWrapper(
-            strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
-    extra = {"verify_integrity": True} if megatron_integrity_check() else {}
-    dist_checkpointing.save(state, partial, sharded_strategy=strategy,
-                            validate_access_integrity=True, **extra)
+    with in_process_writer() as strategy:
+        if fully_parallel:
+            strategy = FullyParallelSaveStrategyWrapper(
+                strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
+        extra = {"verify_integrity": True} if megatron_integrity_check() else {}
+        dist_checkpointing.save(state, partial, sharded_strategy=strategy,
+                                validate_access_integrity=True, **extra)
     if faults.active("die-saving", iteration, dist.get_rank()):
         os._exit(17)
     dist.barrier()
@@ -343,24 +413,6 @@ def _verify(directory: str, manifest: dict[str, Any]) -> str | None:
     problems: list = [None] * dist.get_world_size()
     dist.all_gather_object(problems, problem)
     return next((p for p in problems if p is not None), None)
-
-
-def _tolerate_missing_step(opt) -> None:
-    """For the load only: the fully_reshardable load hands megatron-core's state setter no
-    ``step`` (it is kept in the param groups), and the setter, on the torch-Adam path, copies
-    every key the Adam state has, ``step`` included. Pass the current step through; the
-    checkpoint's is set afterwards by :func:`_restore_steps`."""
-    original = opt._set_main_param_and_optimizer_states
-
-    def set_states(model_param, tensors):
-        group, order = opt.model_param_group_index_map[model_param]
-        main = opt.optimizer.param_groups[group]["params"][order]
-        step = opt.optimizer.state[main].get("step")
-        if step is not None and "step" not in tensors:
-            tensors = {**tensors, "step": step.clone()}
-        original(model_param, tensors)
-
-    opt._set_main_param_and_optimizer_states = set_states
 
 
 def _restore_steps(optimizer, loaded: dict[str, Any]) -> None:
@@ -442,14 +494,8 @@ def load_checkpoint(directory: str, manifest: dict[str, Any] | None, model_chunk
     for key, chunk in zip(keys, model_chunks):
         _unwrap(chunk).load_state_dict(loaded[key], strict=True)
     if load_optim:
-        opts = common.inner_optimizers(optimizer)
-        for opt in opts:
-            _tolerate_missing_step(opt)
-        try:
+        with tolerate_missing_step(common.inner_optimizers(optimizer)):
             optimizer.load_state_dict(loaded["optimizer"])
-        finally:
-            for opt in opts:
-                opt.__dict__.pop("_set_main_param_and_optimizer_states", None)
         _restore_steps(optimizer, loaded["optimizer"])
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     else:

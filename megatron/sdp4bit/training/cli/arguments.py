@@ -59,7 +59,14 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--transformer-impl", default="auto", choices=["auto", "local", "transformer_engine"],
-                   help="layer spec: auto = Transformer Engine when importable with CUDA, else local")
+                   help="layer spec: transformer_engine needs CUDA and Transformer Engine "
+                   '(pip install -e ".[te]"); auto = Transformer Engine when importable with '
+                   "CUDA, else megatron-core's local layers")
+    g.add_argument("--allow-untested-megatron-core", action="store_true",
+                   help="run SDP4Bit's quantized collectives on an untested megatron-core "
+                   "release even where an attribute they replace changed its signature "
+                   "(refused otherwise; a loud warning says it). An untested release whose "
+                   "replaced attributes are unchanged runs without it, with one warning")
 
 
 def _add_training(p: argparse.ArgumentParser) -> None:
@@ -70,7 +77,10 @@ def _add_training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--train-iters", type=int, default=None)
     g.add_argument("--exit-interval", type=int, default=None,
                    help="exit after the iteration that is a multiple of this (saving first)")
-    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--seed", type=int, default=1234,
+                   help="Megatron's seed (data order, initialization); also seeds SDP4Bit's "
+                   "counter-based stochastic-rounding streams (with the iteration, bucket, rank "
+                   "and hop), so a run and its resumption are reproducible")
     g.add_argument("--recompute-activations", action="store_true",
                    help="same as --recompute-granularity selective")
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
@@ -141,6 +151,10 @@ def _add_data(p: argparse.ArgumentParser) -> None:
                        "of --data-path and --split" + (
                            "; evaluated once after the last iteration" if split == "test"
                            else ""))
+    g.add_argument("--eval-data-seed", type=int, default=None,
+                   help="shuffle the validation and test datasets with this seed instead of "
+                   "--seed (not a Megatron-LM flag): runs that differ in --seed then evaluate "
+                   "on the same samples (default: --seed, as Megatron-LM)")
     g.add_argument("--mock-data", action="store_true", help="synthetic data")
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--tokenizer-type", default=None, choices=list(TOKENIZER_TYPES),

@@ -7,12 +7,13 @@ this trainer does not support. Three kinds, all in this module:
 * honoured: sample-based training (``--train-samples``, ``--lr-decay-samples``,
   ``--lr-warmup-samples``), ``--exit-duration-in-mins``, ``--distributed-timeout-minutes``,
   the scheduler's checkpoint override, the TensorBoard logging switches, the transformer
-  switches of :func:`transformer_config_overrides`, and flags whose one accepted value is
+  switches of :func:`transformer_config_overrides`, ``--exit-signal-handler`` and
+  ``--exit-signal`` (training/guards/exit_signal.py), and flags whose one accepted value is
   what this trainer does (:data:`ONLY_VALUE`; other values are refused);
 * :data:`REFUSED_FLAGS`: parsed so that the error names the flag and says why (argparse
   would only say "unrecognized");
 * :data:`NO_OP_FLAGS`: accepted and ignored, each where doing nothing is harmless (the same
-  results, only speed or I/O timing could differ), with the reason; the README lists them.
+  results, only speed or I/O timing could differ), with the reason; docs/flags.md lists them.
 
 :func:`add_megatron_flags` adds them to the parser; :func:`check_megatron_flags` is the
 first step of validation (it must turn ``--train-samples`` into ``train_iters`` before the
@@ -25,6 +26,7 @@ import argparse
 import time
 
 from megatron.sdp4bit.training.cli.errors import ArgumentsError
+from megatron.sdp4bit.training.guards.exit_signal import EXIT_SIGNALS
 
 __all__ = ["NO_OP_FLAGS", "ONLY_VALUE", "REFUSED_FLAGS", "add_megatron_flags",
            "check_megatron_flags", "exit_duration_reached", "scheduler_steps",
@@ -63,6 +65,8 @@ NO_OP_FLAGS: dict[str, str] = {
     "--no-manual-gc-eval": "see --manual-gc",
     "--fp16-lm-cross-entropy": "megatron-core computes the cross entropy from fp32 logits "
     "whatever this flag says",
+    "--log-batch-size-to-tensorboard": "the batch size is always written to TensorBoard (tag "
+    "batch-size), as Megatron-LM does since it dropped this flag",
 }
 # No-op flags that take a value: flag -> argparse keywords.
 _NO_OP_VALUES: dict[str, dict] = {
@@ -85,8 +89,6 @@ REFUSED_FLAGS: dict[str, tuple[int | str, str]] = {
     "--warmup": (1, "it is Megatron-LM's removed name: use --lr-warmup-iters, "
                  "--lr-warmup-samples or --lr-warmup-fraction"),
     "--encoder-num-layers": (1, "this trainer builds decoder-only GPTs: use --num-layers"),
-    "--exit-signal-handler": (0, "use --exit-duration-in-mins or --exit-interval to stop with "
-                              "a checkpoint"),
     "--exit-on-missing-checkpoint": (0, "with --load and no checkpoint the trainer starts from "
                                      "scratch and says so in its first lines"),
     "--no-save-optim": (0, "checkpoints always hold the optimizer state: a resumed run repeats "
@@ -166,7 +168,11 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-duration-in-mins", type=float, default=None,
                    help="after the iteration that ends more than this many minutes after start, "
                    "save (with --save) and exit; all ranks agree on the iteration")
-    g.add_argument("--log-batch-size-to-tensorboard", action="store_true")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on the --exit-signal, finish the current iteration, save a checkpoint "
+                   "there (with --save) and exit 0; all ranks agree on the iteration")
+    g.add_argument("--exit-signal", default=None, metavar="|".join(EXIT_SIGNALS),
+                   help="the signal --exit-signal-handler catches (default SIGTERM)")
     g.add_argument("--log-world-size-to-tensorboard", action="store_true")
     g.add_argument("--no-log-learnig-rate-to-tensorboard", "--no-log-learning-rate-to-tensorboard",
                    dest="log_learning_rate_to_tensorboard", action="store_false",
@@ -266,11 +272,12 @@ def _check_switches(args: argparse.Namespace) -> None:
             _fail(f"--use-flash-attn and --attention-backend {args.attention_backend} "
                   "contradict each other: pass one")
         args.attention_backend = "flash"
-    if args.attention_backend in ("flash", "fused", "unfused"):
-        why = _transformer_engine_missing(args.transformer_impl)
-        if why:
-            _fail(f"--attention-backend {args.attention_backend} (or --use-flash-attn) chooses "
-                  f"Transformer Engine's attention kernel, and {why}: drop the flag")
+    if args.attention_backend in ("flash", "fused", "unfused") and \
+            args.transformer_impl == "local":
+        # Whether this machine has CUDA and Transformer Engine is cli/installed.py's question.
+        _fail(f"--attention-backend {args.attention_backend} (or --use-flash-attn) chooses "
+              "Transformer Engine's attention kernel, and --transformer-impl local does not use "
+              "it: drop the flag")
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
     if not args.add_position_embedding:
@@ -281,44 +288,27 @@ def _check_switches(args: argparse.Namespace) -> None:
     if args.distribute_saved_activations and (granularity != "full" or args.sequence_parallel):
         _fail("--distribute-saved-activations needs --recompute-granularity full and no "
               "--sequence-parallel")
-    if args.sequence_parallel and args.tensor_model_parallel_size > 1:
-        why = _transformer_engine_missing(args.transformer_impl)
-        if why and not _have_apex():
-            # megatron-core's local layer spec then norms with WrappedTorchNorm, which asserts
-            # on sequence parallelism in every rank's model construction.
-            _fail(f"--sequence-parallel needs Transformer Engine's layers (or Apex's "
-                  f"LayerNorm), and {why}: the local layer spec's torch norm does not support "
-                  "it; drop --sequence-parallel (accepted: TP > 1 with Transformer Engine on "
-                  "CUDA or Apex installed; with TP 1 it is ignored)")
     if args.recompute_modules is not None and granularity != "selective":
         _fail("--recompute-modules needs --recompute-granularity selective "
               "(or --recompute-activations)")
-    for flag in ("--log-batch-size-to-tensorboard", "--log-world-size-to-tensorboard"):
-        if getattr(args, _dest(flag)) and not args.tensorboard_dir:
-            _fail(f"{flag} needs --tensorboard-dir")
+    if args.log_world_size_to_tensorboard and not args.tensorboard_dir:
+        _fail("--log-world-size-to-tensorboard needs --tensorboard-dir")
     if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
         _fail(f"--exit-duration-in-mins={args.exit_duration_in_mins} must be > 0")
+    _check_exit_signal(args)
 
 
-def _have_apex() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("apex") is not None
-
-
-def _transformer_engine_missing(impl: str) -> str | None:
-    """Why Transformer Engine's layers will not be used, or ``None`` if they will."""
-    if impl == "local":
-        return "--transformer-impl local does not use it"
-    import importlib.util
-
-    import torch
-
-    if not torch.cuda.is_available():
-        return "there is no CUDA device"
-    if importlib.util.find_spec("transformer_engine") is None:
-        return "transformer_engine is not installed"
-    return None
+def _check_exit_signal(args: argparse.Namespace) -> None:
+    """``args.exit_signal``: the signal's name with --exit-signal-handler, else None."""
+    if args.exit_signal is not None and args.exit_signal not in EXIT_SIGNALS:
+        _fail(f"--exit-signal {args.exit_signal} is not supported: use SIGTERM (the default), "
+              f"{', '.join(EXIT_SIGNALS[1:-1])} or {EXIT_SIGNALS[-1]}")
+    if not args.exit_signal_handler:
+        if args.exit_signal is not None:
+            _fail(f"--exit-signal {args.exit_signal} needs --exit-signal-handler (without it "
+                  "no signal is caught)")
+        return
+    args.exit_signal = args.exit_signal or "SIGTERM"  # Megatron-LM's default
 
 
 def check_megatron_flags(args: argparse.Namespace) -> None:

@@ -52,6 +52,9 @@ def _check_required(args: argparse.Namespace) -> None:
                   "would hold the job that long; use a shorter timeout")
     if not 0 <= args.seed < 2 ** 32:
         _fail(f"--seed={args.seed} must be in 0 .. 2**32 - 1 (NumPy's seed range)")
+    if args.eval_data_seed is not None and not 0 <= args.eval_data_seed < 2 ** 32:
+        _fail(f"--eval-data-seed={args.eval_data_seed} must be in 0 .. 2**32 - 1 (NumPy's "
+              "seed range)")
     if args.rounding_seed is not None and not 0 <= args.rounding_seed < 2 ** 64:
         _fail(f"--rounding-seed={args.rounding_seed} must be in 0 .. 2**64 - 1")
     for dest in ("kv_channels", "ffn_hidden_size", "num_query_groups"):
@@ -255,6 +258,13 @@ def _check_memory(args: argparse.Namespace) -> None:
 
 
 def _check_sdp4bit(args: argparse.Namespace) -> None:
+    target = getattr(args, "weight_difference_target", "main")
+    if target != "main" and not args.quantized_weights:
+        _fail(f"--weight-difference-target {target} needs --quantized-weights: it changes "
+              "what qWD sends")
+    if target != "main" and args.weight_quantization_mode != "diff":
+        _fail(f"--weight-difference-target {target} applies to qWD only, not to "
+              f"--weight-quantization-mode {args.weight_quantization_mode} (qW sends the weights)")
     try:
         config = sdp4bit_config_from_args(args)
     except ValueError as err:
@@ -264,13 +274,19 @@ def _check_sdp4bit(args: argparse.Namespace) -> None:
                          str(err).splitlines()[0])
         _fail(message)
         return
-    if config.enabled and not args.use_distributed_optimizer:
-        on = "--quantized-weights" if config.quantized_weights else "--quantized-gradients"
-        _fail(f"{on} requires --use-distributed-optimizer")
-    if config.quantized_weights and not (args.bf16 or args.fp16):
-        # With fp32 parameters the optimizer updates the replica in place: no old replica is
-        # left to take the weight difference against (see integration/install.py).
-        _fail("--quantized-weights requires 16-bit parameters: add --bf16 (or --fp16)")
+    # The library's own check (install_sdp4bit runs it again on the built model), worded
+    # with the flags; the trainer has no flag for the other setups it refuses.
+    from megatron.sdp4bit.integration.support import Setup, check_supported
+
+    problem = None
+    try:
+        check_supported(config, Setup(distributed_optimizer=args.use_distributed_optimizer,
+                                      fp32_params=not (args.bf16 or args.fp16)),
+                        command_line=True)
+    except ValueError as err:
+        problem = str(err)
+    if problem is not None:
+        _fail(problem)
     _check_padding_fits(args, config)
     if config.dp_ranks_per_node is not None and args.data_parallel_size % config.dp_ranks_per_node:
         _fail(f"--dp-ranks-per-node={config.dp_ranks_per_node} does not divide the data-parallel "

@@ -1,8 +1,11 @@
-"""Megatron-LM's progress lines, the ``--metrics-jsonl`` file, TensorBoard and W&B.
+"""Megatron-LM's console lines: the arguments dump, the parameter count, the training and
+evaluation lines, the checkpoint-saved lines; :func:`parse_log_line` reads a training line
+back (tests, tools).
 
-Training line (Megatron-LM's fields and order, then this rank's communication)::
+Training line (Megatron-LM's fields, order and number formats, then this rank's
+communication)::
 
-    [2025-01-01 12:00:00] iteration       10/     100 | consumed samples:          80 |
+    [2025-01-01 12:00:00.123456] iteration       10/     100 | consumed samples:          80 |
     elapsed time per iteration (ms): 52.1 | throughput per GPU (TFLOP/s/GPU): 0.0 |
     learning rate: 9.000000E-04 | global batch size:     8 | lm loss: 5.170436E+00 |
     loss scale: 1.0 | grad norm: 1.234 | number of skipped iterations:   0 |
@@ -13,31 +16,40 @@ Training line (Megatron-LM's fields and order, then this rank's communication)::
 (one line; wrapped here). Byte counts are per iteration, averaged over the logging interval,
 sent by this rank to ranks of its own node (intra) and of other nodes (inter): the computed
 sizes of the messages handed to the collectives, next to what an ideal unquantized
-collective would send (megatron.sdp4bit.comm.stats, [Note: what counts as sent]).
-:func:`parse_log_line` reads a line back (tests, tools). With ``--timing-log-level`` >= 1 a
-block of timers follows each line (:func:`megatron.sdp4bit.training.observe.timers.format_timers`).
+collective would send (megatron.sdp4bit.comm.stats, [Note: what counts as sent]). With
+``--timing-log-level`` >= 1 a block of timers follows each line
+(:func:`megatron.sdp4bit.training.observe.timers.format_timers`).
+
+[Note: two generations of the line]
+Logs written before this trainer followed Megatron-LM's number formats have a timestamp
+without microseconds and the throughput with four decimals (``0.0104``). The fields and
+their order are the same, and the pattern below does not depend on either format, so
+:func:`parse_log_line` reads both (runs already on disk, tools comparing old and new runs).
 """
 
 from __future__ import annotations
 
-import json
+import argparse
 import math
-import os
 import re
-import time
+from datetime import datetime
 from typing import Any
 
-COMM_KEYS = ("comm_bytes_params", "comm_bytes_params_intra", "comm_bytes_params_inter",
-             "comm_bytes_grads_intra", "comm_bytes_grads_inter")
+_BYTE_FIELDS = (("params_intra", "params intra"), ("params_inter", "params inter"),
+                ("grads_intra", "grads intra"), ("grads_inter", "grads inter"))
+
+
+def _stamp() -> str:
+    return datetime.now().strftime("%Y-%m-%d %H:%M:%S.%f")  # Megatron-LM's, microseconds
 
 
 def format_train_line(m: dict[str, Any]) -> str:
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    """The training line of the module docstring from a metrics record."""
     return (
-        f" [{stamp}] iteration {m['iteration']:8d}/{m['train_iters']:8d} |"
+        f" [{_stamp()}] iteration {m['iteration']:8d}/{m['train_iters']:8d} |"
         f" consumed samples: {m['consumed_samples']:12d} |"
         f" elapsed time per iteration (ms): {m['elapsed_ms']:.1f} |"
-        f" throughput per GPU (TFLOP/s/GPU): {m['tflops_per_gpu']:.4f} |"
+        f" throughput per GPU (TFLOP/s/GPU): {m['tflops_per_gpu']:.1f} |"
         f" learning rate: {m['learning_rate']:.6E} |"
         f" global batch size: {m['global_batch_size']:5d} |"
         f" lm loss: {m['lm_loss']:.6E} |"
@@ -48,10 +60,6 @@ def format_train_line(m: dict[str, Any]) -> str:
         + "".join(f" {label} bytes: {m['comm_bytes_' + key]} (ideal unquantized "
                   f"{m['baseline_comm_bytes_' + key]}) |" for key, label in _BYTE_FIELDS)
     )
-
-
-_BYTE_FIELDS = (("params_intra", "params intra"), ("params_inter", "params inter"),
-                ("grads_intra", "grads intra"), ("grads_inter", "grads inter"))
 
 
 _LINE = re.compile(
@@ -72,8 +80,9 @@ _LINE = re.compile(
 
 
 def parse_log_line(line: str) -> dict[str, float] | None:
-    """The fields of a training line as numbers, or ``None`` if ``line`` is not one
-    (``comm_bytes_params`` and its baseline are the sums of the intra and inter fields)."""
+    """The fields of a training line (either generation, [Note: two generations of the
+    line]) as numbers, or ``None`` if ``line`` is not one (``comm_bytes_params`` and its
+    baseline are the sums of the intra and inter fields)."""
     match = _LINE.search(line)
     if match is None:
         return None
@@ -83,91 +92,46 @@ def parse_log_line(line: str) -> dict[str, float] | None:
     return m
 
 
-def format_eval_lines(iteration: int, loss: float, label: str = "validation") -> str:
+def format_eval_lines(iteration: int, loss: float, split: str = "validation") -> str:
+    """Megatron-LM's evaluation block: a bar, the line, a bar. During training it names the
+    iteration; the test set, evaluated once after the last iteration, is named as Megatron-LM
+    names it (``... at iteration N on test set``)."""
     ppl = math.exp(min(20.0, loss))
-    body = (f" {label} loss at iteration {iteration} | lm loss value: {loss:.6E} |"
-            f" lm loss PPL: {ppl:.6E} |")
+    where = f"iteration {iteration}" + (" on test set" if split == "test" else "")
+    body = f" validation loss at {where} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
     bar = "-" * (len(body) + 1)
     return f"{bar}\n{body}\n{bar}"
 
 
-class MetricsWriter:
-    """Fans metrics out to the JSON-lines file, TensorBoard and W&B (each optional)."""
+def format_arguments(args: argparse.Namespace) -> str:
+    """Megatron-LM's arguments dump: every setting after validation, one per line, sorted
+    case-insensitively, the name padded with dots to 48 characters. The ``refused_*``
+    entries are left out: they hold the Megatron-LM flags this trainer refuses, all unset by
+    the time a run starts."""
+    title = "arguments"
+    rows = ["  {} {} {}".format(name, "." * (48 - len(name)), value)
+            for name, value in vars(args).items() if not name.startswith("refused_")]
+    return "\n".join([f"------------------------ {title} ------------------------",
+                      *sorted(rows, key=str.lower),
+                      f"-------------------- end of {title} ---------------------"])
 
-    def __init__(self, args) -> None:
-        self._jsonl = None
-        if args.metrics_jsonl:
-            os.makedirs(os.path.dirname(os.path.abspath(args.metrics_jsonl)), exist_ok=True)
-            self._jsonl = open(args.metrics_jsonl, "a", encoding="utf-8")
-        self._tb = None
-        self._tb_interval = args.tensorboard_log_interval
-        self._tb_ppl = args.log_validation_ppl_to_tensorboard
-        self._tb_timers = args.log_timers_to_tensorboard
-        # Megatron-LM's TensorBoard switches (training/cli/megatron_flags.py).
-        self._tb_skip = {key for key, on in (("learning_rate", args.log_learning_rate_to_tensorboard),
-                                             ("loss_scale", args.log_loss_scale_to_tensorboard))
-                         if not on}
-        self._tb_extra = {tag: value for tag, on, value in (
-            ("batch-size", args.log_batch_size_to_tensorboard, args.global_batch_size),
-            ("world-size", args.log_world_size_to_tensorboard, args.world_size)) if on}
-        self._seq_length = args.seq_length  # for consumed_tokens in --metrics-jsonl
-        if args.tensorboard_dir:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as err:
-                raise ImportError("--tensorboard-dir needs the tensorboard package: "
-                                  "pip install tensorboard") from err
-            self._tb = SummaryWriter(log_dir=args.tensorboard_dir)
-        self._wandb = None
-        if args.wandb_project:
-            try:
-                import wandb
-            except ImportError as err:
-                raise ImportError("--wandb-project needs the wandb package: pip install wandb"
-                                  ) from err
-            self._wandb = wandb.init(project=args.wandb_project, name=args.wandb_exp_name or None,
-                                     dir=args.wandb_save_dir or None, config=vars(args))
 
-    def train(self, m: dict[str, Any]) -> None:
-        self._write({**m, "consumed_tokens": m["consumed_samples"] * self._seq_length})
-        step = m["iteration"]
-        if self._tb is not None and step % self._tb_interval == 0:
-            for key in ("lm_loss", "learning_rate", "grad_norm", "loss_scale", "elapsed_ms",
-                        "tflops_per_gpu", *COMM_KEYS, *("baseline_" + k for k in COMM_KEYS)):
-                if key not in self._tb_skip:
-                    self._tb.add_scalar(key.replace("_", " ") if key == "lm_loss" else key,
-                                        m[key], step)
-            for tag, value in self._tb_extra.items():
-                self._tb.add_scalar(tag, value, step)
-            if self._tb_timers:
-                for name, ms in m.get("timers_ms", {}).items():
-                    self._tb.add_scalar(f"{name}-time", ms, step)
-        if self._wandb is not None:
-            flat = {k: v for k, v in m.items() if isinstance(v, (int, float))}
-            flat.update({f"{k}-time": v for k, v in m.get("timers_ms", {}).items()})
-            self._wandb.log(flat, step=step)
+def format_parameter_count(tp_rank: int, pp_rank: int, count: int) -> str:
+    """Megatron-LM's parameter-count line, printed by the first data-parallel rank of each
+    (tensor, pipeline) model-parallel position: the parameters that rank holds."""
+    return (f" > number of parameters on (tensor, pipeline) model parallel rank "
+            f"({tp_rank}, {pp_rank}): {count}")
 
-    def evaluation(self, iteration: int, loss: float, split: str = "validation") -> None:
-        """A validation loss, or with ``split="test"`` the test set's (keys ``test_lm_*``)."""
-        key = "val" if split == "validation" else split
-        ppl = math.exp(min(20.0, loss))
-        self._write({"iteration": iteration, f"{key}_lm_loss": loss, f"{key}_lm_ppl": ppl})
-        if self._tb is not None:
-            self._tb.add_scalar(f"lm loss {split}", loss, iteration)
-            if self._tb_ppl:
-                self._tb.add_scalar(f"lm loss {split} ppl", ppl, iteration)
-        if self._wandb is not None:
-            self._wandb.log({f"{key}_lm_loss": loss}, step=iteration)
 
-    def _write(self, record: dict[str, Any]) -> None:
-        if self._jsonl is not None:
-            self._jsonl.write(json.dumps(record) + "\n")
-            self._jsonl.flush()
+def format_saving(iteration: int, save_dir: str, ckpt_format: str) -> str:
+    """Megatron-LM's line before a checkpoint is written."""
+    return (f"[{_stamp()}] saving checkpoint at iteration {iteration:7d} to {save_dir} in "
+            f"{ckpt_format} format")
 
-    def close(self) -> None:
-        if self._jsonl is not None:
-            self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
-        if self._wandb is not None:
-            self._wandb.finish()
+
+def format_saved(iteration: int, save_dir: str, tp: int, pp: int) -> str:
+    """Megatron-LM's line after every rank wrote its part and the tracker file names the
+    iteration (what cluster tooling waits for). Rank 0 prints it, so its own position, 1 of
+    each model-parallel size, is the one named."""
+    return (f"  [{_stamp()}] successfully saved checkpoint from iteration {iteration:7d} to "
+            f"{save_dir} [ t 1/{tp}, p 1/{pp} ]")

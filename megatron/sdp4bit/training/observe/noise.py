@@ -10,6 +10,8 @@ megatron-core says                                     why it is noise here
 "Transformer Engine and Apex are not installed ..."    without CUDA this trainer never uses
 "Apex is not installed. Falling back to Torch Norm"    either; with CUDA one line of ours says
                                                        it instead of one per call site and rank
+                                                       (for Transformer Engine the argument
+                                                       check's, which knows --transformer-impl)
 "full scope is deprecated ..." (``cuda_graph_scope``)  megatron-core's own default, not an
                                                        option this trainer sets; no CUDA graphs
 "MimoModelConfig is experimental ..." (0.19.2)         fired on import; no MIMO model is built
@@ -105,14 +107,12 @@ def quiet_megatron_core(rank: int | None = None, cuda: bool | None = None) -> No
     cuda = _cuda_available() if cuda is None else cuda
     for message, module, category in NOISE_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
-    if cuda:
-        missing = [name for name in ("transformer_engine", "apex")
-                   if importlib.util.find_spec(name) is None]
-        if missing and rank == 0:
-            # Said once here instead of by four megatron-core modules on every rank.
-            print(f"note: {' and '.join(missing)} not installed: megatron-core uses torch's "
-                  "optimizers, norms and kernels instead (correct, slower on GPU)",
-                  file=sys.stderr, flush=True)
+    # Said once here instead of by four megatron-core modules on every rank. A missing
+    # Transformer Engine is said by training/cli/installed.py, and only where it matters
+    # (--transformer-impl auto: the run falls back to the local layers).
+    if cuda and rank == 0 and importlib.util.find_spec("apex") is None:
+        print("note: apex not installed: megatron-core uses torch's optimizers, norms and "
+              "kernels instead (correct, slower on GPU)", file=sys.stderr, flush=True)
     for name, patterns in NOISE_LOGS.items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, DropMessages) for f in logger.filters):

@@ -6,6 +6,7 @@
 #SBATCH --exclusive
 #SBATCH --time=24:00:00
 #SBATCH --output=logs/%x-%j.out
+#SBATCH --signal=TERM@180
 # Your cluster's partition and account, if it needs them: delete one '#' and fill in.
 ##SBATCH --partition=
 ##SBATCH --account=
@@ -15,8 +16,10 @@
 # logs/<job name>-<job id>.out in the repository (the folder must exist: SLURM does not
 # create it, and a job whose output file cannot be opened fails without a word).
 # 24 h, a common limit: 80,000 iterations can need more than one job. Submitting the script
-# again continues from the last checkpoint (saved every 5000 iterations);
-# EXTRA_ARGS="--exit-duration-in-mins 1380" also saves one an hour before the limit.
+# again continues from the last checkpoint: saved every 5000 iterations, and on SIGTERM, which
+# SLURM sends 3 minutes before --time (--signal=TERM@180 above) and on preemption: the run
+# finishes its iteration, saves it and exits (--exit-signal-handler; common.sh says how).
+# EXTRA_ARGS="--exit-duration-in-mins 1380" saves and stops an hour before the limit instead.
 # Paper Table 1, GPT-350M, TLq: two-level gradient all-to-all, 8-bit intra-node / 4-bit inter-node.
 #   sbatch [--nodes N] sample_scripts/accuracy/350M/quantGradwithoutHT/train.sh
 #   or on every node, without SLURM: NNODES=.. MASTER_ADDR=.. bash sample_scripts/accuracy/350M/quantGradwithoutHT/train.sh

@@ -98,3 +98,27 @@ def test_ckpt_step_loads_an_earlier_iteration_and_damage_names_it(tmp_path, monk
                               "holds iterations 2, 4, 6)")
     mismatch = common.settings_problem(_settings(), _settings(seed=1), root, False)
     assert formats.with_earlier(mismatch, root, 6) == mismatch  # not damage: no hint
+
+
+def test_the_qwd_target_is_recorded_and_a_change_is_named():
+    from megatron.sdp4bit.config import SDP4BitConfig
+    from megatron.sdp4bit.training.build import method_settings
+
+    qwd = SDP4BitConfig(quantized_weights=True)
+    rounded = qwd.replace(weight_difference_target="rounded-main")
+    assert method_settings(qwd)["weight_difference_target"] == "main"
+    assert "weight_difference_target" not in method_settings(
+        qwd.replace(weight_quantization_mode="direct"))  # qW sends no difference
+    saved, now = _settings(), _settings()
+    saved["sdp4bit"], now["sdp4bit"] = method_settings(qwd), method_settings(rounded)
+    assert common.settings_problem(saved, now, "D", False) == (
+        "checkpoint D was trained with SDP4Bit weight_difference_target main; this run has "
+        "weight_difference_target rounded-main: use the same SDP4Bit flags, or pass "
+        "--allow-changed-sdp4bit-settings to change the method on resume")
+    assert common.settings_problem(saved, now, "D", True) is None
+    # A manifest written before the target was recorded: those runs sent main - replica.
+    older = {**saved, "sdp4bit": {k: v for k, v in saved["sdp4bit"].items()
+                                  if k != "weight_difference_target"}}
+    assert common.settings_problem(older, saved, "D", False) is None
+    assert "weight_difference_target main; this run has weight_difference_target " \
+        "rounded-main" in common.settings_problem(older, now, "D", False)

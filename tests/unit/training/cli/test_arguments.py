@@ -82,6 +82,7 @@ def test_every_config_field_has_a_flag_with_its_docstring_as_help():
             assert actions[f.name].help, f.name
             assert actions[f.name].default == f.default
     assert actions["weight_quantization_mode"].choices == ["diff", "direct"]
+    assert actions["weight_difference_target"].choices == ["main", "rounded-main"]
     assert actions["kernel_backend"].choices == ["auto", "torch", "triton", "cpu"]
 
 
@@ -96,6 +97,9 @@ def test_sdp4bit_flags_reach_the_config():
                                 gq_group_size_inter=32, quantization_rounding="nearest",
                                 dp_ranks_per_node=2, kernel_backend="torch",
                                 weight_quantization_mode="direct", seed=7)
+    assert sdp4bit_config_from_args(parse(
+        "--use-distributed-optimizer --bf16 --quantized-weights --weight-difference-target "
+        "rounded-main")).weight_difference_target == "rounded-main"
     assert sdp4bit_config_from_args(parse("--use-distributed-optimizer --seed 7 "
                                           "--rounding-seed 8")).seed == 8
 
@@ -127,6 +131,13 @@ ERRORS = {
                       "another (e.g. 128 and 128, or 512 and 128)"),
     "qwd-fp32": ("--use-distributed-optimizer --quantized-weights",
                  "--quantized-weights requires 16-bit parameters: add --bf16 (or --fp16)"),
+    "target-without-qwd": ("--use-distributed-optimizer --bf16 --weight-difference-target "
+                           "rounded-main", "--weight-difference-target rounded-main needs "
+                           "--quantized-weights: it changes what qWD sends"),
+    "target-with-qw": ("--use-distributed-optimizer --bf16 --quantized-weights "
+                       "--weight-quantization-mode direct --weight-difference-target rounded-main",
+                       "--weight-difference-target rounded-main applies to qWD only, not to "
+                       "--weight-quantization-mode direct (qW sends the weights)"),
     "bad-choice": ("--weight-quantization-mode half", "argument --weight-quantization-mode: "
                    "invalid choice: 'half' (choose from diff, direct)"),
     "warmup-both": ("--lr-warmup-fraction 0.1 --lr-warmup-iters 3",
@@ -178,6 +189,8 @@ ERRORS = {
     "heads-tp": ("--hidden-size 66 --num-attention-heads 3 --tensor-model-parallel-size 2",
                  "--num-attention-heads=3 is not divisible by --tensor-model-parallel-size=2"),
     "seed-negative": ("--seed -1", "--seed=-1 must be in 0 .. 2**32 - 1 (NumPy's seed range)"),
+    "eval-seed-big": ("--eval-data-seed 4294967296", "--eval-data-seed=4294967296 must be in "
+                      "0 .. 2**32 - 1 (NumPy's seed range)"),
     "heartbeat-nan": ("--heartbeat-timeout-seconds nan", "--heartbeat-timeout-seconds=nan is "
                       "not a number of seconds: give one >= 2, or 0 = off"),
     "heartbeat-inf": ("--heartbeat-timeout-seconds inf", "--heartbeat-timeout-seconds=inf is "
@@ -295,19 +308,6 @@ def test_split_spellings_agree():
 def test_abbreviations_are_refused():
     with pytest.raises(ArgumentsError, match="unrecognized arguments: --num-lay"):
         parse("--num-lay 3")
-
-
-def test_sequence_parallel_on_the_local_layer_spec_is_refused_before_distributed_starts():
-    """megatron-core's torch norm (the local spec without Apex) asserts on sequence
-    parallelism in every rank's model construction: 13 tracebacks from a TP 2 run."""
-    with pytest.raises(ArgumentsError) as err:
-        parse("--tensor-model-parallel-size 2 --sequence-parallel --transformer-impl local")
-    assert str(err.value) == (
-        "--sequence-parallel needs Transformer Engine's layers (or Apex's LayerNorm), and "
-        "--transformer-impl local does not use it: the local layer spec's torch norm does not "
-        "support it; drop --sequence-parallel (accepted: TP > 1 with Transformer Engine on "
-        "CUDA or Apex installed; with TP 1 it is ignored)")
-    assert not parse("--sequence-parallel").sequence_parallel  # TP 1: nothing to split
 
 
 def test_ckpt_step_needs_load_and_a_non_negative_iteration():

@@ -9,12 +9,11 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from megatron.sdp4bit.training.cli import megatron_flags as mf
 from megatron.sdp4bit.training.cli.arguments import ArgumentsError, parse_args
 
-README = Path(__file__).resolve().parents[4] / "README.md"
+FLAGS_PAGE = Path(__file__).resolve().parents[4] / "docs" / "flags.md"
 BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
         "--micro-batch-size 2 --lr 1e-3 --mock-data").split()
 
@@ -190,9 +189,9 @@ def test_no_op_flags_are_not_read_by_the_trainer():
         assert not re.search(rf"\bargs\.{mf._dest(flag)}\b", source), flag
 
 
-def test_readme_lists_exactly_the_no_op_flags():
-    text = README.read_text(encoding="utf-8")
-    section = text.split("\n### Accepted flags that do nothing here\n", 1)[1].split("\n#", 1)[0]
+def test_the_flags_page_lists_exactly_the_no_op_flags():
+    text = FLAGS_PAGE.read_text(encoding="utf-8")
+    section = text.split("\n## Accepted flags that do nothing here\n", 1)[1].split("\n#", 1)[0]
     listed = re.findall(r"^\| `(--[a-zA-Z0-9_-]+)` \|", section, flags=re.M)
     assert sorted(listed) == sorted(mf.NO_OP_FLAGS)
 
@@ -217,10 +216,15 @@ SWITCH_ERRORS = {
         "--sequence-parallel",
     "--recompute-modules mlp": "--recompute-modules needs --recompute-granularity selective "
                                "(or --recompute-activations)",
-    "--log-batch-size-to-tensorboard": "--log-batch-size-to-tensorboard needs --tensorboard-dir",
     "--log-world-size-to-tensorboard": "--log-world-size-to-tensorboard needs --tensorboard-dir",
     "--distributed-timeout-minutes 0": "--distributed-timeout-minutes=0 must be >= 1",
     "--exit-duration-in-mins 0": "--exit-duration-in-mins=0.0 must be > 0",
+    "--exit-signal-handler --exit-signal SIGKILL": "--exit-signal SIGKILL is not supported: use "
+                                                  "SIGTERM (the default), SIGINT, SIGUSR1 or SIGUSR2",
+    "--exit-signal-handler --exit-signal TERM": "--exit-signal TERM is not supported: use SIGTERM "
+                                               "(the default), SIGINT, SIGUSR1 or SIGUSR2",
+    "--exit-signal SIGUSR1": "--exit-signal SIGUSR1 needs --exit-signal-handler (without it no "
+                             "signal is caught)",
 }
 
 
@@ -229,19 +233,11 @@ def test_switch_errors(extra):
     assert error(extra) == SWITCH_ERRORS[extra]
 
 
-def test_flash_attention_needs_transformer_engine_on_cuda():
-    import importlib.util
-
-    if not torch.cuda.is_available():
-        why = "there is no CUDA device"
-    elif importlib.util.find_spec("transformer_engine") is None:
-        why = "transformer_engine is not installed"
-    else:  # Transformer Engine's attention runs: the flag is honoured
-        assert parse("--use-flash-attn").attention_backend == "flash"
-        return
-    assert error("--use-flash-attn") == (
-        "--attention-backend flash (or --use-flash-attn) chooses Transformer Engine's attention "
-        f"kernel, and {why}: drop the flag")
+def test_exit_signal_is_megatron_lms_default_and_only_with_the_handler():
+    assert parse("").exit_signal is None  # no handler: the signal keeps its default action
+    assert parse("--exit-signal-handler").exit_signal == "SIGTERM"
+    for name in ("SIGINT", "SIGUSR1", "SIGUSR2"):
+        assert parse(f"--exit-signal-handler --exit-signal {name}").exit_signal == name
 
 
 def test_transformer_switches_reach_the_config():

@@ -1,4 +1,5 @@
-"""MetricsWriter: consumed tokens in --metrics-jsonl, Megatron-LM's TensorBoard switches."""
+"""MetricsWriter: consumed tokens in --metrics-jsonl, Megatron-LM's TensorBoard switches and
+values (the tag names themselves: test_megatron_lm_parity.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megatron.sdp4bit.training.cli.arguments import parse_args
-from megatron.sdp4bit.training.observe.logging import COMM_KEYS, MetricsWriter
+from megatron.sdp4bit.training.observe.metrics_writer import COMM_KEYS, MetricsWriter
 
 BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
         "--micro-batch-size 2 --train-iters 10 --lr 1e-3 --mock-data").split()
@@ -15,48 +16,58 @@ BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32
 
 def record(it: int) -> dict:
     r = {"iteration": it, "consumed_samples": 8 * it, "lm_loss": 5.0, "learning_rate": 1e-3,
-         "grad_norm": 1.0, "loss_scale": 1.0, "elapsed_ms": 10.0, "tflops_per_gpu": 0.1}
+         "grad_norm": 1.0, "loss_scale": 1.0, "elapsed_ms": 10.0 * it, "tflops_per_gpu": 0.1}
     r.update({k: 1 for k in COMM_KEYS})
     r.update({"baseline_" + k: 4 for k in COMM_KEYS})
     return r
 
 
-def tags(folder) -> set[str]:
+def events(folder) -> EventAccumulator:
     acc = EventAccumulator(str(folder))
     acc.Reload()
-    return set(acc.Tags()["scalars"])
+    return acc
 
 
-def write(tmp_path, extra: str) -> set[str]:
+def write(tmp_path, extra: str) -> EventAccumulator:
+    """Iterations 1 to 4 (loss 6 - it/10, lr it/1000), a log line at 2 and 4."""
     tb = tmp_path / "tb"
     args = parse_args(BASE + ["--metrics-jsonl", str(tmp_path / "new" / "m.jsonl"),
                               "--tensorboard-dir", str(tb)] + extra.split(), world_size=4)
     writer = MetricsWriter(args)
-    writer.train(record(1))
-    writer.train(record(2))
+    for it in range(1, 5):
+        writer.iteration(it, 8 * it, 6 - it / 10, it / 1000, 2.0 ** it, 0.5 * it)
+        if it % 2 == 0:
+            writer.train(record(it))
     writer.close()
-    return tags(tb)
+    return events(tb)
 
 
 def test_metrics_file_gets_consumed_tokens_in_a_new_folder(tmp_path):
     write(tmp_path, "")
     lines = [json.loads(x) for x in (tmp_path / "new" / "m.jsonl").read_text().splitlines()]
-    assert [(r["consumed_samples"], r["consumed_tokens"]) for r in lines] == [(8, 256),
-                                                                            (16, 512)]
+    assert [(r["consumed_samples"], r["consumed_tokens"]) for r in lines] == [(16, 512),
+                                                                            (32, 1024)]
 
 
-def test_default_tensorboard_scalars(tmp_path):
-    got = write(tmp_path, "")
-    assert {"lm loss", "learning_rate", "loss_scale"} <= got
-    assert not {"batch-size", "world-size"} & got
+def test_per_iteration_values_against_iterations_and_samples(tmp_path):
+    acc = write(tmp_path, "--tensorboard-log-interval 2")
+    # every second iteration, this iteration's value (not the log interval's mean)
+    assert [(e.step, round(e.value, 6)) for e in acc.Scalars("lm loss")] == [(2, 5.8), (4, 5.6)]
+    assert [e.step for e in acc.Scalars("lm loss vs samples")] == [16, 32]
+    assert [e.value for e in acc.Scalars("loss-scale")] == [4.0, 16.0]
+    assert [e.value for e in acc.Scalars("grad-norm vs samples")] == [1.0, 2.0]
+    assert [e.value for e in acc.Scalars("batch-size")] == [8.0, 8.0]  # 2 x 4 ranks
+    # the log interval's figures: seconds per iteration, as Megatron-LM writes them
+    assert [(e.step, round(e.value, 6)) for e in acc.Scalars("iteration-time")] == [
+        (2, 0.02), (4, 0.04)]
+    assert [e.value for e in acc.Scalars("sdp4bit/grads-inter-bytes-unquantized")] == [4, 4]
 
 
 def test_tensorboard_switches(tmp_path):
-    got = write(tmp_path, "--log-batch-size-to-tensorboard --log-world-size-to-tensorboard "
-                          "--no-log-learnig-rate-to-tensorboard --no-log-loss-scale-to-tensorboard")
-    assert {"lm loss", "batch-size", "world-size", "grad_norm"} <= got
-    assert not {"learning_rate", "loss_scale"} & got
-    acc = EventAccumulator(str(tmp_path / "tb"))
-    acc.Reload()
-    assert [e.value for e in acc.Scalars("batch-size")] == [8.0, 8.0]  # 2 x 4 ranks
-    assert [e.value for e in acc.Scalars("world-size")] == [4.0, 4.0]
+    got = set(write(tmp_path, "--log-world-size-to-tensorboard "
+                              "--no-log-learnig-rate-to-tensorboard "
+                              "--no-log-loss-scale-to-tensorboard").Tags()["scalars"])
+    assert {"lm loss", "batch-size", "world-size", "world-size vs samples", "grad-norm"} <= got
+    assert not {"learning-rate", "learning-rate vs samples", "loss-scale"} & got
+    default = set(write(tmp_path / "default", "").Tags()["scalars"])
+    assert {"learning-rate", "loss-scale"} <= default and "world-size" not in default

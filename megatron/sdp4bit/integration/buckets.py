@@ -1,0 +1,91 @@
+"""What SDP4Bit knows about each megatron-core bucket, in one record built once at install.
+
+Bucket ids are assigned in bucket order over the model chunks' bucket groups, so they are
+identical on the DP ranks of a group (every rank has the same layout). Every consumer (the
+collectives' seeds, the main shards of qWD, the TP-duplicate offsets, the byte accounting)
+reads the same :class:`BucketInfo`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator
+
+from megatron.sdp4bit.comm import check_padded, divisor_from_config
+from megatron.sdp4bit.config import SDP4BitConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketInfo:
+    """One bucket of a DDP buffer, as SDP4Bit sees it."""
+
+    id: int
+    """Stable id: the bucket's place in bucket order (the same on every DP rank)."""
+    dp_rank: int
+    """This rank's rank in the bucket group's DP group (its shard index)."""
+    world: int
+    """The DP group's size (shards per bucket)."""
+    numel: int
+    """Elements of the bucket, padded (``grad_data`` / ``param_data``)."""
+    numel_unpadded: int
+    """Elements of its parameters, without megatron-core's and SDP4Bit's end padding."""
+    divisor: int
+    """What the bucket was padded to a multiple of (``comm.divisor_from_config``)."""
+    bucket: object = dataclasses.field(repr=False, compare=False)
+    """megatron-core's bucket object."""
+
+    @property
+    def shard_numel(self) -> int:
+        return self.numel // self.world
+
+    @property
+    def shard_start(self) -> int:
+        """Where this rank's shard starts in the bucket."""
+        return self.dp_rank * self.shard_numel
+
+    @property
+    def shard_end(self) -> int:
+        return self.shard_start + self.shard_numel
+
+    @property
+    def padding(self) -> int:
+        """Elements of padding at the bucket's end."""
+        return self.numel - self.numel_unpadded
+
+
+class Buckets:
+    """Every :class:`BucketInfo` of one install, found by id or by megatron-core's bucket."""
+
+    def __init__(self, infos: Iterable[BucketInfo]) -> None:
+        self._infos = tuple(infos)
+        self._by_object = {id(info.bucket): info for info in self._infos}
+
+    def __iter__(self) -> Iterator[BucketInfo]:
+        return iter(self._infos)
+
+    def __len__(self) -> int:
+        return len(self._infos)
+
+    def of(self, bucket: object) -> BucketInfo:
+        """The record of megatron-core's ``bucket``."""
+        return self._by_object[id(bucket)]
+
+
+def bucket_infos(bucket_groups: Iterable, config: SDP4BitConfig) -> Buckets:
+    """One :class:`BucketInfo` per bucket of ``bucket_groups``, in order; ``ValueError`` for
+    a bucket not padded to the quantizers' divisor (built outside ``sdp4bit_padding``)."""
+    infos = []
+    for group in bucket_groups:
+        world = group.intra_distributed_optimizer_instance_size
+        rank = group.intra_distributed_optimizer_instance_rank
+        divisor = divisor_from_config(config, world)
+        for bucket in group.buckets:
+            info = BucketInfo(id=len(infos), dp_rank=rank, world=world,
+                              numel=bucket.grad_data.numel(),
+                              numel_unpadded=bucket.numel_unpadded, divisor=divisor,
+                              bucket=bucket)
+            check_padded(info.numel, divisor,
+                         f"bucket {info.id} (build DistributedDataParallel inside "
+                         "megatron.sdp4bit.integration.sdp4bit_padding(config) to pad it)")
+            infos.append(info)
+    return Buckets(infos)

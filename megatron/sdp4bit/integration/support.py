@@ -1,0 +1,100 @@
+"""Which megatron-core setups SDP4Bit accepts: one check for the library and the trainer.
+
+``install_sdp4bit`` reads the facts from the built DDP modules and optimizers
+(:func:`setup_of`); the trainer's command line reads them from its flags before anything is
+built. Both call :func:`check_supported`, which raises ``ValueError`` with one line: the
+library's wording names the megatron-core option, the command line's the flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from megatron.sdp4bit.config import SDP4BitConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """The facts about a megatron-core setup that decide whether SDP4Bit can run in it."""
+
+    distributed_optimizer: bool
+    fp32_params: bool = False
+    """Parameters kept in fp32 (no --bf16 / --fp16): the optimizer's main params are views
+    of the replica."""
+    distributed_optimizer_instances: int = 1
+    reduce_scatter_with_fp32_accumulation: bool = False
+    megatron_fsdp: bool = False
+    reuse_grad_buf_for_mxfp8_param_ag: bool = False
+    expert_parallel_buffers: bool = False
+    fp8_param_gather: bool = False
+    fp4_param_gather: bool = False  # 0.19.2 only
+    precision_aware_optimizer: bool = False
+
+
+def setup_of(model_chunks: Sequence, optimizers: Sequence) -> Setup:
+    """The :class:`Setup` of built megatron-core DDP modules and distributed optimizers."""
+    configs = [chunk.ddp_config for chunk in model_chunks]
+    return Setup(
+        distributed_optimizer=all(c.use_distributed_optimizer for c in configs),
+        fp32_params=any(any(opt.model_fp32_groups) for opt in optimizers),
+        distributed_optimizer_instances=max(c.num_distributed_optimizer_instances
+                                            for c in configs),
+        reduce_scatter_with_fp32_accumulation=any(c.reduce_scatter_with_fp32_accumulation
+                                                  for c in configs),
+        megatron_fsdp=any(c.use_megatron_fsdp or c.use_custom_fsdp for c in configs),
+        reuse_grad_buf_for_mxfp8_param_ag=any(c.reuse_grad_buf_for_mxfp8_param_ag
+                                              for c in configs),
+        expert_parallel_buffers=any(bool(chunk.expert_parallel_bucket_groups)
+                                    for chunk in model_chunks),
+        fp8_param_gather=any(getattr(c, "fp8_param_gather", False) for c in configs),
+        fp4_param_gather=any(getattr(c, "fp4_param_gather", False) for c in configs),
+        precision_aware_optimizer=any(opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+                                      for opt in optimizers),
+    )
+
+
+def check_supported(config: SDP4BitConfig, setup: Setup, *, command_line: bool = False) -> None:
+    """Raise ``ValueError`` (one line) for the first thing in ``setup`` SDP4Bit cannot run
+    with as ``config`` asks; nothing when ``config`` quantizes nothing. ``command_line``:
+    word it with the trainer's flags."""
+    if not config.enabled:
+        return
+
+    def refuse(library: str, flags: str | None = None) -> None:
+        raise ValueError(flags if command_line and flags else library)
+
+    if not setup.distributed_optimizer:
+        on = "--quantized-weights" if config.quantized_weights else "--quantized-gradients"
+        refuse("SDP4Bit needs the distributed optimizer: build DistributedDataParallelConfig"
+               "(use_distributed_optimizer=True) (--use-distributed-optimizer)",
+               f"{on} requires --use-distributed-optimizer")
+    if setup.distributed_optimizer_instances != 1:
+        refuse("num_distributed_optimizer_instances > 1 is not supported by SDP4Bit: use 1")
+    if setup.reduce_scatter_with_fp32_accumulation:
+        refuse("reduce_scatter_with_fp32_accumulation replaces the same collective as TLq: "
+               "turn it off")
+    if setup.megatron_fsdp:
+        refuse("Megatron-FSDP (use_megatron_fsdp / use_custom_fsdp) is not supported by "
+               "SDP4Bit: it shards parameters with its own collectives; use "
+               "DistributedDataParallel with the distributed optimizer")
+    if setup.reuse_grad_buf_for_mxfp8_param_ag:
+        refuse("reuse_grad_buf_for_mxfp8_param_ag is not supported by SDP4Bit: turn it off")
+    if setup.expert_parallel_buffers:
+        refuse("expert-parallel (MoE) buffers are not supported by SDP4Bit yet")
+    if not config.quantized_weights:
+        return
+    for flag, on in (("fp8_param_gather", setup.fp8_param_gather),
+                     ("fp4_param_gather", setup.fp4_param_gather)):
+        if on:
+            refuse(f"qWD needs 16-bit model parameters, but {flag} keeps the replica as "
+                   "quantized bytes with no weights to take a difference of: turn "
+                   f"{flag} off, or quantize only the gradients (quantized_gradients)")
+    if setup.precision_aware_optimizer:
+        refuse("qWD needs the fp32 main params of the distributed optimizer: turn off "
+               "use_precision_aware_optimizer")
+    if setup.fp32_params:
+        refuse("qWD needs 16-bit model parameters (--bf16 or --fp16): with fp32 parameters "
+               "the optimizer updates the replica in place (main params are views of it), so "
+               "there is no separate main copy to take the weight difference against",
+               "--quantized-weights requires 16-bit parameters: add --bf16 (or --fp16)")

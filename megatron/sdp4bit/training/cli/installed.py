@@ -1,0 +1,141 @@
+"""Flags that need something installed on this machine: checked after parsing, before
+``torch.distributed`` starts, so a missing package or device costs one line and no start-up.
+
+:func:`parse_args` decides what a command line means, the same on every machine (a laptop
+checks a cluster's script with it); :func:`check_installed` decides whether this machine can
+run it:
+
+* ``--transformer-impl transformer_engine`` and Transformer Engine's attention kernels
+  (``--attention-backend flash|fused|unfused``, ``--use-flash-attn``) need CUDA and the
+  ``transformer_engine`` package (``pip install -e ".[te]"``); ``--transformer-impl auto`` on
+  CUDA without it runs megatron-core's local layers and says so once;
+* ``--sequence-parallel`` with TP > 1 needs Transformer Engine's layers or Apex (the local
+  spec's torch norm asserts on it in every rank);
+* ``--tensorboard-dir`` needs ``tensorboard`` (the ``logging`` extra), ``--wandb-project``
+  needs ``wandb`` (the ``wandb`` extra);
+* SDP4Bit's quantized collectives replace megatron-core internals checked against
+  particular releases: another release runs with a warning when every replaced attribute is
+  as it was checked, and is refused otherwise (naming the first that moved) unless
+  ``--allow-untested-megatron-core`` is given, which is then said loudly.
+
+Warnings go to stderr from rank 0 (torchrun's ``$RANK``) only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+
+from megatron.sdp4bit.training.cli.errors import ArgumentsError
+
+__all__ = ["TE_INSTALL", "check_installed", "uses_transformer_engine"]
+
+TE_INSTALL = 'pip install -e ".[te]"'  # setup.py's extra: a Transformer Engine release
+# that both tested megatron-core releases accept
+
+
+def _importable(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def uses_transformer_engine(impl: str) -> bool:
+    """Whether the model is built from Transformer Engine's layers: asked for, or ``auto``
+    with CUDA and the package present (what :func:`check_installed` let through)."""
+    return impl != "local" and _cuda() and _importable("transformer_engine")
+
+
+def _warn(message: str) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def _check_transformer_engine(args: argparse.Namespace) -> None:
+    cuda, te = _cuda(), _importable("transformer_engine")
+    attention = args.attention_backend in ("flash", "fused", "unfused")
+    if args.transformer_impl == "transformer_engine" or attention:
+        what = ("--transformer-impl transformer_engine" if args.transformer_impl ==
+                "transformer_engine" else f"--attention-backend {args.attention_backend} "
+                "(or --use-flash-attn)")
+        instead = ("--transformer-impl local" if args.transformer_impl == "transformer_engine"
+                   else "drop the flag")
+        if not cuda:
+            raise ArgumentsError(f"{what} runs Transformer Engine's CUDA kernels and there is no "
+                                 f"CUDA device here: {instead}")
+        if not te:
+            raise ArgumentsError(f"{what} needs Transformer Engine, which is not installed: "
+                                 f"{TE_INSTALL}, or {instead}")
+    elif args.transformer_impl == "auto" and cuda and not te:
+        _warn("--transformer-impl auto: Transformer Engine is not installed, so this run uses "
+              "megatron-core's local layers (correct, slower on GPU); for Transformer Engine's: "
+              f"{TE_INSTALL}")
+
+
+def _check_sequence_parallel(args: argparse.Namespace) -> None:
+    # The local layer spec norms with Apex's FusedLayerNorm where Apex is installed, else
+    # with megatron-core's WrappedTorchNorm, which asserts on sequence parallelism in every
+    # rank's model construction (0.16.1 and 0.19.2).
+    if not args.sequence_parallel or args.tensor_model_parallel_size == 1:
+        return
+    if uses_transformer_engine(args.transformer_impl) or _importable("apex"):
+        return
+    why = ("--transformer-impl local does not use them" if args.transformer_impl == "local"
+           else "there is no CUDA device here" if not _cuda()
+           else "Transformer Engine is not installed")
+    raise ArgumentsError(
+        f"--sequence-parallel needs Transformer Engine's layers or Apex's LayerNorm, and {why} "
+        "(nor is Apex installed): megatron-core's torch norm does not support it; drop "
+        "--sequence-parallel (accepted: TP > 1 with Transformer Engine on CUDA or with Apex; "
+        "with TP 1 it is ignored)")
+
+
+def _check_logging_packages(args: argparse.Namespace) -> None:
+    for flag, value, package, extra in (
+            ("--tensorboard-dir", args.tensorboard_dir, "tensorboard", "logging"),
+            ("--wandb-project", args.wandb_project, "wandb", "wandb")):
+        if value and not _importable(package):
+            raise ArgumentsError(f"{flag} needs the {package} package, which is not installed: "
+                                 f'pip install -e ".[{extra}]" (or pip install {package})')
+
+
+def _check_megatron_core(args: argparse.Namespace, quantized: bool) -> None:
+    if not quantized:  # megatron-core's own collectives: nothing of it is replaced
+        return
+    from megatron.sdp4bit.integration import (
+        TESTED_MEGATRON_CORE_VERSIONS,
+        check_megatron_core_version,
+    )
+
+    # An untested release runs (with the integration's one warning line) when every
+    # attribute SDP4Bit replaces is as it was checked; otherwise it is refused, naming the
+    # first that moved, unless the flag asks to run anyway.
+    try:
+        installed = check_megatron_core_version(
+            allow_untested_version=args.allow_untested_megatron_core,
+            how_to_allow="pass --allow-untested-megatron-core")
+    except RuntimeError as err:
+        raise ArgumentsError(str(err)) from None
+    if installed in TESTED_MEGATRON_CORE_VERSIONS or not args.allow_untested_megatron_core:
+        return
+    tested = " and ".join(TESTED_MEGATRON_CORE_VERSIONS)
+    _warn("!" * 20 + f" --allow-untested-megatron-core: megatron-core {installed} is NOT a "
+          f"tested release (SDP4Bit was tested with {tested}); SDP4Bit replaces megatron-core "
+          "internals that may have changed: check the losses against a baseline run "
+          "before trusting this one " + "!" * 20)
+
+
+def check_installed(args: argparse.Namespace, quantized: bool) -> None:
+    """Refuse (one :class:`ArgumentsError` line) the flags this machine cannot honour and
+    warn once about the ones it honours at a cost (module docstring). ``quantized``: the run
+    installs SDP4Bit's collectives (a quantization flag is on)."""
+    _check_transformer_engine(args)
+    _check_sequence_parallel(args)
+    _check_logging_packages(args)
+    _check_megatron_core(args, quantized)

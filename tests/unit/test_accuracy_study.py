@@ -1,0 +1,125 @@
+"""benchmarks/accuracy_study.py's cluster path at toy size: runs done elsewhere (fake
+metrics files and a console log, laid out as sample_scripts/accuracy/study.sbatch lays them
+out) -> the summary's numbers, the report and the two pictures. No training."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+EVALS = (50, 100)
+TOKENS_PER_IT = 16 * 128
+
+
+def _metrics(folder: Path, finals: dict[int, float]) -> None:
+    """A metrics.jsonl nested as an accuracy script writes it, validation loss ``finals``."""
+    path = folder / "accuracy" / "125M" / "x" / "metrics.jsonl"
+    path.parent.mkdir(parents=True)
+    lines = []
+    for it in (25, 50, 75, 100):
+        lines.append({"iteration": it, "lm_loss": 6.0, "consumed_samples": 16 * it,
+                      "consumed_tokens": TOKENS_PER_IT * it})
+        if it in finals:
+            lines.append({"iteration": it, "val_lm_loss": finals[it], "val_lm_ppl": 1.0})
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def _study(root: Path) -> Path:
+    runs = {
+        ("baseline", "ref"): 5.00, ("baseline", "seed1235"): 5.10,
+        ("baseline", "seed1236"): 4.90,
+        ("qWD", "rs1"): 5.01, ("qWD", "rs2"): 5.03,
+        ("qW", "rs1"): 5.30, ("qW", "rs2"): 5.20, ("qW", "rs3"): 5.40,
+    }
+    for (method, label), final in runs.items():
+        _metrics(root / method / label, {50: final + 1.0, 100: final})
+    return root
+
+
+def test_summary_numbers_from_metrics_files(tmp_path):
+    from benchmarks import accuracy_summary as s
+
+    summary = s.summarize(s.read_study(_study(tmp_path)))
+    assert summary["final_iteration"] == 100
+    qw = summary["methods"]["qW"]
+    assert qw["final"]["n"] == 3 and math.isclose(qw["final"]["mean"], 5.30)
+    assert math.isclose(qw["final"]["std"], 0.1)  # sample std of 5.2, 5.3, 5.4
+    assert math.isclose(qw["diff"]["value"], 0.30)
+    assert math.isclose(qw["diff"]["stderr"], 0.1 / math.sqrt(3))  # the ref run has no spread
+    assert math.isclose(qw["diff"]["pct"], 6.0)
+    qwd = summary["methods"]["qWD"]
+    assert math.isclose(qwd["diff"]["value"], 0.02) and qwd["runs"] == {"rs1": 5.01, "rs2": 5.03}
+    base = summary["methods"]["baseline"]
+    assert base["final"]["n"] == 1 and base["diff"]["value"] == 0.0  # seed runs left out
+    band = summary["seed_band"]
+    assert band["runs"] == {"ref": 5.0, "seed1235": 5.1, "seed1236": 4.9}
+    assert math.isclose(band["std"], 0.1) and math.isclose(band["spread_pct"], 4.0)
+    # the curves: mean, min and max over the runs at each evaluation, against tokens
+    assert [(p["iteration"], p["tokens"]) for p in qw["curve"]] == [
+        (50, 50 * TOKENS_PER_IT), (100, 100 * TOKENS_PER_IT)]
+    assert math.isclose(qw["curve"][0]["min"], 6.2) and math.isclose(qw["curve"][0]["max"], 6.4)
+
+
+def test_from_runs_writes_the_report_and_pictures(tmp_path, capsys):
+    from benchmarks import accuracy_study
+
+    root = _study(tmp_path / "study")
+    # a run of another trainer: only its console log, Megatron-LM's validation lines
+    log = root / "TLq" / "rs1" / "slurm-7_3.out"
+    log.parent.mkdir(parents=True)
+    log.write_text("".join(f" validation loss at iteration {it} | lm loss value: {v:.6E} | "
+                           "lm loss PPL: 1.0E+02 |\n" for it, v in ((50, 6.5), (100, 5.5))))
+    assert accuracy_study.main(["--from-runs", str(root)]) == 1  # a log records no tokens
+    assert "--tokens-per-iteration" in capsys.readouterr().err
+    assert accuracy_study.main(["--from-runs", str(root),
+                                "--tokens-per-iteration", str(TOKENS_PER_IT)]) == 0
+    record = json.loads((root / "accuracy_study.json").read_text())
+    assert record["command"] == ("python -m benchmarks.accuracy_study --from-runs "
+                                 f"{root} --tokens-per-iteration {TOKENS_PER_IT}")
+    tlq = record["summary"]["methods"]["TLq"]
+    assert math.isclose(tlq["diff"]["pct"], 10.0) and tlq["curve"][1]["tokens"] == 100 * 2048
+    md = (root / "accuracy_study.md").read_text()
+    assert ("| qW | 3 | 5.3000 | 0.1000 | 5.2000 | 5.4000 | +0.3000 +- 0.0577 | "
+            "+6.00 +- 1.15 |") in md
+    for name in ("accuracy_study_loss.png", "accuracy_study_diff.png"):
+        assert (root / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("change,message", [
+    ("rename", "a run folder is named ref, rs<R> .rounding seed. or seed<S> .--seed."),
+    ("short", r"the runs end their evaluations at different iterations \[50, 100\]"),
+    ("nobase", "no baseline/ runs: the differences need the baseline"),
+])
+def test_a_study_that_cannot_be_summarized_is_named(tmp_path, change, message):
+    from benchmarks import accuracy_summary as s
+
+    root = _study(tmp_path)
+    if change == "rename":
+        (root / "qW" / "rs3").rename(root / "qW" / "third")
+    elif change == "short":
+        _metrics(root / "qWD" / "rs3", {50: 5.0})
+    else:
+        shutil.rmtree(root / "baseline")
+    with pytest.raises(s.StudyError, match=message):
+        s.summarize(s.read_study(root))
+
+
+def test_the_local_plan_and_commands(tmp_path):
+    from benchmarks import accuracy_study as a
+
+    runs = a.plan(["baseline", "qWD-rounded"], [1, 2], [7], seed=1234)
+    assert runs == [("baseline", "ref", []), ("baseline", "seed7", ["--seed", "7"]),
+                    ("qWD-rounded", "rs1", ["--rounding-seed", "1"]),
+                    ("qWD-rounded", "rs2", ["--rounding-seed", "2"])]
+    flags = a.model_flags(1000, 100, 20, 1234)
+    # every run evaluates on the same held-out samples, whatever its --seed
+    assert flags[flags.index("--eval-data-seed") + 1] == str(a.EVAL_DATA_SEED)
+    assert a.METHODS["qWD-rounded"] == ["--quantized-weights", "--weight-difference-target",
+                                        "rounded-main"]
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text(json.dumps({"iteration": 100, "val_lm_loss": 5.0}) + "\n")
+    assert a.finished(metrics, 100) and not a.finished(metrics, 200)

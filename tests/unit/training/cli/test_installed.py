@@ -1,0 +1,168 @@
+"""What this machine lacks for the command line: refused in one line before any process
+group (training/cli/installed.py), warned about once where the run goes on at a cost. The
+machine is simulated (CUDA present or not, packages importable or not), so every case runs
+on a CPU-only machine."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron.sdp4bit.training.cli import installed
+from megatron.sdp4bit.training.cli.arguments import ArgumentsError, parse_args
+
+BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+        "--micro-batch-size 2 --train-iters 10 --lr 1e-3 --mock-data").split()
+
+
+def machine(monkeypatch, *, cuda: bool, have: set[str]) -> None:
+    monkeypatch.setattr(installed, "_cuda", lambda: cuda)
+    monkeypatch.setattr(installed, "_importable", lambda name: name in have)
+
+
+def check(extra: str, quantized: bool = False) -> None:
+    installed.check_installed(parse_args(BASE + extra.split(), world_size=2), quantized)
+
+
+def refusal(extra: str, quantized: bool = False) -> str:
+    with pytest.raises(ArgumentsError) as info:
+        check(extra, quantized)
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+def test_transformer_engine_is_refused_where_it_cannot_run(monkeypatch):
+    machine(monkeypatch, cuda=True, have={"tensorboard"})
+    assert refusal("--transformer-impl transformer_engine") == (
+        "--transformer-impl transformer_engine needs Transformer Engine, which is not "
+        'installed: pip install -e ".[te]", or --transformer-impl local')
+    assert refusal("--use-flash-attn") == (
+        "--attention-backend flash (or --use-flash-attn) needs Transformer Engine, which is not "
+        'installed: pip install -e ".[te]", or drop the flag')
+    machine(monkeypatch, cuda=False, have={"transformer_engine"})
+    assert refusal("--transformer-impl transformer_engine") == (
+        "--transformer-impl transformer_engine runs Transformer Engine's CUDA kernels and there "
+        "is no CUDA device here: --transformer-impl local")
+    assert refusal("--attention-backend fused").startswith(
+        "--attention-backend fused (or --use-flash-attn) runs Transformer Engine's CUDA kernels")
+    machine(monkeypatch, cuda=True, have={"transformer_engine"})
+    check("--transformer-impl transformer_engine --use-flash-attn")  # what a GPU cluster runs
+    assert installed.uses_transformer_engine("transformer_engine")
+    assert installed.uses_transformer_engine("auto")
+    assert not installed.uses_transformer_engine("local")
+
+
+def test_auto_on_cuda_without_transformer_engine_warns_once_on_rank_zero(monkeypatch, capsys):
+    machine(monkeypatch, cuda=True, have=set())
+    monkeypatch.setenv("RANK", "0")
+    check("")
+    check("--transformer-impl local")  # asked for the local layers: nothing to say
+    monkeypatch.setenv("RANK", "3")
+    check("")
+    assert capsys.readouterr().err == (
+        "warning: --transformer-impl auto: Transformer Engine is not installed, so this run "
+        "uses megatron-core's local layers (correct, slower on GPU); for Transformer Engine's: "
+        'pip install -e ".[te]"\n')
+    assert not installed.uses_transformer_engine("auto")
+    machine(monkeypatch, cuda=False, have=set())  # a CPU run never uses it: no warning
+    monkeypatch.setenv("RANK", "0")
+    check("")
+    assert capsys.readouterr().err == ""
+
+
+def test_logging_packages_are_refused_with_their_extra(monkeypatch):
+    machine(monkeypatch, cuda=False, have={"tensorboard"})
+    assert refusal("--wandb-project p") == (
+        '--wandb-project needs the wandb package, which is not installed: pip install -e '
+        '".[wandb]" (or pip install wandb)')
+    check("--tensorboard-dir tb")
+    machine(monkeypatch, cuda=False, have={"wandb"})
+    assert refusal("--tensorboard-dir tb") == (
+        '--tensorboard-dir needs the tensorboard package, which is not installed: pip install '
+        '-e ".[logging]" (or pip install tensorboard)')
+    check("--wandb-project p")
+
+
+def test_an_untested_megatron_core_is_refused_or_said_loudly(monkeypatch, capsys):
+    import megatron.sdp4bit.integration as integration
+
+    machine(monkeypatch, cuda=False, have=set())
+    monkeypatch.setenv("RANK", "0")
+    moved = ("SDP4Bit was tested with megatron-core 0.16.1 and 0.19.2 but megatron-core 0.17.0 "
+             "is installed, and X.y is missing: install megatron-core==0.19.2 (Python >= 3.12) "
+             "or megatron-core==0.16.1 (Python < 3.12), or pass --allow-untested-megatron-core "
+             "to try this one")
+    asked = []
+
+    def version_check(*, allow_untested_version=False, how_to_allow=""):
+        asked.append((allow_untested_version, how_to_allow))
+        if not allow_untested_version:
+            raise RuntimeError(moved)
+        return "0.17.0"
+
+    monkeypatch.setattr(integration, "check_megatron_core_version", version_check)
+    check("")  # no quantization: megatron-core's own collectives, nothing of it replaced
+    assert asked == []
+    assert refusal("", quantized=True) == moved
+    assert asked == [(False, "pass --allow-untested-megatron-core")]
+    check("--allow-untested-megatron-core", quantized=True)
+    assert asked[-1] == (True, "pass --allow-untested-megatron-core")
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("warning: !!!")
+    assert "megatron-core 0.17.0 is NOT a tested release (SDP4Bit was tested with 0.16.1 " \
+           "and 0.19.2)" in err
+    # An untested release whose replaced attributes are unchanged passes the check (the
+    # integration says so itself): no banner without the flag.
+    monkeypatch.setattr(integration, "check_megatron_core_version",
+                        lambda allow_untested_version=False, how_to_allow="": "0.17.0")
+    check("", quantized=True)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(integration, "check_megatron_core_version",
+                        lambda allow_untested_version=False, how_to_allow="": "0.19.2")
+    check("--allow-untested-megatron-core", quantized=True)  # a tested release: nothing said
+    assert capsys.readouterr().err == ""
+
+
+def test_the_flag_reaches_the_integrations_version_check(monkeypatch):
+    """pretrain_gpt.py passes --allow-untested-megatron-core to install_sdp4bit, whose own
+    version check would otherwise stop the run after the model was built."""
+    import types
+
+    import megatron.sdp4bit.integration as integration
+    from megatron.sdp4bit.config import SDP4BitConfig
+    from megatron.sdp4bit.training import sdp4bit_setup
+    from megatron.sdp4bit.training.loop import TrainState
+
+    given = []
+
+    def install_sdp4bit(model, optimizer, config, *, allow_untested_version=False):
+        given.append(allow_untested_version)
+        return types.SimpleNamespace(stats=types.SimpleNamespace(), bucket_numels=[1])
+
+    monkeypatch.setattr(integration, "install_sdp4bit", install_sdp4bit)
+    monkeypatch.setattr(sdp4bit_setup.dist, "get_rank", lambda: 1)
+    state = TrainState(model=[], optimizer=None, scheduler=None, datasets=[], vocab_size=0)
+    config = SDP4BitConfig(quantized_gradients=True)
+    sdp4bit_setup.install(config, state, None, allow_untested_version=True)
+    sdp4bit_setup.install(config, state, None)
+    assert given == [True, False]
+
+
+def test_sequence_parallel_without_transformer_engine_or_apex_is_refused(monkeypatch):
+    """megatron-core's torch norm (the local spec without Apex) asserts on sequence
+    parallelism in every rank's model construction: 13 tracebacks from a TP 2 run."""
+    tp2 = "--tensor-model-parallel-size 2 --sequence-parallel"
+    machine(monkeypatch, cuda=False, have=set())
+    assert refusal(tp2) == (
+        "--sequence-parallel needs Transformer Engine's layers or Apex's LayerNorm, and there "
+        "is no CUDA device here (nor is Apex installed): megatron-core's torch norm does not "
+        "support it; drop --sequence-parallel (accepted: TP > 1 with Transformer Engine on "
+        "CUDA or with Apex; with TP 1 it is ignored)")
+    machine(monkeypatch, cuda=True, have={"transformer_engine"})
+    assert refusal(tp2 + " --transformer-impl local").startswith(
+        "--sequence-parallel needs Transformer Engine's layers or Apex's LayerNorm, and "
+        "--transformer-impl local does not use them (nor is Apex installed)")
+    check(tp2)  # Transformer Engine's layers: accepted
+    machine(monkeypatch, cuda=False, have={"apex"})
+    check(tp2 + " --transformer-impl local")  # Apex's FusedLayerNorm: accepted
+    machine(monkeypatch, cuda=False, have=set())
+    check("--sequence-parallel")  # TP 1: nothing to split, ignored
