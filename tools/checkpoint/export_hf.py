@@ -202,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
                       args.overwrite)
     except (ExportError, CheckpointError) as err:
         p.exit(2, f"export_hf.py: error: {err}\n")
+    except OSError as err:  # an unreadable checkpoint file (permissions, a lost mount)
+        p.exit(2, f"export_hf.py: error: cannot read {err.filename or args.load} "
+                  f"({err.strerror or err}): fix its permissions or export another checkpoint\n")
     out = args.output
     print(f"wrote {out} ({name}): transformers.AutoModelForCausalLM.from_pretrained({out!r})")
     return 0
