@@ -19,6 +19,13 @@ every rank stops together with the same message (``pretrain_gpt.py`` prints it o
   never opened); every complete cache set of a prefix this run reads indexes that prefix's
   documents and tokens within bounds (:mod:`~megatron.sdp4bit.training.guards.index_cache`).
 
+* what the run reads back and trusts (``--save``, ``--data-cache-path`` or the dataset index
+  cache folder beside the data and every cache file in it, the tokenizer files) keeps the
+  trust rule of ``megatron/sdp4bit/trusted_paths.py``: this user's or root's, writable by
+  nobody else, no link another user made; and megatron-core can write its index cache
+  (by default beside the data: a read-only dataset folder is named with
+  ``--data-cache-path``).
+
 Checkpoints are checked where they are read
 (:mod:`megatron.sdp4bit.training.checkpoint.torch_format`).
 """
@@ -81,9 +88,9 @@ def check_outputs(args: argparse.Namespace) -> None:
                        ("--data-cache-path", args.data_cache_path),
                        ("--wandb-save-dir", args.wandb_save_dir or None)):
         if path:
-            if flag in TRUSTED_OUTPUTS:  # before anything is created in it
-                _trusted(path, flag, f"give {flag} a folder of yours that only you can write")
             _writable_dir(flag, path)
+            if flag in TRUSTED_OUTPUTS:  # checked once it exists: a new one, as the next run
+                _trusted(path, flag, f"give {flag} a folder of yours that only you can write")
     if args.metrics_jsonl:
         if os.path.isdir(args.metrics_jsonl):
             raise InputError(f"--metrics-jsonl {args.metrics_jsonl} is a folder: give a file "
