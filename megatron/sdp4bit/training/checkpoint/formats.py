@@ -87,7 +87,7 @@ def release_problem(directory: str, manifest: dict | None,
     0.16.1 keeps the common state (iteration, schedule) in ``common.pt`` and says so in
     ``metadata.json`` (``common_backend``); 0.19.2 writes no ``common.pt`` and reads both
     layouts. So a checkpoint of 0.16.1 resumes under 0.19.2 (the same losses, bit for bit:
-    ``tests/e2e/test_dist_checkpoint.py``), while 0.16.1 cannot read one of 0.19.2 (it
+    ``tests/e2e/test_checkpoint_releases.py``), while 0.16.1 cannot read one of 0.19.2 (it
     fails on every rank looking for ``common.pt``): a checkpoint written by a newer release
     than the running one is refused, naming both. A manifest written before the release was
     recorded is placed by that layout."""
@@ -107,8 +107,7 @@ def release_problem(directory: str, manifest: dict | None,
     return (f"checkpoint {directory} was written by megatron-core {saved}, and this run has "
             f"megatron-core {running}, which cannot read it: resume it with megatron-core "
             f"{saved.split()[0]} (requirements.txt pins it for Python >= 3.12), or load a "
-            f"checkpoint "
-            f"written by {running}")
+            f"checkpoint written by {running}")
 
 
 def load(args: argparse.Namespace, model_chunks, optimizer, scheduler,
