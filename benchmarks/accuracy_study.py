@@ -157,7 +157,8 @@ def prepare_data(cache: Path) -> list[str]:
                     "--input", str(text), "--output-prefix", str(prefix),
                     "--json-keys", "text", "--tokenizer-type", "GPT2BPETokenizer",
                     "--vocab-file", str(vocab), "--merge-file", str(merges), "--append-eod",
-                    "--workers", "1", "--log-interval", "100000"], check=True, cwd=ROOT)
+                    "--workers", "1", "--log-interval", "100000", "--overwrite"],  # a stale pair
+                   check=True, cwd=ROOT)
     stamp_file.write_text(json.dumps(stamp, indent=1) + "\n")
     return data
 

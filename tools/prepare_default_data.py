@@ -18,9 +18,14 @@ A finished cache is reused: a stamp file records the source hashes, and anything
 (missing or changed) rebuilds it. Progress goes to stderr; with ``--print-flags`` stdout
 gets the ``pretrain_gpt.py`` data flags, one per line, for scripts to read.
 
+The cache is built in a fresh temporary folder beside ``--cache-dir`` and renamed to it when
+complete, replacing an older cache of this tool whole (never mixing files of two builds).
+A ``--cache-dir`` holding files this tool does not write is refused unless ``--overwrite``. Every error, a full disk included, is one line and leaves nothing behind.
+
 Usage::
 
-    python tools/prepare_default_data.py [--cache-dir data/cache] [--force] [--print-flags]
+    python tools/prepare_default_data.py [--cache-dir data/cache] [--force] [--overwrite]
+        [--print-flags]
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -142,12 +148,10 @@ def _document(book: str, chapter: int, verses: list[str]) -> dict[str, str]:
 
 def write_jsonl(db_path: Path, out: Path) -> int:
     n = 0
-    tmp = out.with_suffix(".jsonl.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with open(out, "w", encoding="utf-8") as f:  # in the build's private folder
         for doc in chapters(db_path):
             f.write(json.dumps(doc, ensure_ascii=False) + "\n")
             n += 1
-    tmp.replace(out)
     return n
 
 
@@ -181,7 +185,25 @@ def is_cached(cache: Path, stamp: dict) -> bool:
         return False
 
 
-def prepare(cache: Path, force: bool = False, workers: int = 1) -> dict[str, Path]:
+def _replace(tmp: Path, cache: Path) -> None:
+    """Put the complete folder ``tmp`` at ``cache``, replacing a folder there whole."""
+    if not cache.exists():
+        tmp.replace(cache)
+        return
+    old = Path(tempfile.mkdtemp(dir=cache.parent, prefix=f".{cache.name}.old-"))
+    try:
+        cache.replace(old / "x")
+        try:
+            tmp.replace(cache)
+        except OSError:
+            (old / "x").replace(cache)  # the previous cache stays
+            raise
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def prepare(cache: Path, force: bool = False, workers: int = 1,
+            overwrite: bool = False) -> dict[str, Path]:
     """Build (or reuse) the default dataset under ``cache``; return its paths."""
     vocab_src, merges_src = gpt2_files()
     db_path = bible_db()
@@ -190,25 +212,49 @@ def prepare(cache: Path, force: bool = False, workers: int = 1) -> dict[str, Pat
     if not force and is_cached(cache, stamp):
         print(f"default dataset: cached in {cache}", file=sys.stderr)
         return p
-    cache.mkdir(parents=True, exist_ok=True)
-    p["stamp"].unlink(missing_ok=True)  # an interrupted rebuild must not look finished
-    shutil.copyfile(vocab_src, p["vocab"])
-    shutil.copyfile(merges_src, p["merges"])
-    n_docs = write_jsonl(db_path, p["jsonl"])
-    print(f"default dataset: {n_docs} documents -> {p['jsonl']}; tokenizing", file=sys.stderr)
-    cmd = [
-        sys.executable, str(REPO / "tools" / "preprocess_data.py"),
-        "--input", str(p["jsonl"]), "--output-prefix", str(cache / PREFIX_NAME),
-        "--json-keys", "text", "--tokenizer-type", "GPT2BPETokenizer",
-        "--vocab-file", str(p["vocab"]), "--merge-file", str(p["merges"]),
-        "--append-eod", "--workers", str(workers), "--log-interval", "400",
-    ]
-    # A few seconds: its output is passed on at the end, to stderr (stdout carries the flags).
-    result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    sys.stderr.write(result.stdout)
-    if result.returncode != 0:
-        raise DataError(f"tools/preprocess_data.py failed with exit status {result.returncode}")
-    p["stamp"].write_text(json.dumps(stamp, indent=1) + "\n")
+    if cache.exists() and not cache.is_dir():
+        raise DataError(f"--cache-dir {cache} is a file: give a folder")
+    # what this tool writes (an older version's interrupted build left .tmp files)
+    own = {x.name for x in p.values()} | {f"{p['prefix'].name}{e}" for e in (".bin", ".idx")}
+    held = sorted(x.name for x in cache.iterdir()) if cache.is_dir() else []
+    foreign = [n for n in held if n not in own and not n.endswith(".tmp")]
+    if foreign and not overwrite:
+        raise DataError(f"--cache-dir {cache} holds files this tool did not write ("
+                        f"{', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}): pass "
+                        "--overwrite to replace the whole folder, or choose another "
+                        "--cache-dir")
+    tmp = None
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=cache.parent, prefix=f".{cache.name}.tmp-"))
+        tmp.chmod(0o755)
+        t = paths(tmp)
+        shutil.copyfile(vocab_src, t["vocab"])
+        shutil.copyfile(merges_src, t["merges"])
+        n_docs = write_jsonl(db_path, t["jsonl"])
+        print(f"default dataset: {n_docs} documents -> {p['jsonl']}; tokenizing", file=sys.stderr)
+        cmd = [
+            sys.executable, str(REPO / "tools" / "preprocess_data.py"),
+            "--input", str(t["jsonl"]), "--output-prefix", str(tmp / PREFIX_NAME),
+            "--json-keys", "text", "--tokenizer-type", "GPT2BPETokenizer",
+            "--vocab-file", str(t["vocab"]), "--merge-file", str(t["merges"]),
+            "--append-eod", "--workers", str(workers), "--log-interval", "400",
+        ]
+        # A few seconds: its output is passed on at the end, to stderr (stdout: the flags).
+        result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+        sys.stderr.write(result.stdout)
+        if result.returncode != 0:
+            raise DataError(f"tools/preprocess_data.py failed with exit status "
+                            f"{result.returncode}; {cache} is left as it was")
+        t["stamp"].write_text(json.dumps(stamp, indent=1) + "\n")
+        _replace(tmp, cache)
+    except OSError as err:
+        raise DataError(f"cannot write --cache-dir {cache} ({err.strerror or err}): free space "
+                        "or fix the folder; it is left as it was") from None
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     return p
 
 
@@ -217,12 +263,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", default=str(REPO / "data" / "cache"),
                         help="where the dataset is built and cached (default: data/cache)")
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a --cache-dir holding files this tool did not write")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     parser.add_argument("--print-flags", action="store_true",
                         help="print the pretrain_gpt.py data flags on stdout, one per line")
     args = parser.parse_args(argv)
     try:
-        p = prepare(Path(args.cache_dir).resolve(), force=args.force, workers=args.workers)
+        p = prepare(Path(args.cache_dir).resolve(), force=args.force, workers=args.workers,
+                    overwrite=args.overwrite)
     except DataError as err:
         print(f"prepare_default_data.py: error: {err}", file=sys.stderr)
         return 1

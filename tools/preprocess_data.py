@@ -10,22 +10,27 @@ Megatron-LM's flags: one document per line, ``{"text": "..."}`` by default; ever
         --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json \\
         --merge-file gpt2-merges.txt --append-eod --workers 2
 
-A malformed line stops the run with ``FILE:LINE: what is wrong`` and exit status 1; blank
-lines are skipped; an input without a single document is an error. Progress goes to stderr
-every ``--log-interval`` documents.
+A malformed line (not UTF-8, not JSON, a missing key) stops the run with ``FILE:LINE: what
+is wrong`` (the column counts bytes of that line, from 1) and exit status 1; blank lines are
+skipped; an input without a single document is an error. Progress goes to stderr every
+``--log-interval`` documents.
 
-The pair is written under temporary names (``.bin.tmp``/``.idx.tmp``) and renamed into place
-only when both are complete, ``.bin`` first: a failed or interrupted run leaves an existing
-good pair as it was, and never a ``.bin`` and ``.idx`` that do not belong together.
+The pair is written under fresh temporary names (``<name>.<random>.bin.tmp``/``.idx.tmp``)
+and renamed into place only when both are complete (the old ``.idx`` removed first, then
+``.bin`` and ``.idx`` renamed): a failed or interrupted run, a full disk included, leaves an
+existing pair as it was and no temporary file, and never a ``.bin`` and ``.idx`` that do not
+belong together. An existing pair is replaced only with ``--overwrite``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -59,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--append-eod", action="store_true", help="end every document with EOD")
     g = p.add_argument_group("output")
     g.add_argument("--output-prefix", required=True)
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace existing .bin/.idx pairs of --output-prefix")
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     g.add_argument("--log-interval", type=int, default=10000, help="documents between progress lines")
@@ -74,10 +81,15 @@ def _init_worker(args: argparse.Namespace) -> None:
     _worker["args"] = args
 
 
-def _encode(item: tuple[int, str]) -> tuple[int, dict[str, list[int]] | str, int]:
+def _encode(item: tuple[int, bytes]) -> tuple[int, dict[str, list[int]] | str, int]:
     """Encode one line; returns (line number, {key: ids} or an error message, bytes)."""
-    line_no, line = item
+    line_no, raw = item
     args, tok = _worker["args"], _worker["tok"]
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return (line_no, f"not UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1})",
+                len(raw))
     try:
         doc = json.loads(line)
     except json.JSONDecodeError as err:
@@ -101,8 +113,10 @@ def _encode(item: tuple[int, str]) -> tuple[int, dict[str, list[int]] | str, int
     return line_no, out, len(line)
 
 
-def _numbered_lines(path: str) -> Iterator[tuple[int, str]]:
-    with open(path, encoding="utf-8") as f:
+def _numbered_lines(path: str) -> Iterator[tuple[int, bytes]]:
+    """The non-blank lines as bytes: each is decoded where it is encoded, so that an invalid
+    byte is reported with its own line and column."""
+    with open(path, "rb") as f:
         for line_no, line in enumerate(f, start=1):
             if line.strip():
                 yield line_no, line
@@ -121,21 +135,33 @@ def preprocess(args: argparse.Namespace) -> dict[str, int]:
     tok = build_tokenizer(args)  # fail fast on bad tokenizer flags, before any worker starts
     dtype = DType.optimal_dtype(tok.vocab_size)
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
-    os.makedirs(out_dir, exist_ok=True)
     finals = {k: _output_prefix(args.output_prefix, k) for k in args.json_keys}
-    builders = {k: IndexedDatasetBuilder(finals[k] + ".bin.tmp", dtype=dtype)
-                for k in args.json_keys}
+    existing = [f + ext for f in finals.values() for ext in (".bin", ".idx")
+                if os.path.lexists(f + ext)]
+    if existing and not args.overwrite:
+        raise InputError(f"--output-prefix {args.output_prefix}: {existing[0]} exists: pass "
+                         "--overwrite to replace the pair, or choose another --output-prefix")
     written = {k: 0 for k in args.json_keys}
     start, total_bytes, n_docs = time.time(), 0, 0
-
+    temps: list[str] = []
+    builders: dict = {}
     pool = None
-    if args.workers > 1:
-        pool = multiprocessing.get_context("spawn").Pool(args.workers, _init_worker, (args,))
-        results = pool.imap(_encode, _numbered_lines(args.input), chunksize=32)
-    else:
-        _init_worker(args)
-        results = map(_encode, _numbered_lines(args.input))
     try:
+        os.makedirs(out_dir, exist_ok=True)
+        tmp = {}
+        for key, final in finals.items():
+            for ext in (".bin", ".idx"):
+                fd, tmp[key + ext] = tempfile.mkstemp(
+                    dir=out_dir, prefix=os.path.basename(final) + ".", suffix=ext + ".tmp")
+                os.close(fd)
+                temps.append(tmp[key + ext])
+            builders[key] = IndexedDatasetBuilder(tmp[key + ".bin"], dtype=dtype)
+        if args.workers > 1:
+            pool = multiprocessing.get_context("spawn").Pool(args.workers, _init_worker, (args,))
+            results = pool.imap(_encode, _numbered_lines(args.input), chunksize=32)
+        else:
+            _init_worker(args)
+            results = map(_encode, _numbered_lines(args.input))
         for line_no, encoded, n_bytes in results:
             if isinstance(encoded, str):
                 raise InputError(f"{args.input}:{line_no}: {encoded}")
@@ -156,18 +182,29 @@ def preprocess(args: argparse.Namespace) -> dict[str, int]:
                 raise InputError(f"--input {args.input}: every {key!r} is empty, so "
                                  f"{finals[key]} would hold no document")
         for key, builder in builders.items():
-            builder.finalize(finals[key] + ".idx.tmp")
-        for key in args.json_keys:  # complete pairs only: .bin first, then its .idx
-            os.replace(finals[key] + ".bin.tmp", finals[key] + ".bin")
-            os.replace(finals[key] + ".idx.tmp", finals[key] + ".idx")
+            builder.finalize(tmp[key + ".idx"])  # flushes and closes the .bin too
+            for ext in (".bin", ".idx"):
+                os.chmod(tmp[key + ext], 0o644)  # mkstemp's 0600 is for the unfinished file
+        for key, final in finals.items():  # no moment with a .bin and a foreign .idx
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(final + ".idx")
+            os.replace(tmp[key + ".bin"], final + ".bin")
+            os.replace(tmp[key + ".idx"], final + ".idx")
+    except OSError as err:  # a full disk, an unwritable folder, an unreadable input
+        where = err.filename if err.filename in (args.input, *temps) else out_dir
+        what = ("cannot read --input " + args.input if where == args.input
+                else f"cannot write --output-prefix {args.output_prefix}")
+        raise InputError(f"{what} ({err.strerror or err}): free space or fix the folder; "
+                         "an existing pair is left as it was") from None
     finally:
         if pool is not None:
             pool.terminate()
-        for key, builder in builders.items():
-            builder.data_file.close()
-            for suffix in (".bin.tmp", ".idx.tmp"):
-                if os.path.exists(finals[key] + suffix):
-                    os.remove(finals[key] + suffix)
+        for builder in builders.values():
+            with contextlib.suppress(OSError):  # the disk that failed may fail the flush too
+                builder.data_file.close()
+        for path in temps:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
     elapsed = max(time.time() - start, 1e-9)
     print(f"done: {n_docs} documents in {elapsed:.1f} s -> "
           + ", ".join(_output_prefix(args.output_prefix, k) for k in args.json_keys),

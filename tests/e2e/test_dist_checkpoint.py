@@ -163,7 +163,7 @@ def test_changed_checkpoint_file_is_refused_in_one_line(reference, tmp_path, dat
     message = one_error_line(launch(BASE + data_prefix + ["--load", str(ckpt)]))
     assert message == (f"checkpoint file {target} does not match its SHA-256 in the manifest: "
                        "it changed after it was written (disk or copy error); load an earlier "
-                       "checkpoint")
+                       f"checkpoint (no other complete checkpoint is in {ckpt})")
     message = one_error_line(launch(BASE + data_prefix + ["--load", str(reference[1]),
                                                          "--ckpt-format", "torch"]))
     assert message == (f"the checkpoint in {reference[1]} is in format torch_dist, this run's "
@@ -182,7 +182,8 @@ def test_changed_checkpoint_file_is_refused_in_one_line(reference, tmp_path, dat
         message = one_error_line(launch(BASE + data_prefix + ["--load", str(ckpt)]))
         assert message.startswith(f"checkpoint {folder} fails megatron-core's integrity check "
                                   f"({MEGATRON_INTEGRITY}): "), message
-        assert message.endswith("; load an earlier checkpoint"), message
+        assert message.endswith(f"; load an earlier checkpoint (no other complete checkpoint "
+                                f"is in {ckpt})"), message
 
 
 def _check_export(model, ckpt_dir: str, hf_dir: str, architecture: str) -> None:

@@ -155,13 +155,14 @@ def test_checkpoint_tampering_and_damage_are_named(trained_4, tmp_path):
     open(target, "wb").write(bytes(data))
     resume = SHORT + SDP4BIT + ["--mock-data", "--load", ckpt]
     resume[resume.index("--train-iters") + 1] = "10"
+    none = f" (no other complete checkpoint is in {ckpt})"  # iteration 4 is its only one
     assert one_error_line(launch(resume)) == (
         f"checkpoint file {target} does not match its SHA-256 in the manifest: it changed "
-        "after it was written (disk or copy error); load an earlier checkpoint")
+        "after it was written (disk or copy error); load an earlier checkpoint" + none)
     os.remove(target)
     assert one_error_line(launch(resume)) == (
         f"checkpoint file {target} is missing: the checkpoint is incomplete; load an earlier "
-        "one")
+        "one" + none)
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("four\n")
     assert one_error_line(launch(resume)).startswith(
@@ -390,7 +391,7 @@ def test_preprocess_is_atomic_and_refuses_empty_input(data_prefix, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"text": "fine"}) + "\n" + "{broken\n")
     tool = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file",
-            merges, "--output-prefix", out]
+            merges, "--output-prefix", out, "--overwrite"]
 
     def preprocess(*args: str) -> subprocess.CompletedProcess:
         return _launch.python(os.path.join(ROOT, "tools", "preprocess_data.py"), tool + list(args),

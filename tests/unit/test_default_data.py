@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -121,3 +123,36 @@ def test_summary_of_a_file_without_training_records_fails(tmp_path, capsys):
     assert sm.main([str(path)]) == 1
     assert capsys.readouterr().err.strip() == (
         f"summarize_metrics.py: error: {path}: no training iteration was logged")
+
+
+def test_a_foreign_folder_needs_overwrite_and_a_full_disk_leaves_nothing(tmp_path, monkeypatch,
+                                                                         capsys):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "notes.txt").write_text("mine")
+    assert pdd.main(["--cache-dir", str(cache)]) == 1
+    assert capsys.readouterr().err == (
+        f"prepare_default_data.py: error: --cache-dir {cache} holds files this tool did not "
+        "write (notes.txt): pass --overwrite to replace the whole folder, or choose another "
+        "--cache-dir\n")
+    # a short text instead of the Bible: the folder is replaced whole, nothing mixed in
+    monkeypatch.setattr(pdd, "chapters", lambda db: iter([{"text": "In the beginning"}] * 3))
+    assert pdd.main(["--cache-dir", str(cache), "--overwrite"]) == 0
+    assert sorted(os.listdir(cache)) == sorted(
+        ["gpt2-vocab.json", "gpt2-merges.txt", "kjv.jsonl", "kjv_text_document.bin",
+         "kjv_text_document.idx", pdd.STAMP_NAME])
+    assert sorted(os.listdir(tmp_path)) == ["cache"]  # no temporary folder left
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small file system needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], check=True)
+    try:
+        capsys.readouterr()
+        assert pdd.main(["--cache-dir", str(disk / "cache")]) == 1  # the vocabulary: 1 MB
+        assert capsys.readouterr().err == (
+            f"prepare_default_data.py: error: cannot write --cache-dir {disk / 'cache'} (No "
+            "space left on device): free space or fix the folder; it is left as it was\n")
+        assert os.listdir(disk) == []
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)

@@ -169,3 +169,106 @@ def test_fused_qkv_rows_split_per_query_group_and_fc1_into_gate_then_up():
     assert out["lm_head.weight"].shape == (128, hidden)
     tied = hf_mappings.llama_state(t, {**LLAMA, "untie_embeddings_and_output_weights": False})
     assert "lm_head.weight" not in tied
+
+
+# ------------------------------------------------ the output folder, damage, a full disk
+
+
+def _gpt2_tensors(model: dict) -> dict[str, torch.Tensor]:
+    hidden, ffn, layers = model["hidden_size"], model["ffn_hidden_size"], model["num_layers"]
+    t = {"embedding.word_embeddings.weight": (model["padded_vocab_size"], hidden),
+         "embedding.position_embeddings.weight": (model["max_position_embeddings"], hidden),
+         "decoder.final_layernorm.weight": (hidden,), "decoder.final_layernorm.bias": (hidden,)}
+    for name, shape in (("self_attention.linear_qkv.weight", (3 * hidden, hidden)),
+                        ("self_attention.linear_qkv.bias", (3 * hidden,)),
+                        ("self_attention.linear_proj.weight", (hidden, hidden)),
+                        ("self_attention.linear_proj.bias", (hidden,)),
+                        ("self_attention.linear_qkv.layer_norm_weight", (hidden,)),
+                        ("self_attention.linear_qkv.layer_norm_bias", (hidden,)),
+                        ("mlp.linear_fc1.layer_norm_weight", (hidden,)),
+                        ("mlp.linear_fc1.layer_norm_bias", (hidden,)),
+                        ("mlp.linear_fc1.weight", (ffn, hidden)), ("mlp.linear_fc1.bias", (ffn,)),
+                        ("mlp.linear_fc2.weight", (hidden, ffn)),
+                        ("mlp.linear_fc2.bias", (hidden,))):
+        t["decoder.layers." + name] = (layers, *shape)
+    return {k: torch.randn(shape) for k, shape in t.items()}
+
+
+# 0.4 MB of weights: more than the 64 KiB disk below holds
+BIGGER = {**DEFAULT, "hidden_size": 64, "ffn_hidden_size": 256, "num_attention_heads": 4,
+          "padded_vocab_size": 256, "max_position_embeddings": 32}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    """A torch_dist checkpoint of the DEFAULT GPT-2 shape, as the trainer lays it out: the
+    model's tensors in PyTorch Distributed Checkpoint files, metadata.json, the manifest."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+
+    from megatron.sdp4bit.training.checkpoint import files, torch_dist_format
+
+    root = tmp_path_factory.mktemp("ckpt")
+    directory = files.iteration_dir(str(root), 2)
+    dcp.save(_gpt2_tensors(BIGGER), storage_writer=dcp.FileSystemWriter(directory),
+             no_dist=True)
+    with open(os.path.join(directory, "metadata.json"), "w") as f:
+        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
+    entries = {n: torch_dist_format._hash(os.path.join(directory, n))
+               for n in sorted(os.listdir(directory))}
+    files.write_manifest(directory, 2, entries, {"model": BIGGER})
+    files.write_tracker(str(root), 2)
+    return str(root)
+
+
+def _run(*args: str):
+    """``python tools/checkpoint/export_hf.py args``, forked from the session's fork server."""
+    from tests.helpers import launch
+
+    return launch.python(os.path.join(ROOT, "tools/checkpoint/export_hf.py"), list(args),
+                         env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT, timeout=300)
+
+
+def test_an_output_folder_is_replaced_whole_or_not_at_all(checkpoint, tmp_path):
+    """An export into a folder holding an earlier export's files replaced two of them and
+    left its tokenizer.json beside them."""
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "tokenizer.json").write_text("{}")
+    with pytest.raises(export_hf.ExportError) as err:
+        export_hf.export(checkpoint, str(out))
+    assert str(err.value) == (f"--output {out} is not empty (it holds tokenizer.json): pass "
+                              "--overwrite to replace the whole folder, or choose another "
+                              "--output")
+    assert os.listdir(out) == ["tokenizer.json"]
+    assert export_hf.export(checkpoint, str(out), overwrite=True) == "GPT2LMHeadModel"
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]  # nothing mixed
+    assert sorted(os.listdir(tmp_path)) == ["hf"]  # no temporary folder left
+
+
+def test_a_missing_file_and_a_full_disk_are_one_line_and_leave_nothing(checkpoint, tmp_path):
+    import shutil
+    import subprocess
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(checkpoint, damaged)
+    missing = damaged / "iter_0000002" / "__0_0.distcp"
+    missing.unlink()
+    res = _run("--load", str(damaged), "--output", str(tmp_path / "hf"))
+    assert (res.returncode, res.stdout, res.stderr) == (2, "", (
+        f"export_hf.py: error: checkpoint file {missing} is missing: the checkpoint is "
+        "incomplete; export an earlier checkpoint\n"))
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small file system needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], check=True)
+    try:
+        res = _run("--load", checkpoint, "--output", str(disk / "hf"))
+        assert (res.returncode, res.stderr) == (2, (
+            f"export_hf.py: error: cannot write {disk / 'hf'} (No space left on device): free "
+            "space or fix the folder; nothing was written\n"))
+        assert os.listdir(disk) == []
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)

@@ -87,3 +87,47 @@ def test_missing_vocab_is_one_line(tmp_path, gpt2_files):
     res = run_tool(*tool_args(jsonl, tmp_path / "o", str(tmp_path / "nope.json"), merges))
     assert res.returncode == 1
     assert res.stderr.strip() == f"preprocess_data.py: error: --vocab-file {tmp_path}/nope.json: no such file"
+
+
+def test_a_byte_that_is_not_utf8_names_its_file_line_and_column(tmp_path, gpt2_files, capsys):
+    """The decoder's own error gave neither file nor line, and its position counted from the
+    start of a read buffer."""
+    vocab, merges = gpt2_files
+    jsonl = tmp_path / "latin1.jsonl"
+    jsonl.write_bytes(b'{"text": "fine"}\n' * 3 + '{"text": "caf\u00e9"}\n'.encode("latin-1"))
+    assert load_tool().main(tool_args(jsonl, tmp_path / "out", vocab, merges)) == 1
+    assert capsys.readouterr().err == (f"preprocess_data.py: error: {jsonl}:4: not UTF-8 (byte "
+                                       "0xe9 at column 14)\n")
+    assert os.listdir(tmp_path) == ["latin1.jsonl"]
+
+
+def test_an_existing_pair_needs_overwrite_and_a_full_disk_leaves_nothing(tmp_path, gpt2_files,
+                                                                         capsys):
+    vocab, merges = gpt2_files
+    jsonl = tmp_path / "in.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXT * 60),
+                     encoding="utf-8")
+    out = tmp_path / "out"
+    tool = load_tool()
+    assert tool.main(tool_args(jsonl, out, vocab, merges)) == 0
+    assert tool.main(tool_args(jsonl, out, vocab, merges)) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"preprocess_data.py: error: --output-prefix {out}: {out}_text_document.bin exists: "
+        "pass --overwrite to replace the pair, or choose another --output-prefix")
+    assert tool.main(tool_args(jsonl, out, vocab, merges, "--overwrite")) == 0
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small file system needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], check=True)
+    try:
+        # the tokens of this input (2 bytes each) take more than the 64 KiB
+        assert os.path.getsize(f"{out}_text_document.bin") > 64 * 1024
+        capsys.readouterr()
+        assert tool.main(tool_args(jsonl, disk / "out", vocab, merges)) == 1
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            f"preprocess_data.py: error: cannot write --output-prefix {disk / 'out'} (No space "
+            "left on device): free space or fix the folder; an existing pair is left as it was")
+        assert os.listdir(disk) == []
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)

@@ -1,7 +1,7 @@
 """Export a torch_dist checkpoint of this trainer to a Hugging Face ``transformers`` model.
 
     python tools/checkpoint/export_hf.py --load CKPT_DIR --output HF_DIR [--iteration N]
-        [--vocab-file vocab.json --merge-file merges.txt]
+        [--vocab-file vocab.json --merge-file merges.txt] [--overwrite]
 
 Reads only the model's tensors of the checkpoint the tracker names (in one process, no
 torch.distributed), checks them against the manifest's SHA-256, and writes ``HF_DIR`` with
@@ -19,6 +19,11 @@ Any other combination is refused with one line naming, for each architecture, th
 that differ. The vocabulary is cut back to the tokenizer's size the manifest records (the
 rows megatron padded it with go; import_hf.py adds them the same way). See
 docs/checkpoints.md.
+
+The model is written into a fresh temporary folder beside ``HF_DIR`` and renamed to it when
+complete, so ``HF_DIR`` never mixes files of two exports: an existing non-empty ``HF_DIR``
+is refused unless ``--overwrite``, which replaces the whole folder. Every error (a damaged
+checkpoint, a full disk) is one line, and leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -26,8 +31,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
+import tempfile
+import warnings
 
 import torch
 
@@ -45,6 +53,10 @@ def _checkpoint_dir(load: str, iteration: int | None) -> str:
     directory = files.iteration_dir(load, iteration)
     if not os.path.isdir(directory):
         raise ExportError(f"{directory} does not exist")
+    try:
+        files.check_trusted(load, directory)
+    except files.CheckpointError as err:
+        raise ExportError(str(err)) from None
     if not torch_dist_format.is_dist_checkpoint(directory):
         raise ExportError(f"{directory} is a per-rank (--ckpt-format torch) checkpoint: resume "
                           "it once with --auto-detect-ckpt-format (saves in torch_dist), then "
@@ -62,7 +74,9 @@ def read_model_tensors(directory: str) -> dict[str, torch.Tensor]:
     state = {k: torch.empty(m.size, dtype=m.properties.dtype)
              for k, m in metadata.state_dict_metadata.items()
              if isinstance(m, TensorStorageMetadata) and not k.startswith(("optimizer", "rng"))}
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # one process by design: not worth a warning
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=reader, no_dist=True)
     return {k: v.float() for k, v in state.items()}
 
 
@@ -73,18 +87,74 @@ def _verify(directory: str) -> None:
     if manifest is None:
         raise ExportError(f"{directory} has no {files.MANIFEST}: not saved by this trainer")
     for name, entry in sorted(manifest["files"].items()):
+        if not os.path.isfile(os.path.join(directory, name)):
+            raise ExportError(f"checkpoint file {os.path.join(directory, name)} is missing: the "
+                              "checkpoint is incomplete; export an earlier checkpoint")
         if torch_dist_format.file_hash(os.path.join(directory, name)) != entry:
             raise ExportError(f"checkpoint file {os.path.join(directory, name)} does not match "
                               "its manifest: it is damaged; export an earlier checkpoint")
 
 
-def export(load: str, output: str, iteration: int | None = None, vocab_file: str | None = None,
-           merge_file: str | None = None) -> str:
-    """Write the Hugging Face model into ``output``; returns its architecture's name."""
+def _check_output(output: str, overwrite: bool) -> None:
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise ExportError(f"--output {output} is a file: give a folder")
+    held = sorted(os.listdir(output)) if os.path.isdir(output) else []
+    if held and not overwrite:
+        raise ExportError(f"--output {output} is not empty (it holds {', '.join(held[:3])}"
+                          f"{', ...' if len(held) > 3 else ''}): pass --overwrite to replace "
+                          "the whole folder, or choose another --output")
+
+
+def _write(folder: str, state: dict, config: dict, model: dict, vocab_file: str | None,
+           merge_file: str | None) -> None:
     from safetensors.torch import save_file
 
+    path = os.path.join(folder, "model.safetensors")
+    try:
+        save_file(state, path, metadata={"format": "pt"})
+    except Exception as err:  # noqa: BLE001 - safetensors reports a failed write as its own type
+        code = re.search(r"(?:code:|os error) (\d+)", str(err))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), path) from None
+    with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=1)
+    if vocab_file and merge_file:
+        shutil.copyfile(vocab_file, os.path.join(folder, "vocab.json"))
+        shutil.copyfile(merge_file, os.path.join(folder, "merges.txt"))
+        with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump({"tokenizer_class": "GPT2Tokenizer", "model_max_length":
+                       model["max_position_embeddings"], "bos_token": "<|endoftext|>",
+                       "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}, f, indent=1)
+
+
+def _replace(tmp: str, output: str) -> None:
+    """Put the complete folder ``tmp`` at ``output``, replacing a folder there whole."""
+    if not os.path.isdir(output):
+        os.replace(tmp, output)
+        return
+    old = tempfile.mkdtemp(dir=os.path.dirname(output), prefix=f".{os.path.basename(output)}.old-")
+    try:
+        os.replace(output, os.path.join(old, "x"))
+        try:
+            os.replace(tmp, output)
+        except OSError:
+            os.replace(os.path.join(old, "x"), output)  # put the previous export back
+            raise
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def export(load: str, output: str, iteration: int | None = None, vocab_file: str | None = None,
+           merge_file: str | None = None, overwrite: bool = False) -> str:
+    """Write the Hugging Face model into ``output``; returns its architecture's name."""
     from megatron.sdp4bit.training.checkpoint import files
 
+    output = os.path.abspath(output)
+    _check_output(output, overwrite)
+    for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+        if path and not os.path.isfile(path):
+            raise ExportError(f"{flag} {path}: no such file")
     directory = _checkpoint_dir(load, iteration)
     _verify(directory)
     settings = files.read_manifest(directory)["settings"]
@@ -105,17 +175,20 @@ def export(load: str, output: str, iteration: int | None = None, vocab_file: str
     if vocab is not None:  # the padding rows go: the import's rule backwards (hf_mappings)
         tensors = trim_vocab(tensors, vocab)
     state = to_hf(name, tensors, model)
-    os.makedirs(output, exist_ok=True)
-    save_file(state, os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(output, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=1)
-    if vocab_file and merge_file:
-        shutil.copyfile(vocab_file, os.path.join(output, "vocab.json"))
-        shutil.copyfile(merge_file, os.path.join(output, "merges.txt"))
-        with open(os.path.join(output, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-            json.dump({"tokenizer_class": "GPT2Tokenizer", "model_max_length":
-                       model["max_position_embeddings"], "bos_token": "<|endoftext|>",
-                       "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}, f, indent=1)
+    parent = os.path.dirname(output)
+    tmp = None
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(output)}.tmp-")
+        os.chmod(tmp, 0o755)
+        _write(tmp, state, config, model, vocab_file, merge_file)
+        _replace(tmp, output)
+    except OSError as err:
+        raise ExportError(f"cannot write {output} ({err.strerror or err}): free space or fix "
+                          "the folder; nothing was written") from None
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     return name
 
 
@@ -126,13 +199,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iteration", type=int, default=None, help="default: the tracker's")
     p.add_argument("--vocab-file", help="GPT-2 BPE vocab.json to ship as the tokenizer")
     p.add_argument("--merge-file", help="GPT-2 BPE merges.txt to ship as the tokenizer")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a non-empty --output folder (the whole folder)")
     args = p.parse_args(argv)
+    from megatron.sdp4bit.training.observe.noise import quiet_megatron_core
+
+    quiet_megatron_core()  # before megatron-core's first import: an error is one line
     from megatron.sdp4bit.training.checkpoint.files import CheckpointError
 
     try:
-        name = export(args.load, args.output, args.iteration, args.vocab_file, args.merge_file)
+        name = export(args.load, args.output, args.iteration, args.vocab_file, args.merge_file,
+                      args.overwrite)
     except (ExportError, CheckpointError) as err:
         p.exit(2, f"export_hf.py: error: {err}\n")
+    except OSError as err:  # an unreadable checkpoint file (permissions, a lost mount)
+        p.exit(2, f"export_hf.py: error: cannot read {err.filename or args.load} "
+                  f"({err.strerror or err}): fix its permissions or export another checkpoint\n")
     out = args.output
     print(f"wrote {out} ({name}): transformers.AutoModelForCausalLM.from_pretrained({out!r})")
     return 0

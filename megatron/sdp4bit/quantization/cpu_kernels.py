@@ -29,7 +29,9 @@ Loading a library runs its constructors in every rank, so a library another loca
 have written must never be loaded (a shared ``$SDP4BIT_CACHE_DIR`` or ``$XDG_CACHE_HOME``, a
 group-writable home). The cache folder is created with mode 0700; a cache folder or library
 that is a symbolic link, is not owned by this user, or is writable by group or others is
-refused (the fallback below, its warning naming the path and the fix). The checks hold for
+refused (the fallback below, its warning naming the path and the fix): the trust rule of
+``megatron/sdp4bit/trusted_paths.py`` (root's files and this user's private group count as
+this user's), without its allowance for links. The checks hold for
 what is loaded, not merely for a name: the folder is opened with ``O_NOFOLLOW`` and checked
 with ``fstat``, the library is opened through that descriptor with ``O_NOFOLLOW`` and checked
 with ``fstat``, and the loader is given ``/proc/self/fd/N``, the very file checked. That
@@ -60,6 +62,7 @@ from pathlib import Path
 
 import torch
 
+from megatron.sdp4bit import trusted_paths
 from megatron.sdp4bit.quantization import checks
 from megatron.sdp4bit.quantization.hadamard import block_scale
 from megatron.sdp4bit.quantization.rng import split_seed
@@ -144,14 +147,12 @@ def _compiler_error(stderr: str) -> str:
 
 def _refuse_foreign(st: os.stat_result, what: str, path: Path, owner_fix: str,
                     mode_fix: str) -> None:
-    """Refuse a cache entry that another user owns or may write: code in it would run here."""
-    uid = os.geteuid()
-    if st.st_uid != uid:
-        raise BuildError(f"{what} {path} belongs to uid {st.st_uid}, not to this user "
-                         f"(uid {uid}): refused; {owner_fix}")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise BuildError(f"{what} {path} is writable by group or others (mode "
-                         f"{stat.S_IMODE(st.st_mode):04o}): refused; {mode_fix}")
+    """Refuse a cache entry that breaks the trust rule (``trusted_paths``: another user's, or
+    writable by anyone else): code in it would run here."""
+    found = trusted_paths.stat_problem(st)
+    if found is not None:
+        fix = owner_fix if found.startswith("belongs") else mode_fix
+        raise BuildError(f"{what} {path} {found}: refused; {fix}")
 
 
 def _open_cache_dir(folder: Path) -> int:

@@ -20,6 +20,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.sdp4bit.comm.topology import node_id
 from megatron.sdp4bit.config import SDP4BitConfig
 from megatron.sdp4bit.integration import sdp4bit_padding
+from megatron.sdp4bit.integration.version import megatron_core_version
 from megatron.sdp4bit.training.checkpoint import formats as checkpoint_formats
 from megatron.sdp4bit.training.checkpoint import files as checkpoint_files
 from megatron.sdp4bit.training.checkpoint.files import CheckpointError, SaveDirLock
@@ -127,7 +128,8 @@ def run_settings(args: argparse.Namespace, sdp4bit_config: SDP4BitConfig,
     """What a checkpoint must agree with to be resumed by this run (recorded in its
     manifest): the parallel layout, the model's shape and the SDP4Bit method; and, not
     compared, the tokenizer's vocabulary size before padding (the HF export cuts the
-    padding rows off with it)."""
+    padding rows off with it) and the megatron-core release writing it
+    (``checkpoint.formats.release_problem``)."""
     layout = {"world_size": args.world_size, "tp": args.tensor_model_parallel_size,
               "pp": args.pipeline_model_parallel_size, "dp": args.data_parallel_size,
               "ddp_bucket_size": args.ddp_bucket_size if args.overlap_grad_reduce else None}
@@ -139,7 +141,8 @@ def run_settings(args: argparse.Namespace, sdp4bit_config: SDP4BitConfig,
         "add_bias_linear", "params_dtype")}
     model["padded_vocab_size"] = vocab
     return {"layout": layout, "model": model, "data": data_settings(args),
-            "sdp4bit": method_settings(sdp4bit_config), "vocab_size": tokenizer_vocab}
+            "sdp4bit": method_settings(sdp4bit_config), "vocab_size": tokenizer_vocab,
+            "megatron_core": megatron_core_version()}  # the release that wrote it
 
 
 def data_settings(args: argparse.Namespace) -> dict:

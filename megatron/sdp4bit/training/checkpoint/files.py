@@ -17,6 +17,14 @@ killed at any point leaves the tracker on the previous complete checkpoint, whic
 On load, every file is checked against the manifest's SHA-256 before it is unpickled (with
 ``weights_only=True``: tensors and plain containers only), so a changed bit is reported with
 the file's name instead of being trained on.
+
+[Note: nothing outside --save is written]
+The lock is opened with ``O_NOFOLLOW | O_CREAT`` and every other file is written under a
+fresh temporary name (``O_EXCL | O_NOFOLLOW``, a stale one removed first) and renamed: a
+symbolic link planted at ``.lock``, at the tracker or at a ``.tmp`` name is never written
+through (the lock and the tracker refuse one with a line naming it). A checkpoint is read
+only when ``--load``, its tracker and every file of the checkpoint folder keep the trust
+rule of ``megatron/sdp4bit/trusted_paths.py`` (:func:`check_trusted`).
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ import socket
 from typing import Any
 
 import torch
+
+from megatron.sdp4bit import trusted_paths
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
@@ -76,7 +86,8 @@ def _atomic(path: str, mode: str):
     :class:`CheckpointError` naming ``path``."""
     tmp = path + ".tmp"
     try:
-        with open(tmp, mode, encoding=None if "b" in mode else "utf-8") as f:
+        fd = trusted_paths.open_new(tmp)  # never through a link planted at the .tmp name
+        with open(fd, mode, encoding=None if "b" in mode else "utf-8") as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
@@ -191,7 +202,7 @@ def read_verified(path: str, entry: dict[str, Any] | None) -> dict[str, Any]:
                               ) from None
 
 
-def _iteration_folders(root: str) -> list[str]:
+def iteration_folders(root: str) -> list[str]:
     try:
         return sorted(n for n in os.listdir(root) if n.startswith("iter_"))
     except OSError:
@@ -204,7 +215,7 @@ def latest_iteration(root: str) -> int | None:
     run would otherwise start from scratch and overwrite them."""
     tracker = os.path.join(root, TRACKER)
     if not os.path.lexists(tracker):
-        found = _iteration_folders(root)
+        found = iteration_folders(root)
         if found:
             raise CheckpointError(f"{root} holds checkpoint folders ({', '.join(found[-3:])}) "
                                   f"but no {TRACKER}: write the iteration to resume into it "
@@ -227,8 +238,45 @@ def latest_iteration(root: str) -> int | None:
     return int(text)
 
 
+def newest_complete(root: str, exclude: int | None = None) -> int | None:
+    """The newest iteration under ``root`` (``exclude`` aside) whose folder has a readable
+    manifest and every file it lists at its size (checksums are left to the load)."""
+    for name in reversed(iteration_folders(root)):
+        if not name[5:].isdigit() or int(name[5:]) == exclude:
+            continue
+        directory = os.path.join(root, name)
+        try:
+            manifest = read_manifest(directory)
+        except CheckpointError:
+            continue
+        if manifest is not None and all(
+                os.path.isfile(p := os.path.join(directory, f)) and os.path.getsize(p) == e["bytes"]
+                for f, e in manifest["files"].items()):
+            return int(name[5:])
+    return None
+
+
 def write_tracker(root: str, iteration: int) -> None:
-    write_text_atomic(os.path.join(root, TRACKER), f"{iteration}\n")
+    path = os.path.join(root, TRACKER)
+    try:
+        trusted_paths.refuse_link(path, "the tracker")
+    except trusted_paths.UntrustedPathError as err:
+        raise CheckpointError(str(err)) from None
+    write_text_atomic(path, f"{iteration}\n")
+
+
+def check_trusted(root: str, directory: str | None = None) -> None:
+    """``root`` (the ``--load`` folder) and its tracker, and with ``directory`` that checkpoint
+    folder and every file in it, keep the trust rule (``megatron/sdp4bit/trusted_paths.py``);
+    else :class:`CheckpointError` naming the first path that does not."""
+    fix = "copy the checkpoint into a folder of yours that only you can write"
+    try:
+        trusted_paths.check(root, "--load", fix)
+        trusted_paths.check(os.path.join(root, TRACKER), "the tracker", fix)
+        if directory is not None and os.path.isdir(directory):
+            trusted_paths.check_tree(directory, "checkpoint", fix)
+    except trusted_paths.UntrustedPathError as err:
+        raise CheckpointError(str(err)) from None
 
 
 class SaveDirLock:
@@ -238,7 +286,22 @@ class SaveDirLock:
     def __init__(self, root: str) -> None:
         os.makedirs(root, exist_ok=True)
         self.path = os.path.join(root, LOCK)
-        self._f = open(self.path, "a+", encoding="utf-8")
+        try:  # never through a link: it would truncate a file outside --save
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as err:
+            if os.path.islink(self.path):
+                raise CheckpointError(
+                    f"{self.path} is a symbolic link (to {os.readlink(self.path)}): refused, "
+                    "the lock's write would follow it out of --save; delete the link"
+                    ) from None
+            raise CheckpointError(f"cannot open {self.path} ({err.strerror}): fix --save "
+                                  f"{root}'s permissions or choose another --save") from None
+        self._f = open(fd, "r+", encoding="utf-8")
+        found = trusted_paths.stat_problem(os.fstat(fd))
+        if found is not None:
+            self._f.close()
+            raise CheckpointError(f"{self.path} {found}: refused, another user could hold "
+                                  "or change it; delete it")
         try:
             fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

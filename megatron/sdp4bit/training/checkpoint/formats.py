@@ -9,20 +9,27 @@ a checkpoint is converted: load it with that flag and save with the other format
 ``--finetune``, ``--pretrained-checkpoint`` (used while ``--load`` holds no checkpoint) and
 a torch_dist checkpoint without this trainer's manifest (Megatron-LM's) load the model's
 weights alone (:mod:`.weights_only`, Megatron-LM's fine-tuning semantics).
+
+``--ckpt-step N`` (Megatron-LM's flag) loads ``iter_N`` of ``--load`` instead of the
+iteration the tracker names. A load that finds its checkpoint damaged names the newest
+complete one beside it and this flag. Before anything of a checkpoint is read, the folder,
+its tracker and every file of the checkpoint must keep the trust rule
+(``files.check_trusted``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
+from megatron.sdp4bit.integration.version import megatron_core_version
 from megatron.sdp4bit.training.checkpoint import (files, torch_dist_format, torch_format,
                                                   weights_only)
 from megatron.sdp4bit.training.checkpoint.files import CheckpointError
-
 
 def sharding_type(args: argparse.Namespace) -> str:
     return "fully_reshardable" if args.dist_ckpt_optim_fully_reshardable else "dp_reshardable"
@@ -40,11 +47,27 @@ def save(args: argparse.Namespace, iteration: int, consumed_samples: int, model_
                                          optimizer, scheduler, settings)
 
 
-def _probe(root: str) -> tuple[str | None, dict | None, str | None]:
-    """Rank 0: (format of the tracker's folder, None when there is no tracker; its manifest;
+
+def _iteration(root: str, ckpt_step: int | None) -> int | None:
+    """The iteration to load: ``--ckpt-step``'s, else the tracker's (None: no checkpoint)."""
+    if ckpt_step is None:
+        return files.latest_iteration(root)
+    if not os.path.isdir(files.iteration_dir(root, ckpt_step)):
+        found = [int(n[5:]) for n in files.iteration_folders(root) if n[5:].isdigit()]
+        raise CheckpointError(
+            f"--ckpt-step {ckpt_step}: {files.iteration_dir(root, ckpt_step)} does not exist ("
+            + (f"{root} holds iterations {', '.join(map(str, found[-5:]))}" if found else
+               f"{root} holds no iter_* folder") + ")")
+    return ckpt_step
+
+
+def _probe(root: str, ckpt_step: int | None = None
+           ) -> tuple[str | None, dict | None, str | None]:
+    """Rank 0: (format of the folder to load, None when there is none; its manifest;
     problem)."""
     try:
-        iteration = files.latest_iteration(root)
+        files.check_trusted(root)
+        iteration = _iteration(root, ckpt_step)
         if iteration is None:
             return None, None, None
         directory = files.iteration_dir(root, iteration)
@@ -52,11 +75,49 @@ def _probe(root: str) -> tuple[str | None, dict | None, str | None]:
             return None, None, (f"{os.path.join(root, files.TRACKER)} names iteration "
                                 f"{iteration} but {directory} does not exist: the checkpoint "
                                 "folder was moved or pruned")
+        files.check_trusted(root, directory)
         if torch_dist_format.is_dist_checkpoint(directory):
-            return "torch_dist", files.read_manifest(directory), None
+            manifest = files.read_manifest(directory)
+            return "torch_dist", manifest, release_problem(directory, manifest)
         return "torch", None, None
     except CheckpointError as err:
         return None, None, str(err)
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(p) if p.isdigit() else 0 for p in version.split("+")[0].split(".")[:3])
+
+
+def release_problem(directory: str, manifest: dict | None,
+                    running: str | None = None) -> str | None:
+    """Why this megatron-core cannot read the torch_dist checkpoint ``directory``, or None.
+
+    [Note: checkpoints across megatron-core releases]
+    The manifest records the release that wrote the checkpoint (``settings.megatron_core``).
+    0.16.1 keeps the common state (iteration, schedule) in ``common.pt`` and says so in
+    ``metadata.json`` (``common_backend``); 0.19.2 writes no ``common.pt`` and reads both
+    layouts. So a checkpoint of 0.16.1 resumes under 0.19.2 (the same losses, bit for bit:
+    ``tests/e2e/test_checkpoint_releases.py``), while 0.16.1 cannot read one of 0.19.2 (it
+    fails on every rank looking for ``common.pt``): a checkpoint written by a newer release
+    than the running one is refused, naming both. A manifest written before the release was
+    recorded is placed by that layout."""
+    running = running or megatron_core_version()
+    saved = ((manifest or {}).get("settings") or {}).get("megatron_core")
+    if not isinstance(saved, str):
+        try:
+            with open(os.path.join(directory, "metadata.json"), encoding="utf-8") as f:
+                common_backend = "common_backend" in json.load(f)
+        except (OSError, ValueError):
+            return None  # the load names the damage
+        if common_backend or _release(running) >= (0, 19):
+            return None
+        saved = "0.19 or later (no common.pt)"
+    elif _release(saved) <= _release(running):
+        return None
+    return (f"checkpoint {directory} was written by megatron-core {saved}, and this run has "
+            f"megatron-core {running}, which cannot read it: resume it with megatron-core "
+            f"{saved.split()[0]} (requirements.txt pins it for Python >= 3.12), or load a "
+            f"checkpoint written by {running}")
 
 
 class Loaded(NamedTuple):
@@ -68,15 +129,19 @@ class Loaded(NamedTuple):
     weights_only: bool  # --finetune semantics: iteration 0, fresh optimizer/schedule/RNG
 
 
-def _verdict(root: str) -> tuple[str | None, dict | None]:
+def _verdict(root: str, ckpt_step: int | None = None) -> tuple[str | None, dict | None]:
     """Collective: rank 0 probes ``root``; every rank gets (format or None, manifest)."""
     verdict: list = [None, None, None]
     if dist.get_rank() == 0:
-        verdict = list(_probe(root))
+        verdict = list(_probe(root, ckpt_step))
     dist.broadcast_object_list(verdict, src=0)
     found, manifest, problem = verdict
     if problem is not None:
-        raise CheckpointError(problem)
+        try:
+            damaged = _iteration(root, ckpt_step)
+        except CheckpointError:
+            damaged = None
+        raise CheckpointError(with_earlier(problem, root, damaged))
     return found, manifest
 
 
@@ -85,10 +150,10 @@ def load(args: argparse.Namespace, model_chunks, optimizer, scheduler,
     """Collective: restore from the latest checkpoint under ``--load``, or, when it holds
     none, from ``--pretrained-checkpoint`` with ``--finetune``'s semantics (Megatron-LM's
     rule); nothing loaded when there is neither."""
-    root, finetune = args.load, args.finetune
-    found, manifest = _verdict(root) if root else (None, None)
+    root, finetune, step = args.load, args.finetune, args.ckpt_step
+    found, manifest = _verdict(root, step) if root else (None, None)
     if found is None and args.pretrained_checkpoint:
-        root, finetune = args.pretrained_checkpoint, True
+        root, finetune, step = args.pretrained_checkpoint, True, None
         found, manifest = _verdict(root)
         if found is None:
             raise CheckpointError(
@@ -97,7 +162,8 @@ def load(args: argparse.Namespace, model_chunks, optimizer, scheduler,
                                                     if args.load else ""))
     if found is None:  # no tracker: Megatron-LM's "no checkpoint", a fresh start
         return Loaded(0, 0, None, finetune)
-    directory = files.iteration_dir(root, files.latest_iteration(root))
+    iteration = _iteration(root, step)
+    directory = files.iteration_dir(root, iteration)
     if finetune or (found == "torch_dist" and manifest is None):
         return _load_weights(args, root, directory, found, manifest, finetune, model_chunks,
                              optimizer, settings)
@@ -113,14 +179,17 @@ def load(args: argparse.Namespace, model_chunks, optimizer, scheduler,
     options = dict(load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
                    allow_sdp4bit_change=args.allow_changed_sdp4bit_settings,
                    allow_data_change=args.allow_changed_data)
-    if found == "torch_dist":
-        iteration, consumed = torch_dist_format.load_checkpoint(
-            directory, manifest, model_chunks, optimizer, scheduler, settings,
-            fully_parallel=args.ckpt_fully_parallel_load, **options)
-    else:
-        iteration, consumed = torch_format.load_checkpoint(
-            root, model_chunks, optimizer, scheduler, settings,
-            allow_no_manifest=args.load_without_manifest, **options)
+    try:
+        if found == "torch_dist":
+            iteration, consumed = torch_dist_format.load_checkpoint(
+                directory, manifest, model_chunks, optimizer, scheduler, settings,
+                fully_parallel=args.ckpt_fully_parallel_load, **options)
+        else:
+            iteration, consumed = torch_format.load_checkpoint(
+                root, model_chunks, optimizer, scheduler, settings,
+                allow_no_manifest=args.load_without_manifest, iteration=step, **options)
+    except CheckpointError as err:
+        raise CheckpointError(with_earlier(str(err), root, iteration)) from None
     return Loaded(iteration, consumed, directory, False)
 
 
@@ -146,3 +215,20 @@ def _load_weights(args, root: str, directory: str, found: str, manifest: dict | 
         directory, manifest, model_chunks, optimizer, settings, finetune=finetune,
         global_batch=args.global_batch_size, fully_parallel=args.ckpt_fully_parallel_load)
     return Loaded(iteration, consumed, directory, finetune)
+
+
+# Words of the load's messages for a damaged checkpoint (not for a mismatched run).
+DAMAGE = ("load an earlier", "truncated", "is missing", "does not match its SHA-256",
+          "is corrupt", "is damaged", "integrity check")
+
+
+def with_earlier(message: str, root: str, damaged: int | None) -> str:
+    """``message`` with the newest complete checkpoint of ``root`` other than ``damaged``
+    and the flag that loads it, when the message is about a damaged checkpoint."""
+    if damaged is None or not any(word in message for word in DAMAGE):
+        return message
+    earlier = files.newest_complete(root, exclude=damaged)
+    if earlier is None:
+        return f"{message} (no other complete checkpoint is in {root})"
+    return (f"{message} (the newest complete checkpoint in {root} is iteration {earlier}: "
+            f"pass --ckpt-step {earlier} to load it)")

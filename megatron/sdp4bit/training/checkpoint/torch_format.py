@@ -135,10 +135,12 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
 
 def _inspect(root: str, settings: dict[str, Any], allow_sdp4bit_change: bool,
              allow_data_change: bool = False, allow_no_manifest: bool = False,
-             ) -> tuple[int | None, dict | None, str | None]:
-    """Rank 0's checks: (iteration, manifest, problem)."""
+             iteration: int | None = None) -> tuple[int | None, dict | None, str | None]:
+    """Rank 0's checks: (iteration, manifest, problem); ``iteration`` (``--ckpt-step``)
+    instead of the tracker's."""
     try:
-        iteration = files.latest_iteration(root)
+        if iteration is None:
+            iteration = files.latest_iteration(root)
         if iteration is None:
             return None, None, None
         directory = files.iteration_dir(root, iteration)
@@ -175,13 +177,14 @@ def _inspect(root: str, settings: dict[str, Any], allow_sdp4bit_change: bool,
 def load_checkpoint(root: str, model_chunks, optimizer, scheduler, settings: dict[str, Any], *,
                     load_optim: bool = True, load_rng: bool = True,
                     allow_sdp4bit_change: bool = False, allow_data_change: bool = False,
-                    allow_no_manifest: bool = False) -> tuple[int, int]:
-    """Collective: restore this rank's state from the latest checkpoint under ``root``;
-    returns (iteration, consumed samples), (0, 0) when there is none."""
+                    allow_no_manifest: bool = False, iteration: int | None = None
+                    ) -> tuple[int, int]:
+    """Collective: restore this rank's state from the latest checkpoint under ``root`` (or
+    ``iteration``'s); returns (iteration, consumed samples), (0, 0) when there is none."""
     verdict = [None, None, None]
     if dist.get_rank() == 0:
         verdict = list(_inspect(root, settings, allow_sdp4bit_change, allow_data_change,
-                                allow_no_manifest))
+                                allow_no_manifest, iteration))
     dist.broadcast_object_list(verdict, src=0)
     iteration, manifest, problem = verdict
     if problem is not None:

@@ -216,6 +216,8 @@ def _add_checkpoint_and_logging(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-changed-data", action="store_true",
                    help="resume a checkpoint trained on another --data-path blend, --split or "
                    "--seed (the samples and their order change)")
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="load iter_N of --load instead of the iteration its tracker names")
     g.add_argument("--load-without-manifest", action="store_true",
                    help="load a checkpoint that has no manifest.json: nothing in it is verified "
                    "(checksums, layout, settings); a torch_dist one (e.g. Megatron-LM's) needs "

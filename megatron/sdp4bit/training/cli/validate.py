@@ -340,6 +340,15 @@ def _check_logging(args: argparse.Namespace) -> None:
               "or 2 (there are no timers at level 0)")
 
 
+def _check_checkpoint(args: argparse.Namespace) -> None:
+    if args.ckpt_step is not None:
+        if not args.load:
+            _fail(f"--ckpt-step {args.ckpt_step} needs --load (the folder holding iter_"
+                  f"{args.ckpt_step:07d})")
+        if args.ckpt_step < 0:
+            _fail(f"--ckpt-step={args.ckpt_step} must be an iteration number >= 0")
+
+
 def validate_args(args: argparse.Namespace) -> None:
     """Check ``args`` in place and fill derived values; raise :class:`ArgumentsError`."""
     check_megatron_flags(args)  # first: --train-samples sets train_iters
@@ -351,3 +360,4 @@ def validate_args(args: argparse.Namespace) -> None:
     _check_memory(args)
     _check_sdp4bit(args)
     _check_logging(args)
+    _check_checkpoint(args)

@@ -19,6 +19,13 @@ every rank stops together with the same message (``pretrain_gpt.py`` prints it o
   never opened); every complete cache set of a prefix this run reads indexes that prefix's
   documents and tokens within bounds (:mod:`~megatron.sdp4bit.training.guards.index_cache`).
 
+* what the run reads back and trusts (``--save``, ``--data-cache-path`` or the dataset index
+  cache folder beside the data and every cache file in it, the tokenizer files) keeps the
+  trust rule of ``megatron/sdp4bit/trusted_paths.py``: this user's or root's, writable by
+  nobody else, no link another user made; and megatron-core can write its index cache
+  (by default beside the data: a read-only dataset folder is named with
+  ``--data-cache-path``).
+
 Checkpoints are checked where they are read
 (:mod:`megatron.sdp4bit.training.checkpoint.torch_format`).
 """
@@ -36,6 +43,7 @@ from typing import Any
 import numpy
 import torch.distributed as dist
 
+from megatron.sdp4bit import trusted_paths
 from megatron.sdp4bit.training.guards import index_cache
 
 IDX_MAGIC = b"MMIDIDX\x00\x00"
@@ -63,12 +71,26 @@ def _writable_dir(flag: str, path: str) -> None:
                          "choose another path or fix its permissions") from None
 
 
+def _trusted(path: str, what: str, fix: str) -> None:
+    try:
+        trusted_paths.check(path, what, fix)
+    except trusted_paths.UntrustedPathError as err:
+        raise InputError(str(err)) from None
+
+
+# Output folders the run also reads back and trusts (its checkpoints, the lock and tracker,
+# the dataset index caches): held to the trust rule of megatron/sdp4bit/trusted_paths.py.
+TRUSTED_OUTPUTS = ("--save", "--data-cache-path")
+
+
 def check_outputs(args: argparse.Namespace) -> None:
     for flag, path in (("--save", args.save), ("--tensorboard-dir", args.tensorboard_dir),
                        ("--data-cache-path", args.data_cache_path),
                        ("--wandb-save-dir", args.wandb_save_dir or None)):
         if path:
             _writable_dir(flag, path)
+            if flag in TRUSTED_OUTPUTS:  # checked once it exists: a new one, as the next run
+                _trusted(path, flag, f"give {flag} a folder of yours that only you can write")
     if args.metrics_jsonl:
         if os.path.isdir(args.metrics_jsonl):
             raise InputError(f"--metrics-jsonl {args.metrics_jsonl} is a folder: give a file "
@@ -78,7 +100,15 @@ def check_outputs(args: argparse.Namespace) -> None:
 
 def check_tokenizer(args: argparse.Namespace, build_tokenizer: Callable[[argparse.Namespace], Any]):
     """Build the tokenizer with ``build_tokenizer`` (the trainer's; its constructors check
-    their files) and return it."""
+    their files) and return it. Its files must keep the trust rule first."""
+    for flag in ("--vocab-file", "--merge-file", "--tokenizer-model"):
+        path = getattr(args, flag[2:].replace("-", "_"), None)
+        if path and os.path.lexists(path):
+            _trusted(path, flag, "copy it to a folder of yours that only you can write")
+            if os.path.isdir(path):  # a Hugging Face tokenizer folder
+                for name in sorted(os.listdir(path)):
+                    _trusted(os.path.join(path, name), f"a file of {flag}",
+                             "copy the folder to one of yours that only you can write")
     try:
         return build_tokenizer(args)
     except ValueError as err:
@@ -244,6 +274,33 @@ def index_cache_dirs(args: argparse.Namespace) -> list[str]:
     return list(index_cache_owners(args))
 
 
+def check_cache_folder(args: argparse.Namespace, folder: str) -> None:
+    """The dataset index cache ``folder`` megatron-core reads and writes (``--data-cache-path``,
+    else ``<prefix>/cache/GPTDataset_indices``) and every cache file in it keep the trust rule,
+    and megatron-core can write there: by default it writes its caches beside the data, and
+    in a read-only dataset folder it fails on rank 0 with a traceback while the other ranks
+    wait for it."""
+    fix = ("pass --data-cache-path a folder of yours that only you can write" if
+           not args.data_cache_path else "give --data-cache-path a folder of yours that only "
+           "you can write")
+    what = "--data-cache-path" if args.data_cache_path else "the dataset index cache folder"
+    _trusted(folder, what, fix)
+    if os.path.isdir(folder):
+        for name in sorted(os.listdir(folder)):
+            if name.endswith((".npy", ".txt")):
+                _trusted(os.path.join(folder, name), "dataset index cache",
+                         f"delete it (it is rebuilt), or {fix}")
+    if not args.data_cache_path:
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-test-"):
+                pass
+        except OSError as err:
+            raise InputError(f"megatron-core writes its dataset index cache beside the data, in "
+                             f"{folder}, and that cannot be written ({err.strerror}): pass "
+                             "--data-cache-path a writable folder of yours") from None
+
+
 def check_index_cache(path: str) -> None:
     """``path`` is a plain numeric ``.npy`` array of the length its header states."""
     size = os.path.getsize(path)
@@ -278,7 +335,8 @@ def check_inputs(args: argparse.Namespace,
     lengths = {prefix: check_indexed_dataset(prefix, tokenizer.vocab_size, flag, split)
                for flag, prefix in data_sources(args)}
     for folder, prefixes in index_cache_owners(args).items():
-        for path in sorted(glob.glob(os.path.join(folder, "*.npy"))):
+        check_cache_folder(args, folder)
+        for path in sorted(glob.glob(os.path.join(glob.escape(folder), "*.npy"))):
             check_index_cache(path)
         # megatron-core gets the prefixes stripped (datasets.utils.get_blend_from_list)
         data = {p.strip(): (p + ".idx", lengths[p]) for p in prefixes}

@@ -213,3 +213,35 @@ def test_unreadable_files_and_unlockable_folders_are_one_line(tmp_path, monkeypa
     assert str(err.value) == (f"cannot lock {tmp_path}/.lock (No locks available): --save "
                               f"{tmp_path} must be on a file system with flock; choose another "
                               "--save")
+
+
+def test_links_planted_in_the_save_folder_are_never_written_through(tmp_path):
+    """A symbolic link at .lock, at the tracker or at a .tmp name: opening the lock with
+    open(path, "a+") followed the link and truncated a file outside --save."""
+    outside = tmp_path / "precious.txt"
+    outside.write_text("keep me\n")
+    save = tmp_path / "save"
+    save.mkdir()
+    (save / cf.LOCK).symlink_to(outside)
+    with pytest.raises(cf.CheckpointError) as err:
+        cf.SaveDirLock(str(save))
+    assert str(err.value) == (f"{save / cf.LOCK} is a symbolic link (to {outside}): refused, "
+                              "the lock's write would follow it out of --save; delete the link")
+    (save / cf.LOCK).unlink()
+    cf.SaveDirLock(str(save)).release()
+    (save / cf.TRACKER).symlink_to(outside)
+    with pytest.raises(cf.CheckpointError) as err:
+        cf.write_tracker(str(save), 4)
+    assert str(err.value) == (f"the tracker {save / cf.TRACKER} is a symbolic link (to "
+                              f"{outside}): refused, a write would follow it out of its "
+                              "folder; delete the link")
+    (save / cf.TRACKER).unlink()
+    (save / (cf.TRACKER + ".tmp")).symlink_to(outside)  # a stale temporary name
+    cf.write_tracker(str(save), 4)
+    manifest = save / "iter_0000004" / cf.MANIFEST
+    manifest.parent.mkdir()
+    (save / "iter_0000004" / (cf.MANIFEST + ".tmp")).symlink_to(outside)
+    cf.write_manifest(str(manifest.parent), 4, {}, {})
+    assert cf.latest_iteration(str(save)) == 4 and json.loads(manifest.read_text())["files"] == {}
+    assert outside.read_text() == "keep me\n"
+    assert not any(p.is_symlink() for p in save.rglob("*"))

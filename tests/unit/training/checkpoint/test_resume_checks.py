@@ -65,6 +65,41 @@ def test_a_checkpoint_without_manifest_is_refused_unless_asked(tmp_path):
         8, None, None)
 
 
+def test_ckpt_step_loads_an_earlier_iteration_and_damage_names_it(tmp_path, monkeypatch):
+    """Megatron-LM's --ckpt-step N loads iter_N instead of the tracker's iteration; a damaged
+    checkpoint's message names the newest complete one and the flag."""
+    from megatron.sdp4bit.training.checkpoint import formats
+
+    monkeypatch.setattr(torch_format.dist, "get_world_size", lambda: 1)
+    root = str(tmp_path)
+    for iteration in (2, 4, 6):
+        directory = cf.iteration_dir(root, iteration)
+        os.makedirs(directory)
+        entries = {name: cf.save_file({"iteration": iteration}, os.path.join(directory, name))
+                   for name in ("common.pt", "rank_00000.pt")}
+        cf.write_manifest(directory, iteration, entries, _settings())
+    cf.write_tracker(root, 6)
+    os.remove(os.path.join(cf.iteration_dir(root, 4), "rank_00000.pt"))  # 4: incomplete
+    rank_file = os.path.join(cf.iteration_dir(root, 6), "rank_00000.pt")
+    with open(rank_file, "r+b") as f:
+        f.truncate(10)  # 6, the tracker's: damaged
+    iteration, _, problem = torch_format._inspect(root, _settings(), False)
+    assert iteration == 6 and problem.endswith("it is truncated")
+    assert formats.with_earlier(problem, root, 6) == (
+        f"checkpoint file {rank_file} is 10 bytes, the manifest says "
+        f"{os.path.getsize(os.path.join(cf.iteration_dir(root, 2), 'rank_00000.pt'))}: it is "
+        f"truncated (the newest complete checkpoint in {root} is iteration 2: pass "
+        "--ckpt-step 2 to load it)")
+    assert torch_format._inspect(root, _settings(), False, iteration=2)[::2] == (2, None)
+    assert formats._iteration(root, 2) == 2 and formats._iteration(root, None) == 6
+    with pytest.raises(cf.CheckpointError) as err:
+        formats._iteration(root, 8)
+    assert str(err.value) == (f"--ckpt-step 8: {root}/iter_0000008 does not exist ({root} "
+                              "holds iterations 2, 4, 6)")
+    mismatch = common.settings_problem(_settings(), _settings(seed=1), root, False)
+    assert formats.with_earlier(mismatch, root, 6) == mismatch  # not damage: no hint
+
+
 def test_the_qwd_target_is_recorded_and_a_change_is_named():
     from megatron.sdp4bit.config import SDP4BitConfig
     from megatron.sdp4bit.training.build import method_settings

@@ -308,3 +308,13 @@ def test_split_spellings_agree():
 def test_abbreviations_are_refused():
     with pytest.raises(ArgumentsError, match="unrecognized arguments: --num-lay"):
         parse("--num-lay 3")
+
+
+def test_ckpt_step_needs_load_and_a_non_negative_iteration():
+    assert parse("--load x --ckpt-step 20").ckpt_step == 20
+    with pytest.raises(ArgumentsError, match=re.escape(
+            "--ckpt-step 20 needs --load (the folder holding iter_0000020)")):
+        parse("--ckpt-step 20")
+    with pytest.raises(ArgumentsError, match=re.escape("--ckpt-step=-1 must be an iteration "
+                                                       "number >= 0")):
+        parse("--load x --ckpt-step -1")

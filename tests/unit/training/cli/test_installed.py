@@ -145,3 +145,24 @@ def test_the_flag_reaches_the_integrations_version_check(monkeypatch):
     sdp4bit_setup.install(config, state, None, allow_untested_version=True)
     sdp4bit_setup.install(config, state, None)
     assert given == [True, False]
+
+
+def test_sequence_parallel_without_transformer_engine_or_apex_is_refused(monkeypatch):
+    """megatron-core's torch norm (the local spec without Apex) asserts on sequence
+    parallelism in every rank's model construction: 13 tracebacks from a TP 2 run."""
+    tp2 = "--tensor-model-parallel-size 2 --sequence-parallel"
+    machine(monkeypatch, cuda=False, have=set())
+    assert refusal(tp2) == (
+        "--sequence-parallel needs Transformer Engine's layers or Apex's LayerNorm, and there "
+        "is no CUDA device here (nor is Apex installed): megatron-core's torch norm does not "
+        "support it; drop --sequence-parallel (accepted: TP > 1 with Transformer Engine on "
+        "CUDA or with Apex; with TP 1 it is ignored)")
+    machine(monkeypatch, cuda=True, have={"transformer_engine"})
+    assert refusal(tp2 + " --transformer-impl local").startswith(
+        "--sequence-parallel needs Transformer Engine's layers or Apex's LayerNorm, and "
+        "--transformer-impl local does not use them (nor is Apex installed)")
+    check(tp2)  # Transformer Engine's layers: accepted
+    machine(monkeypatch, cuda=False, have={"apex"})
+    check(tp2 + " --transformer-impl local")  # Apex's FusedLayerNorm: accepted
+    machine(monkeypatch, cuda=False, have=set())
+    check("--sequence-parallel")  # TP 1: nothing to split, ignored

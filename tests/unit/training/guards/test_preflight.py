@@ -280,3 +280,38 @@ def test_the_cache_folder_megatron_core_reads_is_checked(tmp_path, monkeypatch):
     with pytest.raises(pf.InputError, match="valid-sample_index.npy is not a NumPy array"):
         pf.check_inputs(args, build_tokenizer)
     assert not (tmp_path / "code-ran").exists()
+
+
+def test_a_read_only_dataset_folder_names_data_cache_path(tmp_path):
+    """megatron-core writes its index cache beside the data by default: in a read-only
+    dataset folder rank 0 failed with a traceback and the other ranks lost it after 62 s."""
+    import contextlib
+    import shutil
+    import subprocess
+
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    with contextlib.ExitStack() as stack:
+        if os.geteuid() == 0:  # root writes through permissions: a read-only mount instead
+            subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0755", "tmpfs",
+                            str(folder)],
+                           check=True)
+            # lazily: the failed check's traceback may still map the .idx
+            stack.callback(subprocess.run, ["umount", "-l", str(folder)], check=True)
+        prefix = _dataset(folder)
+        if os.geteuid() == 0:
+            subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
+        else:
+            folder.chmod(0o555)
+            stack.callback(folder.chmod, 0o755)
+        args = _args(tmp_path, mock_data=False, data_path=[prefix])
+        with pytest.raises(pf.InputError) as err:
+            pf.check_inputs(args, build_tokenizer)
+        cache = f"{prefix}/cache/GPTDataset_indices"
+        assert str(err.value) in (
+            f"megatron-core writes its dataset index cache beside the data, in {cache}, and "
+            f"that cannot be written ({why}): pass --data-cache-path a writable folder of "
+            "yours" for why in ("Read-only file system", "Permission denied"))
+        args.data_cache_path = str(tmp_path / "cache")
+        pf.check_inputs(args, build_tokenizer)
+        shutil.rmtree(tmp_path / "cache")
