@@ -215,9 +215,9 @@ def checkpoint(tmp_path_factory) -> str:
              no_dist=True)
     with open(os.path.join(directory, "metadata.json"), "w") as f:
         json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
-    entries = {n: torch_dist_format._hash(os.path.join(directory, n))
+    entries = {n: torch_dist_format.file_hash(os.path.join(directory, n))
                for n in sorted(os.listdir(directory))}
-    files.write_manifest(directory, 2, entries, {"model": BIGGER})
+    files.write_manifest(directory, 2, entries, {"model": BIGGER, "vocab_size": BIGGER["padded_vocab_size"]})
     files.write_tracker(str(root), 2)
     return str(root)
 

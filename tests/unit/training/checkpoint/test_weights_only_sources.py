@@ -22,7 +22,8 @@ def _args(**kw) -> argparse.Namespace:
     base = dict(load=None, pretrained_checkpoint=None, finetune=False, ckpt_format="torch_dist",
                 auto_detect_ckpt_format=False, no_load_optim=False, no_load_rng=False,
                 load_without_manifest=False, allow_changed_sdp4bit_settings=False,
-                allow_changed_data=False, ckpt_fully_parallel_load=False, global_batch_size=16)
+                allow_changed_data=False, ckpt_fully_parallel_load=False, global_batch_size=16,
+                ckpt_step=None)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -31,8 +32,9 @@ def world(monkeypatch):
     """folders: root -> (format, manifest) or None (no tracker); calls: what was loaded."""
     folders: dict = {}
     calls: list = []
-    monkeypatch.setattr(formats, "_verdict", lambda root: folders.get(root) or (None, None))
-    monkeypatch.setattr(files, "latest_iteration", lambda root: 5)
+    monkeypatch.setattr(formats, "_verdict",
+                        lambda root, step=None: folders.get(root) or (None, None))
+    monkeypatch.setattr(formats, "_iteration", lambda root, step: 5)
 
     def weights(directory, manifest, *_, finetune, **__):
         calls.append(("weights", directory, finetune))
