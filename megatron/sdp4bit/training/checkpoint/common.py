@@ -77,9 +77,11 @@ LATER_MODEL_SETTINGS = ("norm_epsilon", "rotary_base", "rotary_percent")
 LATER_MODEL_DEFAULTS = {"openai_gelu": False}
 
 
-def saved_model_settings(saved: dict[str, Any]) -> dict[str, Any]:
-    """A manifest's model settings, with :data:`LATER_MODEL_DEFAULTS` for what it lacks."""
-    return {**LATER_MODEL_DEFAULTS, **saved.get("model", {})}
+def saved_model_settings(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:
+    """A manifest's model settings, with :data:`LATER_MODEL_DEFAULTS` for what it lacks and
+    this run's settings (``current["model"]``) record."""
+    return {**{k: v for k, v in LATER_MODEL_DEFAULTS.items() if k in current["model"]},
+            **saved.get("model", {})}
 
 
 # SDP4Bit settings recorded since they were added, with the value every run had before:
@@ -90,7 +92,7 @@ LATER_SDP4BIT_SETTINGS = {"weight_difference_target": "main"}
 def settings_problem(saved: dict[str, Any], current: dict[str, Any], directory: str,
                       allow_sdp4bit_change: bool, allow_data_change: bool = False) -> str | None:
     if "model" in saved:
-        saved = {**saved, "model": saved_model_settings(saved)}
+        saved = {**saved, "model": saved_model_settings(saved, current)}
         unrecorded = [k for k in LATER_MODEL_SETTINGS if k not in saved["model"]]
         current = {**current, "model": {k: v for k, v in current["model"].items()
                                         if k not in unrecorded}}
