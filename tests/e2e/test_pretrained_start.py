@@ -67,10 +67,10 @@ def _hf_model(kind: str, vocab: int, out: str) -> None:
 
     torch.manual_seed(11)
     common = dict(vocab_size=vocab, initializer_range=0.2, bos_token_id=0, eos_token_id=0)
-    if kind == "gpt2":
+    if kind == "gpt2":  # GPT2Config's default activation, gelu_new, as OpenAI's GPT-2 has
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            n_embd=64, n_layer=2, n_head=4, n_positions=SEQ, activation_function="gelu",
-            **common))
+            n_embd=64, n_layer=2, n_head=4, n_positions=SEQ, **common))
+        assert model.config.activation_function == "gelu_new"
     else:  # untied output layer, 4 query heads in 2 groups, a non-default RoPE base
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
             hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -200,6 +200,10 @@ def test_import_matches_hugging_face_and_exports_back_bit_for_bit(imported, corp
             assert after[name].dtype == tensor.dtype and torch.equal(after[name], tensor), name
         config = json.loads((exported / "config.json").read_text())
         assert config["vocab_size"] == corpus[2]
+        # GPT-2's tanh GeLU comes in as --openai-gelu (the logits below check that the model
+        # computes it) and goes out as gelu_new again
+        assert ("--openai-gelu" in flags) == (kind == "gpt2")
+        assert config.get("activation_function") == ("gelu_new" if kind == "gpt2" else None)
         spawn(_check_import, 1, hf, ckpt, flags, corpus[1], str(tmp_path / f"{kind}.json"))
 
 

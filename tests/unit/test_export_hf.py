@@ -20,7 +20,7 @@ DEFAULT = {"num_layers": 2, "hidden_size": 8, "ffn_hidden_size": 32, "num_attent
            "kv_channels": None, "group_query_attention": False, "num_query_groups": 1,
            "max_position_embeddings": 16, "position_embedding_type": "learned_absolute",
            "rotary_base": 10000, "rotary_percent": 1.0,
-           "untie_embeddings_and_output_weights": False, "swiglu": False,
+           "untie_embeddings_and_output_weights": False, "swiglu": False, "openai_gelu": False,
            "normalization": "LayerNorm", "norm_epsilon": 1e-5, "add_bias_linear": True,
            "params_dtype": "bf16", "padded_vocab_size": 128}
 LLAMA = {**DEFAULT, "position_embedding_type": "rope", "normalization": "RMSNorm",
@@ -35,6 +35,23 @@ def test_default_architecture_maps_to_gpt2():
     assert (config["n_embd"], config["n_layer"], config["n_head"], config["n_inner"],
             config["vocab_size"], config["n_positions"], config["layer_norm_epsilon"]) == (
         8, 2, 2, 32, 128, 16, 1e-5)
+
+
+def test_the_gelu_flavour_maps_to_gpt2s_activation_function():
+    assert export_hf.hf_config(DEFAULT)["activation_function"] == "gelu"
+    config = export_hf.hf_config({**DEFAULT, "openai_gelu": True})
+    assert config["activation_function"] == "gelu_new"
+    # read back, the config gives the flag again
+    from transformers import GPT2Config
+
+    assert "--openai-gelu" in hf_mappings.trainer_flags(GPT2Config(**config))[1]
+    assert "--openai-gelu" not in hf_mappings.trainer_flags(
+        GPT2Config(**export_hf.hf_config(DEFAULT)))[1]
+    # a manifest written before --openai-gelu existed was a plain-GeLU run
+    old = {k: v for k, v in DEFAULT.items() if k != "openai_gelu"}
+    model, missing = hf_mappings.with_defaults(old)
+    assert missing == ["openai_gelu"] and model["openai_gelu"] is False
+    assert export_hf.hf_config(model)["activation_function"] == "gelu"
 
 
 def test_llama_style_settings_map_to_llama():

@@ -65,6 +65,28 @@ def test_config_json_maps_to_the_trainers_model_flags(tmp_path):
                world_size=1)
 
 
+def test_gpt2s_tanh_gelu_maps_to_openai_gelu(tmp_path):
+    """transformers' GPT-2 default (gelu_new, what OpenAI's checkpoints use) and its other
+    names for the tanh formula -> --openai-gelu; 'gelu' -> the exact GeLU (no flag)."""
+    default = {k: v for k, v in GPT2.items() if k != "activation_function"}
+    _, flags, _ = _flags(tmp_path, default)
+    assert flags[-1] == "--openai-gelu" and flags.count("--openai-gelu") == 1
+    for name in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_accurate"):
+        assert _flags(tmp_path, {**GPT2, "activation_function": name})[1] == flags
+    assert "--openai-gelu" not in _flags(tmp_path, GPT2)[1]
+    args = parse_args(flags + "--micro-batch-size 1 --train-iters 1 --lr 1e-4 --mock-data"
+                      .split(), world_size=1)
+    assert args.openai_gelu
+    # each accepted name is transformers' tanh formula (within float32 rounding)
+    from transformers.activations import ACT2FN
+
+    x = torch.linspace(-8, 8, 4001)
+    tanh = torch.nn.functional.gelu(x, approximate="tanh")
+    for name in hf_mappings.TANH_GELUS:
+        assert (ACT2FN[name](x) - tanh).abs().max() <= 8 * 2.0 ** -24 * x.abs().max(), name
+    assert (ACT2FN["gelu"](x) - tanh).abs().max() > 1e-4  # the exact GeLU is another function
+
+
 def _refused(tmp_path, capsys, fields: dict | None, save=None, extra=()) -> str:
     hf = _config(tmp_path, fields) if fields is not None else str(tmp_path / "nothing")
     save = save or str(tmp_path / "ckpt")
@@ -81,10 +103,11 @@ def test_what_does_not_map_is_refused_in_one_line(tmp_path, capsys):
     assert _refused(tmp_path, capsys, mistral) == (
         "architecture ['MistralForCausalLM'] is not imported: only GPT2LMHeadModel and "
         "LlamaForCausalLM")
-    assert _refused(tmp_path, capsys, {**GPT2, "activation_function": "gelu_new"}) == (
+    assert _refused(tmp_path, capsys, {**GPT2, "activation_function": "quick_gelu"}) == (
         "the GPT2LMHeadModel in config.json does not map to this trainer's model: "
-        "activation_function 'gelu_new' (needs 'gelu': megatron-core's GeLU is the exact erf "
-        "one; 'gelu_new' is the tanh approximation)")
+        "activation_function 'quick_gelu' (needs 'gelu', the exact GeLU, or the tanh "
+        "approximation 'gelu_new', 'gelu_pytorch_tanh', 'gelu_fast', 'gelu_accurate', "
+        "--openai-gelu)")
     scaled = {**LLAMA, "attention_bias": True, "rope_parameters": {
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}

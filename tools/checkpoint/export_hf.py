@@ -9,7 +9,8 @@ torch.distributed), checks them against the manifest's SHA-256, and writes ``HF_
 The architecture follows the model flags recorded in the manifest (hf_mappings.py):
 
 * the default (learned absolute positions, LayerNorm, GeLU, biases, tied embeddings) is a
-  ``GPT2LMHeadModel``;
+  ``GPT2LMHeadModel`` (``activation_function`` ``gelu``, or ``gelu_new`` with
+  ``--openai-gelu``);
 * ``--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear``
   (with ``--rotary-percent 1.0``; untied or tied embeddings, ``--group-query-attention``,
   any ``--kv-channels``) is a ``LlamaForCausalLM``, ``--rotary-base`` its ``rope_theta`` and

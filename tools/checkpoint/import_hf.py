@@ -6,19 +6,21 @@
 Reads a local folder (``config.json`` and ``model.safetensors``, ``pytorch_model.bin`` or their
 sharded ``*.index.json`` forms; nothing is downloaded) of a ``GPT2LMHeadModel`` or a
 ``LlamaForCausalLM`` (grouped-query attention, tied or untied embeddings, RoPE base from
-the config) and writes ``CKPT_DIR/iter_0000000`` as a torch_dist checkpoint of the model's
-weights (fp32) with this trainer's manifest, which records the model settings: a run whose
-model flags differ is refused naming them. Start training from it with ``--finetune --load
+the config; GPT-2's tanh GeLU ``gelu_new``, transformers' default, becomes
+``--openai-gelu``) and writes ``CKPT_DIR/iter_0000000`` as a torch_dist checkpoint of the
+model's weights (fp32) with this trainer's manifest, which records the model settings: a run
+whose model flags differ is refused naming them. Start training from it with ``--finetune --load
 CKPT_DIR`` or ``--pretrained-checkpoint CKPT_DIR``. The last line printed is the
 ``pretrain_gpt.py`` model flags of the checkpoint.
 
 The tensors go through the export's mapping backwards (megatron/sdp4bit/training/checkpoint/
 hf_mappings.py). The vocabulary is padded as Megatron-LM pads it, with zero rows up to a
 multiple of ``--make-vocab-size-divisible-by`` x ``--tensor-model-parallel-size``; the export
-cuts them off again. Any other architecture, or a setting that does not map (GPT-2's tanh
-GeLU ``gelu_new``, RoPE scaling, biases in a Llama, ...), is refused in one line naming it.
-The checkpoint is written into a temporary folder beside ``CKPT_DIR`` and renamed at the
-end; a non-empty ``CKPT_DIR`` is refused unless ``--overwrite``. See docs/checkpoints.md.
+cuts them off again. Any other architecture, or a setting that does not map (a GPT-2
+activation other than GeLU or its tanh approximation, RoPE scaling, biases in a Llama, ...),
+is refused in one line naming it. The checkpoint is written into a temporary folder beside
+``CKPT_DIR`` and renamed at the end; a non-empty ``CKPT_DIR`` is refused unless
+``--overwrite``. See docs/checkpoints.md.
 """
 
 from __future__ import annotations

@@ -137,8 +137,8 @@ def run_settings(args: argparse.Namespace, sdp4bit_config: SDP4BitConfig,
         "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels",
         "group_query_attention", "num_query_groups", "max_position_embeddings",
         "position_embedding_type", "rotary_base", "rotary_percent",
-        "untie_embeddings_and_output_weights", "swiglu", "normalization", "norm_epsilon",
-        "add_bias_linear", "params_dtype")}
+        "untie_embeddings_and_output_weights", "swiglu", "openai_gelu", "normalization",
+        "norm_epsilon", "add_bias_linear", "params_dtype")}
     model["padded_vocab_size"] = vocab
     return {"layout": layout, "model": model, "data": data_settings(args),
             "sdp4bit": method_settings(sdp4bit_config), "vocab_size": tokenizer_vocab,

@@ -27,6 +27,12 @@ from megatron.sdp4bit.training.cli.megatron_flags import transformer_config_over
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def openai_gelu(x: torch.Tensor) -> torch.Tensor:
+    """``--openai-gelu``: GeLU's tanh approximation,
+    0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), as OpenAI's GPT-2 computes it."""
+    return F.gelu(x, approximate="tanh")
+
+
 def transformer_config_from_args(args: argparse.Namespace, timers=None) -> TransformerConfig:
     """``timers``: megatron-core times its phases with it (``--timing-log-level``)."""
     cuda = torch.cuda.is_available()
@@ -61,7 +67,9 @@ def transformer_config_from_args(args: argparse.Namespace, timers=None) -> Trans
         # the first forward on a GPU would stop with ModuleNotFoundError.
         masked_softmax_fusion=cuda and importlib.util.find_spec("scaled_masked_softmax_cuda")
         is not None,
-        bias_activation_fusion=cuda and not args.swiglu,
+        # megatron-core's fused bias + activation kernel knows the exact GeLU and SiLU only
+        # (TransformerConfig refuses any other function with it).
+        bias_activation_fusion=cuda and not args.swiglu and not args.openai_gelu,
         bias_dropout_fusion=cuda,
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
@@ -74,6 +82,8 @@ def transformer_config_from_args(args: argparse.Namespace, timers=None) -> Trans
     )
     if args.swiglu:
         kwargs["activation_func"] = F.silu
+    elif args.openai_gelu:
+        kwargs["activation_func"] = openai_gelu
     kwargs.update(transformer_config_overrides(args))  # Megatron-LM's switches, when given
     return TransformerConfig(**kwargs)
 

@@ -71,6 +71,18 @@ def describe(values: dict[str, Any]) -> str:
 # written before lacks them, and such a checkpoint still resumes (they are not compared).
 LATER_MODEL_SETTINGS = ("norm_epsilon", "rotary_base", "rotary_percent")
 
+# Model settings recorded since they were added, with the value every run had before (the
+# trainer refused --openai-gelu until then): an older manifest is read as having that value,
+# and compared.
+LATER_MODEL_DEFAULTS = {"openai_gelu": False}
+
+
+def saved_model_settings(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:
+    """A manifest's model settings, with :data:`LATER_MODEL_DEFAULTS` for what it lacks and
+    this run's settings (``current["model"]``) record."""
+    return {**{k: v for k, v in LATER_MODEL_DEFAULTS.items() if k in current["model"]},
+            **saved.get("model", {})}
+
 
 # SDP4Bit settings recorded since they were added, with the value every run had before:
 # an older manifest lacks them and is read as having that value.
@@ -80,6 +92,7 @@ LATER_SDP4BIT_SETTINGS = {"weight_difference_target": "main"}
 def settings_problem(saved: dict[str, Any], current: dict[str, Any], directory: str,
                       allow_sdp4bit_change: bool, allow_data_change: bool = False) -> str | None:
     if "model" in saved:
+        saved = {**saved, "model": saved_model_settings(saved, current)}
         unrecorded = [k for k in LATER_MODEL_SETTINGS if k not in saved["model"]]
         current = {**current, "model": {k: v for k, v in current["model"].items()
                                         if k not in unrecorded}}

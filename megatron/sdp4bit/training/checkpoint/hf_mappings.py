@@ -7,7 +7,10 @@ Two architectures; :func:`hf_config` picks the one the settings (the manifest's
 what does not map:
 
 * ``GPT2LMHeadModel``: learned absolute positions, LayerNorm, GeLU, biases, tied embeddings,
-  one key/value head per query head, head dim = hidden / heads;
+  one key/value head per query head, head dim = hidden / heads. The GeLU is the exact (erf)
+  one, ``activation_function`` "gelu", or with ``--openai-gelu`` its tanh approximation,
+  "gelu_new" (OpenAI's GPT-2 and transformers' default) or a name transformers gives the same
+  formula (:data:`TANH_GELUS`);
 * ``LlamaForCausalLM``: RoPE over the whole head (megatron-core's non-interleaved rotation is
   transformers' ``rotate_half``), RMSNorm, SwiGLU, no biases; tied or untied embeddings,
   grouped-query attention and any head dim.
@@ -42,8 +45,17 @@ ExportError = MappingError
 
 # Settings a manifest written before the Llama export lacks, with the trainer's defaults,
 # and those each architecture reads.
-LATER_DEFAULTS = {"norm_epsilon": 1e-5, "rotary_base": 10000, "rotary_percent": 1.0}
-READS = {"GPT2LMHeadModel": ("norm_epsilon",), "LlamaForCausalLM": tuple(LATER_DEFAULTS)}
+# (openai_gelu: the trainer refused --openai-gelu before it recorded it, so False is what such
+# a run had, not a guess.)
+LATER_DEFAULTS = {"norm_epsilon": 1e-5, "rotary_base": 10000, "rotary_percent": 1.0,
+                  "openai_gelu": False}
+READS = {"GPT2LMHeadModel": ("norm_epsilon",),
+         "LlamaForCausalLM": ("norm_epsilon", "rotary_base", "rotary_percent")}
+
+# transformers' activation_function names for 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+# (--openai-gelu): the same formula, evaluated in slightly different orders (within a float32
+# rounding of each other). "gelu_new" is GPT-2's default and what the export writes.
+TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_accurate")
 
 
 def with_defaults(model: dict) -> tuple[dict, list[str]]:
@@ -123,7 +135,8 @@ def hf_config(model: dict, vocab_size: int | None = None) -> dict:
         return {**common, "model_type": "gpt2", "n_positions": model["max_position_embeddings"],
                 "n_embd": hidden, "n_layer": model["num_layers"], "n_head": heads,
                 "n_inner": model["ffn_hidden_size"],
-                "activation_function": "gelu",  # megatron-core's GeLU is the exact (erf) one
+                # megatron-core's GeLU is the exact (erf) one; --openai-gelu the tanh one
+                "activation_function": "gelu_new" if model["openai_gelu"] else "gelu",
                 "layer_norm_epsilon": model["norm_epsilon"], "resid_pdrop": 0.0,
                 "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": True}
     theta = model["rotary_base"]
@@ -376,9 +389,12 @@ def trainer_flags(config) -> tuple[str, list[str], int]:
     f = lambda *a: [str(x) for x in a]  # noqa: E731
     if name == "GPT2LMHeadModel":
         hidden, heads = config.n_embd, config.n_head
-        _need(wrong, config, "activation_function", ["gelu"],
-              ": megatron-core's GeLU is the exact erf one; 'gelu_new' is the tanh "
-              "approximation")
+        # transformers' GPT2Config defaults to the tanh approximation
+        act = getattr(config, "activation_function", "gelu_new")
+        if act not in ("gelu",) + TANH_GELUS:
+            wrong.append(f"activation_function {act!r} (needs 'gelu', the exact GeLU, or the "
+                         f"tanh approximation {', '.join(map(repr, TANH_GELUS))}, "
+                         "--openai-gelu)")
         _need(wrong, config, "tie_word_embeddings", [True])
         _need(wrong, config, "scale_attn_weights", [True])
         _need(wrong, config, "scale_attn_by_inverse_layer_idx", [False])
@@ -389,6 +405,8 @@ def trainer_flags(config) -> tuple[str, list[str], int]:
                   "--max-position-embeddings", config.n_positions,
                   "--position-embedding-type", "learned_absolute", "--normalization",
                   "LayerNorm", "--norm-epsilon", repr(float(config.layer_norm_epsilon)))
+        if act in TANH_GELUS:
+            flags.append("--openai-gelu")
     else:
         hidden, heads = config.hidden_size, config.num_attention_heads
         groups = getattr(config, "num_key_value_heads", None) or heads

@@ -101,7 +101,8 @@ def shape_problem(directory: str, state: dict[str, Any]) -> str | None:
 def model_settings_problem(saved: dict[str, Any], current: dict[str, Any],
                            directory: str) -> str | None:
     """The manifest's model settings against this run's, the dtype left out."""
-    old = {k: v for k, v in saved.get("model", {}).items() if k not in FREE_MODEL_SETTINGS}
+    old = {k: v for k, v in common.saved_model_settings(saved, current).items()
+           if k not in FREE_MODEL_SETTINGS}
     new = {k: v for k, v in current["model"].items() if k not in FREE_MODEL_SETTINGS}
     for k in common.LATER_MODEL_SETTINGS:  # an older manifest lacks them: not compared
         if k not in old:

@@ -54,6 +54,9 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--openai-gelu", action="store_true",
+                   help="GeLU's tanh approximation (OpenAI's GPT-2, Hugging Face's gelu_new) "
+                   "instead of the exact erf one; not with --swiglu")
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--hidden-dropout", type=float, default=0.1)

@@ -125,8 +125,8 @@ REFUSED_FLAGS: dict[str, tuple[int | str, str]] = {
     "--fp8-format": (1, "fp8 training is not supported"),
     "--apply-layernorm-1p": (0, "not wired to the layer spec"),
     "--apply-residual-connection-post-layernorm": (0, "not wired to the layer spec"),
-    "--openai-gelu": (0, "the activation is GeLU, or SwiGLU with --swiglu"),
-    "--squared-relu": (0, "the activation is GeLU, or SwiGLU with --swiglu"),
+    "--squared-relu": (0, "the activation is GeLU (--openai-gelu: its tanh approximation), "
+                       "or SwiGLU with --swiglu"),
     "--rotary-seq-len-interpolation-factor": (1, "not wired to the model"),
     "--no-check-for-nan-in-loss-and-grad": (0, "the NaN check stays on: SDP4Bit's quantizer "
                                             "keeps NaN visible to it on purpose"),

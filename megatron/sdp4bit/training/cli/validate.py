@@ -87,6 +87,9 @@ def _check_model(args: argparse.Namespace) -> None:
               f"{args.max_position_embeddings}: raise --max-position-embeddings")
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 4 * args.hidden_size
+    if args.swiglu and args.openai_gelu:
+        _fail("--openai-gelu and --swiglu contradict each other: --swiglu's activation is SiLU; "
+              "pass one")
     if args.group_query_attention and args.num_attention_heads % args.num_query_groups:
         _fail(f"--num-query-groups={args.num_query_groups} does not divide "
               f"--num-attention-heads={args.num_attention_heads}: every group needs the same "

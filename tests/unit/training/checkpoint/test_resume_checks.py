@@ -122,3 +122,18 @@ def test_the_qwd_target_is_recorded_and_a_change_is_named():
     assert common.settings_problem(older, saved, "D", False) is None
     assert "weight_difference_target main; this run has weight_difference_target " \
         "rounded-main" in common.settings_problem(older, now, "D", False)
+
+
+def test_an_older_manifest_without_openai_gelu_is_a_plain_gelu_model():
+    from megatron.sdp4bit.training.checkpoint.weights_only import model_settings_problem
+
+    older = _settings()  # its model settings lack openai_gelu: the flag was refused then
+    plain, tanh = _settings(), _settings()
+    plain["model"] = {**plain["model"], "openai_gelu": False}
+    tanh["model"] = {**tanh["model"], "openai_gelu": True}
+    assert common.settings_problem(older, plain, "D", False) is None
+    assert model_settings_problem(older, plain, "D") is None
+    said = "checkpoint D was saved with model openai_gelu False; this run has openai_gelu True"
+    assert common.settings_problem(older, tanh, "D", False) == (
+        said + ": resume with the same model flags")
+    assert model_settings_problem(older, tanh, "D") == said + ": pass the checkpoint's model flags"

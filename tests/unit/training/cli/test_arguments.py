@@ -179,6 +179,8 @@ ERRORS = {
                                  "the decay (24 samples, --lr-decay-iters or --train-iters x "
                                  "global batch): lower --lr-warmup-iters/--lr-warmup-samples/"
                                  "--lr-warmup-fraction"),
+    "swiglu-openai-gelu": ("--swiglu --openai-gelu", "--openai-gelu and --swiglu contradict "
+                           "each other: --swiglu's activation is SiLU; pass one"),
     "kv-channels-0": ("--kv-channels 0", "--kv-channels=0 must be >= 1"),
     "ffn-negative": ("--ffn-hidden-size -5", "--ffn-hidden-size=-5 must be >= 1"),
     "gqa-groups": ("--group-query-attention --num-query-groups 3",

@@ -269,6 +269,29 @@ def test_transformer_switches_reach_the_config():
         "attention_backend": AttnBackend.local}
 
 
+def test_openai_gelu_is_the_tanh_approximation_in_the_config(monkeypatch):
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    from megatron.sdp4bit.training.model import transformer_config_from_args
+
+    # As on a GPU, where the fused bias + activation kernel is used: it computes the exact
+    # GeLU only (TransformerConfig refuses it with another function), so it stays off here.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    plain = transformer_config_from_args(parse(""))
+    assert plain.activation_func is F.gelu and plain.bias_activation_fusion
+    config = transformer_config_from_args(parse("--openai-gelu"))
+    assert not config.bias_activation_fusion and not config.gated_linear_unit
+    x = torch.tensor([-3.0, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0, 3.0], dtype=torch.float64)
+    tanh = 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+    assert torch.equal(config.activation_func(x), F.gelu(x, approximate="tanh"))
+    assert (config.activation_func(x) - tanh).abs().max() <= 1e-15
+    # and not the exact one: they differ by ~1e-4 around |x| = 2
+    assert (config.activation_func(x) - F.gelu(x)).abs().max() > 1e-4
+
+
 def test_exit_duration_is_measured_from_the_start(monkeypatch):
     args = parse("--exit-duration-in-mins 2")
     assert abs(args.start_time - time.time()) < 60
