@@ -105,7 +105,7 @@ def _check_saved_and_exited(run: dict, start: int) -> int:
     stop = run["tracker"]
     assert logged == list(range(start + 1, stop + 1)), (logged, run["stdout"][-2000:])
     assert stop < ITERS, "the signal came too late to test anything"
-    assert f"saved checkpoint at iteration {stop:7d}" in run["stdout"]
+    assert f"successfully saved checkpoint from iteration {stop:7d} to " in run["stdout"]
     assert f"exiting program after receiving SIGTERM at iteration {stop} (checkpoint saved in " \
         in run["stdout"], run["stdout"][-2000:]
     assert "pretrain_gpt.py: error" not in run["stdout"] + run["stderr"]
