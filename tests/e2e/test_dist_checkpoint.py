@@ -26,6 +26,7 @@ from tests.helpers.spawn import spawn
 from tests.helpers import launch as _launch
 from tests.helpers.trainer import launch, one_error_line
 from tests.helpers.resume_layouts import BASE, LAYOUTS, noise_bound
+from tests.helpers.tiny_gpt import transformer_config
 from tests.helpers.trainer import METHODS, ROOT, TINY, torchrun, train_lines, trainer_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -219,15 +220,6 @@ def _check_export(model, ckpt_dir: str, hf_dir: str, architecture: str) -> None:
     assert out.shape == (1, 8)
 
 
-def _config(**kwargs):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    return TransformerConfig(
-        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-        masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
-        gradient_accumulation_fusion=False, apply_rope_fusion=False, **kwargs)
-
-
 def _init_one_rank() -> None:
     from megatron.core import tensor_parallel
 
@@ -247,7 +239,7 @@ def _compare_logits(rank: int, world: int, ckpt_dir: str, hf_dir: str) -> None:
 
     _init_one_rank()
     m = files.read_manifest(ckpt_dir)["settings"]["model"]
-    config = _config(num_layers=m["num_layers"], hidden_size=m["hidden_size"],
+    config = transformer_config(num_layers=m["num_layers"], hidden_size=m["hidden_size"],
                      num_attention_heads=m["num_attention_heads"],
                      ffn_hidden_size=m["ffn_hidden_size"], layernorm_epsilon=1e-5)
     model = GPTModel(config, get_gpt_layer_local_spec(), m["padded_vocab_size"],
@@ -298,7 +290,7 @@ def _compare_llama_logits(rank: int, world: int, ckpt_dir: str, hf_dir: str) -> 
 
     _init_one_rank()
     m = files.read_manifest(ckpt_dir)["settings"]["model"]
-    config = _config(num_layers=LLAMA["layers"], hidden_size=LLAMA["hidden"],
+    config = transformer_config(num_layers=LLAMA["layers"], hidden_size=LLAMA["hidden"],
                      num_attention_heads=LLAMA["heads"], num_query_groups=LLAMA["groups"],
                      ffn_hidden_size=4 * LLAMA["hidden"], normalization="RMSNorm",
                      layernorm_epsilon=LLAMA["norm_epsilon"], gated_linear_unit=True,

@@ -49,6 +49,19 @@ def init_parallel(tp: int = 1, pp: int = 1) -> None:
     )
 
 
+def transformer_config(**kwargs):
+    """megatron-core's TransformerConfig for the tests' CPU models: built on the CPU, no
+    dropout, none of the fused CUDA kernels; ``kwargs`` give the shape and the rest. The one
+    place the tests make a TransformerConfig (the trainer's is training/model.py's)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(**{
+        "use_cpu_initialization": True, "hidden_dropout": 0.0, "attention_dropout": 0.0,
+        "masked_softmax_fusion": False, "bias_activation_fusion": False,
+        "bias_dropout_fusion": False, "gradient_accumulation_fusion": False,
+        "apply_rope_fusion": False, **kwargs})
+
+
 def build(setup: Setup, seed: int = 1, padding_for=None):
     """GPTModel (2 layers, hidden 64) -> [Float16Module] -> DDP, and its distributed optimizer.
 
@@ -63,26 +76,17 @@ def build(setup: Setup, seed: int = 1, padding_for=None):
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = torch.bfloat16 if setup.bf16 else torch.float32
-    config = TransformerConfig(
+    config = transformer_config(
         num_layers=2,
         hidden_size=HIDDEN,
         num_attention_heads=4,
-        use_cpu_initialization=True,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         pipeline_dtype=dtype,
         params_dtype=torch.float32,
         bf16=setup.bf16,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        masked_softmax_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
         batch_p2p_sync=False,  # its torch.cuda.synchronize() guards an old-PyTorch race only
     )
     # Seeds the RNG tracker as Megatron-LM does; same init on every DP rank (megatron-core
