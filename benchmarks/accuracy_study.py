@@ -72,23 +72,14 @@ import sys
 import time
 from pathlib import Path
 
+from megatron.sdp4bit.training.cli.methods import METHOD_FLAGS
+
 from benchmarks import accuracy_summary as summary_mod
 from benchmarks import results
 
 ROOT = Path(__file__).resolve().parents[1]
 
-_TLQ = ["--quantized-gradients", "--gq-group-size-intra", "128", "--gq-group-size-inter", "128"]
-_QWD = ["--quantized-weights"]
-METHODS: dict[str, list[str]] = {
-    "baseline": [],
-    "qW": _QWD + ["--weight-quantization-mode", "direct"],
-    "qWD": _QWD,
-    "qWD-rounded": _QWD + ["--weight-difference-target", "rounded-main"],
-    "TLq": _TLQ,
-    "ULq": _TLQ + ["--gradient-quantization-bits-intra", "4"],
-    "TLq-HS": _TLQ + ["--hadamard-transform"],
-    "SDP4Bit": _QWD + _TLQ + ["--hadamard-transform"],
-}
+METHODS: dict[str, list[str]] = METHOD_FLAGS  # every method of the study
 
 NPROC = 4
 DP_RANKS_PER_NODE = 2

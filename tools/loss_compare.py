@@ -33,23 +33,14 @@ import sys
 import time
 from pathlib import Path
 
+from megatron.sdp4bit.training.cli.methods import METHOD_FLAGS
 from megatron.sdp4bit.training.observe.metrics_file import read_metrics
 from megatron.sdp4bit.training.observe.plots import pyplot, save_small
 
 ROOT = Path(__file__).resolve().parent.parent
 
-_TLQ = ["--quantized-gradients", "--gq-group-size-intra", "128", "--gq-group-size-inter", "128"]
-_QWD = ["--quantized-weights"]
 # Method name -> its SDP4Bit flags (the paper's Table 1 columns plus ULq, ZeRO++'s 4-bit/4-bit).
-METHODS: dict[str, list[str]] = {
-    "baseline": [],
-    "qW": _QWD + ["--weight-quantization-mode", "direct"],
-    "qWD": _QWD,
-    "TLq": _TLQ,
-    "ULq": _TLQ + ["--gradient-quantization-bits-intra", "4"],
-    "TLq-HS": _TLQ + ["--hadamard-transform"],
-    "SDP4Bit": _QWD + _TLQ + ["--hadamard-transform"],
-}
+METHODS: dict[str, list[str]] = {m: f for m, f in METHOD_FLAGS.items() if m != "qWD-rounded"}
 
 NPROC = 4
 DP_RANKS_PER_NODE = 2
