@@ -185,23 +185,6 @@ def is_cached(cache: Path, stamp: dict) -> bool:
         return False
 
 
-def _replace(tmp: Path, cache: Path) -> None:
-    """Put the complete folder ``tmp`` at ``cache``, replacing a folder there whole."""
-    if not cache.exists():
-        tmp.replace(cache)
-        return
-    old = Path(tempfile.mkdtemp(dir=cache.parent, prefix=f".{cache.name}.old-"))
-    try:
-        cache.replace(old / "x")
-        try:
-            tmp.replace(cache)
-        except OSError:
-            (old / "x").replace(cache)  # the previous cache stays
-            raise
-    finally:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def prepare(cache: Path, force: bool = False, workers: int = 1,
             overwrite: bool = False) -> dict[str, Path]:
     """Build (or reuse) the default dataset under ``cache``; return its paths."""
@@ -248,7 +231,9 @@ def prepare(cache: Path, force: bool = False, workers: int = 1,
             raise DataError(f"tools/preprocess_data.py failed with exit status "
                             f"{result.returncode}; {cache} is left as it was")
         t["stamp"].write_text(json.dumps(stamp, indent=1) + "\n")
-        _replace(tmp, cache)
+        from megatron.sdp4bit.training.checkpoint.files import replace_folder
+
+        replace_folder(str(tmp), str(cache))
     except OSError as err:
         raise DataError(f"cannot write --cache-dir {cache} ({err.strerror or err}): free space "
                         "or fix the folder; it is left as it was") from None

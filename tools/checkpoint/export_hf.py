@@ -129,23 +129,6 @@ def _write(folder: str, state: dict, config: dict, model: dict, vocab_file: str 
                        "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}, f, indent=1)
 
 
-def _replace(tmp: str, output: str) -> None:
-    """Put the complete folder ``tmp`` at ``output``, replacing a folder there whole."""
-    if not os.path.isdir(output):
-        os.replace(tmp, output)
-        return
-    old = tempfile.mkdtemp(dir=os.path.dirname(output), prefix=f".{os.path.basename(output)}.old-")
-    try:
-        os.replace(output, os.path.join(old, "x"))
-        try:
-            os.replace(tmp, output)
-        except OSError:
-            os.replace(os.path.join(old, "x"), output)  # put the previous export back
-            raise
-    finally:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def export(load: str, output: str, iteration: int | None = None, vocab_file: str | None = None,
            merge_file: str | None = None, overwrite: bool = False) -> str:
     """Write the Hugging Face model into ``output``; returns its architecture's name."""
@@ -183,7 +166,7 @@ def export(load: str, output: str, iteration: int | None = None, vocab_file: str
         tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(output)}.tmp-")
         os.chmod(tmp, 0o755)
         _write(tmp, state, config, model, vocab_file, merge_file)
-        _replace(tmp, output)
+        files.replace_folder(tmp, output)
     except OSError as err:
         raise ExportError(f"cannot write {output} ({err.strerror or err}): free space or fix "
                           "the folder; nothing was written") from None

@@ -209,14 +209,9 @@ def import_hf(hf: str, save: str, overwrite: bool = False, divisible_by: int = 1
     try:
         _write(args, tensors, vocab, padded, tmp, f"import_hf.py from {os.path.abspath(hf)} "
                f"({name})")
-        if os.path.isdir(save):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(save))}.old-",
-                                   dir=parent)
-            os.replace(save, os.path.join(old, "previous"))
-            os.replace(tmp, save)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, save)
+        from megatron.sdp4bit.training.checkpoint import files
+
+        files.replace_folder(tmp, save)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if divisible_by != 128:

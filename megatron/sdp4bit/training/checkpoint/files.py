@@ -37,6 +37,7 @@ import json
 import os
 import shutil
 import socket
+import tempfile
 from typing import Any
 
 import torch
@@ -130,6 +131,27 @@ def save_file(obj: Any, path: str) -> dict[str, Any]:
                 raise writer.error from None  # the disk's error, named by _atomic
             raise
     return {"sha256": writer.sha256.hexdigest(), "bytes": writer.size}
+
+
+def replace_folder(complete: str, dest: str) -> None:
+    """Put the finished folder ``complete`` at ``dest`` by renames, replacing a folder there
+    whole, never mixing the two: the old one is moved aside first and put back if the
+    second rename fails. Both must be on one file system (``complete`` beside ``dest``). The
+    tools' outputs (an export, an import, the default dataset's cache) end this way."""
+    if not os.path.isdir(dest):
+        os.replace(complete, dest)
+        return
+    aside = tempfile.mkdtemp(dir=os.path.dirname(os.path.abspath(dest)),
+                             prefix=f".{os.path.basename(os.path.abspath(dest))}.old-")
+    try:
+        os.replace(dest, os.path.join(aside, "previous"))
+        try:
+            os.replace(complete, dest)
+        except OSError:
+            os.replace(os.path.join(aside, "previous"), dest)  # the old folder stays
+            raise
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def write_text_atomic(path: str, text: str) -> None:
