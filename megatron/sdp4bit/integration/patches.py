@@ -58,6 +58,7 @@ DECLARED_IN = (
     "megatron.sdp4bit.integration.install",
     "megatron.sdp4bit.integration.cuda_stubs",
     "megatron.sdp4bit.integration.cpu_mode",
+    "megatron.sdp4bit.integration.megatron_lm",
     "megatron.sdp4bit.testing.cuda_dryrun",
     "megatron.sdp4bit.training.checkpoint.torch_dist_format",
 )
@@ -95,6 +96,14 @@ class Replacement:
     applies: Callable[[], bool] | None = None
     """For an entry of some releases only: whether it applies to the installed one (a
     feature test). None: it always applies."""
+    adds: bool = False
+    """:data:`MODULE` only: a name that a newer Python has and this one may lack. Where the
+    owner lacks it, it is added (revert deletes it); where the owner has it, it is left
+    alone. Its ``checked`` fingerprint is ``<absent>``."""
+    scope: str | None = None
+    """None: checked for every caller of the untested-release decision. A name: only for a
+    caller that applies that scope (``megatron_lm``: the Megatron-LM trainer plug-in), so a
+    target that only it replaces never refuses a run that does not use it."""
 
     @property
     def target(self) -> str:
@@ -121,7 +130,8 @@ _ACCEPTED_CHANGES: set[str] = set()
 
 def declare(name: str, owner: str, attribute: str, kind: str, replacement: Any, *, note: str,
             checked: Mapping[str, str], wraps: bool = False, witness: str | None = None,
-            applies: Callable[[], bool] | None = None) -> Replacement:
+            applies: Callable[[], bool] | None = None, adds: bool = False,
+            scope: str | None = None) -> Replacement:
     """Add an entry to the table (at import of a module of :data:`DECLARED_IN`)."""
     if kind not in KINDS:
         raise ValueError(f"replacement {name}: kind {kind!r} is not one of {KINDS}")
@@ -129,8 +139,10 @@ def declare(name: str, owner: str, attribute: str, kind: str, replacement: Any, 
         raise ValueError(f"replacement {name} is declared twice")
     if kind == INSTANCE and ":" not in owner:
         raise ValueError(f"replacement {name}: an instance replacement names its class")
+    if adds and (kind != MODULE or wraps):
+        raise ValueError(f"replacement {name}: only a plain module attribute can be added")
     entry = Replacement(name, owner, attribute, kind, replacement, note, dict(checked), wraps,
-                        witness, applies)
+                        witness, applies, adds, scope)
     _REGISTRY[name] = entry
     return entry
 
@@ -218,6 +230,8 @@ def problem(entry: Replacement, release: str | None = None) -> str | None:
         owner = resolve_owner(entry)
     except ReplacementError as err:
         return str(err)
+    if entry.adds:  # absent: added; present (a newer Python): left alone
+        return None
     if _lookup(owner, entry.attribute) is _MISSING:
         return f"{entry.target} is missing"
     watched = entry.witness or entry.attribute
@@ -333,6 +347,11 @@ def apply(patches: Iterable[Patch | Replacement]) -> Applied:
             if patch.obj is not None:
                 raise ValueError(f"replacement {entry.name} is set on {entry.owner}, not on "
                                  "an object")
+            if entry.adds:
+                if hasattr(owner, entry.attribute):
+                    continue  # the owner has it: nothing to add
+                planned.append((patch, owner, _MISSING, _MISSING))
+                continue
             obj = owner
             original = getattr(owner, entry.attribute)
             # A class's own entry as stored (a staticmethod stays one); an inherited one is
@@ -360,7 +379,7 @@ def applied(patches: Iterable[Patch | Replacement]) -> Iterator[Applied]:
 
 def table() -> list[dict[str, str]]:
     """The table as rows of text (the ``python -m`` listing and the docs)."""
-    return [{"name": e.name, "target": e.target, "kind": e.kind,
+    return [{"name": e.name, "target": e.target, "kind": e.kind + (" (adds)" if e.adds else ""),
              "releases": ", ".join(sorted(e.checked)), "checked": " / ".join(
                  f"{r}: {f}" for r, f in sorted(e.checked.items())), "note": e.note}
             for e in all_replacements()]

@@ -41,15 +41,18 @@ def _warn_once(key: str, message: str) -> None:
 
 
 def check_megatron_core_version(*, allow_untested_version: bool = False,
-                                how_to_allow: str = "pass allow_untested_version=True") -> str:
+                                how_to_allow: str = "pass allow_untested_version=True",
+                                scopes: tuple[str, ...] = ()) -> str:
     """Return the installed release if SDP4Bit may run on it; raise ``RuntimeError`` (one
     line) if not. See [Note: an untested megatron-core release]. ``how_to_allow`` is the
-    override the refusal names (the trainer names its flag)."""
+    override the refusal names (the trainer names its flag). ``scopes``: the scoped entries
+    the caller applies besides the unscoped ones (``("megatron_lm",)`` for the plug-in)."""
     version = megatron_core_version()
     if version in TESTED_MEGATRON_CORE_VERSIONS:
         return version
     old, new = TESTED_MEGATRON_CORE_VERSIONS
-    entries = [e for e in patches.all_replacements() if patches.applies(e)]
+    entries = [e for e in patches.all_replacements()
+               if patches.applies(e) and (e.scope is None or e.scope in scopes)]
     moved = patches.first_problem(entries, version)
     if moved is None:
         _warn_once(version, f"SDP4Bit: warning: megatron-core {version} was never tested (tested: "

@@ -48,6 +48,7 @@ import os
 import sys
 import threading
 import types
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -249,7 +250,7 @@ class _Call:
         raise CudaDryRunError(f"CUDA dry run: {self.op} on {_group_text(self.group)}: {what}")
 
     def device(self, name: str, t: Any) -> None:
-        if not isinstance(t, torch.Tensor):
+        if not isinstance(t, torch.Tensor) or self.group in _GLOO_GROUPS:
             return
         if is_host(t):
             self.fail(f"tensor {_tensor_text(name, t)} is in host memory on a GPU run, and "
@@ -358,16 +359,26 @@ def _exempted(fn: Callable) -> Callable:
     return wrapper
 
 
+# Groups the caller asked gloo for (megatron-core's ``*_GLOO`` groups, Megatron-LM's
+# distributed-optimizer checkpoint gathers): gloo on a GPU run too, so host tensors are right
+# there and NCCL's rules do not apply to them.
+_GLOO_GROUPS: "weakref.WeakSet" = weakref.WeakSet()
+
+
 def _gloo_for_nccl(fn: Callable, position: int) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         args = list(args)
+        asked = args[position] if len(args) > position else kwargs.get("backend")
         if len(args) > position and args[position] in ("nccl", dist.Backend.NCCL):
             args[position] = "gloo"
         if kwargs.get("backend") in ("nccl", dist.Backend.NCCL):
             kwargs["backend"] = "gloo"
         kwargs.pop("pg_options", None)  # NCCL's options mean nothing to gloo
-        return fn(*args, **kwargs)
+        group = fn(*args, **kwargs)
+        if asked in ("gloo", dist.Backend.GLOO) and group is not None:
+            _GLOO_GROUPS.add(group)
+        return group
     return wrapper
 
 

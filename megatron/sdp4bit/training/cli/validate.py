@@ -10,7 +10,7 @@ import re
 from megatron.sdp4bit.training.cli.errors import ArgumentsError
 from megatron.sdp4bit.training.cli.megatron_flags import check_megatron_flags, scheduler_steps
 from megatron.sdp4bit.training.guards import faults
-from megatron.sdp4bit.training.cli.sdp4bit_flags import sdp4bit_config_from_args
+from megatron.sdp4bit.config_flags import sdp4bit_config_from_args
 
 FP32_TINY, FP32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38
 WEEK_SECONDS = 7 * 24 * 3600  # longest timeout accepted: beyond it a hang is never noticed

@@ -1,5 +1,8 @@
 """Command-line flags generated from :class:`SDP4BitConfig`, so each flag lives in one place.
 
+Beside ``config.py`` (no layer): the trainer's parser (``training/cli/arguments.py``) and
+Megatron-LM's, through the plug-in (``integration/megatron_lm.py``), add the same group.
+
 Field ``foo_bar`` becomes ``--foo-bar``; the field's docstring is the flag's help; a ``bool``
 field is a ``store_true`` switch, a ``Literal`` field offers its values as choices and
 ``int | None`` takes an integer (``None`` when absent). The dataclass default is the flag's
