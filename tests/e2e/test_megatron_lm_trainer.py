@@ -17,14 +17,14 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 
 from tests.helpers import launch as _launch_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-pytestmark = [pytest.mark.megatron_lm, pytest.mark.dryrun, pytest.mark.distributed,
-              pytest.mark.slow]
+pytestmark = pytest.mark.megatron_lm
 
 # Megatron-LM's flags for a tiny GPT on mock data; the local layer spec and no fused kernels
 # (no Transformer Engine or Apex here); no dataloader workers (they would see the dry run's
@@ -79,6 +79,9 @@ def _end_line(out: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow  # two 4-rank launches of Megatron-LM's trainer, ~1 min
+@pytest.mark.dryrun
+@pytest.mark.distributed
 def test_megatron_lm_trainer_trains_saves_and_resumes_with_sdp4bit(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     first = _launch([*SDP4BIT_FLAGS, "--save", ckpt, "--save-interval", "2"])
@@ -123,3 +126,56 @@ def test_megatron_lm_trainer_trains_saves_and_resumes_with_sdp4bit(tmp_path):
     # Bit for bit: the replica checksum after iteration 4 is the uninterrupted run's (constant
     # learning rate: iteration 4 updates the weights).
     assert f"checksum {uninterrupted}" in end2, (end, end2)
+
+
+def _refusal(args: list[str]) -> subprocess.CompletedProcess:
+    """One process (Megatron-LM parses and validates before it starts torch.distributed)."""
+    env = dict(os.environ, PYTHONPATH=ROOT, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    script = os.path.join(ROOT, "tests", "helpers", "megatron_lm_gpt.py")
+    return subprocess.run(
+        [sys.executable, "-m", "megatron.sdp4bit.megatron_lm", script, *args],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("change, line", [
+    (["--quantized-weights"], "--quantized-weights requires --use-distributed-optimizer"),
+    (["--use-distributed-optimizer", "--quantized-gradients", "--gq-group-size-intra", "96"],
+     "--gq-group-size-intra=96 and --gq-group-size-inter=128 must divide one another "
+     "(e.g. 128 and 128, or 512 and 128)"),
+], ids=["no-distributed-optimizer", "group-sizes"])
+@pytest.mark.slow  # a process importing Megatron-LM's trainer each, ~20 s
+def test_bad_flags_and_layouts_are_refused_in_one_line_before_anything_runs(change, line):
+    flags = [f for f in MEGATRON_LM_FLAGS if f != "--use-distributed-optimizer"]
+    res = _refusal([*flags, *change])
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-3000:]
+    assert res.stderr.strip().splitlines()[-1] == f"megatron_lm_gpt.py: error: {line}"
+    assert "Traceback" not in res.stderr
+    assert "------------------------ arguments ------------------------" not in res.stdout
+
+
+def test_an_untested_release_with_a_moved_target_is_refused_in_one_line(monkeypatch, capsys):
+    """The plug-in's targets are checked as every entry of the table is: on a release no
+    entry was checked on, a moved one is refused before anything is replaced."""
+    from megatron.sdp4bit import megatron_lm as launcher
+    from megatron.sdp4bit.integration import megatron_lm, patches, version
+
+    with patches.applied([megatron_lm.PYTHON_312]):
+        from megatron.training import training
+
+        monkeypatch.setattr(training, "train_step", lambda forward_step_func, step=None: None)
+    monkeypatch.setattr(version, "megatron_core_version", lambda: "0.20.0")
+    with pytest.raises(SystemExit) as stop:
+        launcher.main(["tests/helpers/megatron_lm_gpt.py"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "megatron_lm: error: SDP4Bit was tested with megatron-core 0.16.1 and 0.19.2 but "
+        "megatron-core 0.20.0 is installed, and megatron.training.training.train_step changed: "
+        "its signature is (forward_step_func, step), checked as (forward_step_func, "
+        "data_iterator, model, optimizer, opt_param_scheduler, config, "
+        "forward_backward_func, iteration, pg_collection, p2p_communicator) on megatron-core "
+        "0.19.2: install megatron-core==0.19.2 (Python >= 3.12) or megatron-core==0.16.1 "
+        "(Python < 3.12), or pass allow_untested_version=True to try this one (then run "
+        "tests/distributed/test_integration_sdp4bit.py against it first)"]
+    assert not megatron_lm.enabled()
+    assert training.train_step.__name__ == "<lambda>"  # nothing was replaced

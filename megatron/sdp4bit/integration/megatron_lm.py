@@ -21,10 +21,11 @@ Checked against megatron-core 0.19.2's ``megatron/training`` (``training.py``,
   with it, before the script's own ``extra_args_provider``; the wrapper adds SDP4Bit's flag
   group (``config_flags.add_sdp4bit_flags``, the trainer's own group; ``--seed`` is
   Megatron-LM's, as in our trainer). None of the group's flags is one of Megatron-LM's.
-* ``arguments.validate_args(args, defaults)``: after Megatron-LM's own checks, the wrapper
-  builds the :class:`SDP4BitConfig` and runs ``check_supported`` on the layout the flags ask
-  for, so a bad value or an unsupported layout stops every rank with one line before
-  anything is built (exit status 2, as argparse).
+* ``arguments.validate_args(args, defaults)``: before Megatron-LM's own checks (which end
+  by printing every argument), the wrapper builds the :class:`SDP4BitConfig` and runs
+  ``check_supported`` on the layout the flags ask for, so a bad value or an unsupported
+  layout stops every rank with one line before anything is built (exit status 2, as
+  argparse).
 * ``training.setup_model_and_optimizer``: builds the DDP chunks (the buckets laid out by
   ``get_model``), the optimizer (``get_megatron_optimizer``, which ``training.py`` imported
   into its namespace) and loads ``--load``. The wrapper runs all of it inside
@@ -84,7 +85,11 @@ import torch
 import torch.distributed as dist
 
 from megatron.sdp4bit.config import SDP4BitConfig
-from megatron.sdp4bit.config_flags import add_sdp4bit_flags, sdp4bit_config_from_args
+from megatron.sdp4bit.config_flags import (
+    add_sdp4bit_flags,
+    in_flag_words,
+    sdp4bit_config_from_args,
+)
 from megatron.sdp4bit.integration import patches
 from megatron.sdp4bit.integration.install import SDP4BitHandle, install_sdp4bit
 from megatron.sdp4bit.integration.padding import sdp4bit_padding
@@ -199,14 +204,17 @@ def setup_of_args(args: Any) -> Setup:
 def _validate_args(original: Callable) -> Callable:
     @functools.wraps(original)
     def validate_args(args, defaults={}):  # noqa: B006 (Megatron-LM's signature)
-        result = original(args, defaults)
+        # First, so that the one line is not lost after Megatron-LM's dump of its arguments.
         try:
             config = sdp4bit_config_from_args(args)
+        except ValueError as err:
+            _refuse(in_flag_words(err))
+        try:
             check_supported(config, setup_of_args(args), command_line=True)
         except ValueError as err:
             _refuse(str(err))
         _RUN.config = config
-        return result
+        return original(args, defaults)
     return validate_args
 
 

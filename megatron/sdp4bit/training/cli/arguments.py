@@ -16,9 +16,9 @@ import argparse
 import os
 from collections.abc import Sequence
 
+from megatron.sdp4bit.config_flags import add_sdp4bit_flags, sdp4bit_config_from_args
 from megatron.sdp4bit.training.cli.errors import ArgumentsError
 from megatron.sdp4bit.training.cli.megatron_flags import NO_OP_FLAGS, add_megatron_flags
-from megatron.sdp4bit.config_flags import add_sdp4bit_flags, sdp4bit_config_from_args
 from megatron.sdp4bit.training.cli.validate import validate_args
 
 __all__ = ["ArgumentsError", "NO_OP_FLAGS", "TOKENIZER_TYPES", "build_parser", "parse_args",
