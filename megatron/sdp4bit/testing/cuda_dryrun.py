@@ -30,7 +30,9 @@ one process behave, as far as Python code can tell, like a rank of a CUDA run:
    tensor, a non-contiguous tensor, mixed dtypes, or sizes that do not fit the group
    (all-gather, reduce-scatter, all-to-all) raise :class:`CudaDryRunError`
    with one line naming the collective, the group and the tensor. Object collectives
-   (``all_gather_object``...) are exempt: torch moves their bytes to the device itself.
+   (``all_gather_object``...) are exempt: torch moves their bytes to the device itself; so
+   are the groups created with ``backend="gloo"`` (megatron-core's ``*_GLOO`` groups), gloo on
+   a GPU run too.
 
 Only :func:`enable_cuda_dryrun` switches it on (``dev/cuda_dryrun.py`` calls it before
 importing the trainer); nothing else imports this module (the replacement table lists its
