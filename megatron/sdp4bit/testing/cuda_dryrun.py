@@ -378,7 +378,8 @@ def _gloo_for_nccl(fn: Callable, position: int) -> Callable:
             kwargs["backend"] = "gloo"
         kwargs.pop("pg_options", None)  # NCCL's options mean nothing to gloo
         group = fn(*args, **kwargs)
-        if asked in ("gloo", dist.Backend.GLOO) and group is not None:
+        # (a rank outside the group gets an int, GroupMember.NON_GROUP_MEMBER)
+        if asked in ("gloo", dist.Backend.GLOO) and isinstance(group, dist.ProcessGroup):
             _GLOO_GROUPS.add(group)
         return group
     return wrapper
