@@ -283,7 +283,8 @@ def _train_step(original: Callable) -> Callable:
         handle = _RUN.handle
         if handle is None:
             return original(*args, **kwargs)
-        handle.set_iteration(kwargs["iteration"])
+        # train() passes it by name; position 7 in the signature checked
+        handle.set_iteration(kwargs["iteration"] if "iteration" in kwargs else args[7])
         out = original(*args, **kwargs)
         step = handle.step_stats()
         for counter in _RUN.totals:
