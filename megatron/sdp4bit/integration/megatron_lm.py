@@ -116,7 +116,7 @@ quantized collectives, and what megatron-core's unquantized ones send (comm/stat
 
 
 @dataclasses.dataclass
-class RunState:
+class PluginRun:
     """What the plug-in knows about the run in this process."""
 
     config: SDP4BitConfig | None = None
@@ -127,11 +127,11 @@ class RunState:
     iterations: int = 0
 
 
-_RUN = RunState()
+_RUN = PluginRun()
 _applied: tuple[patches.Applied, ...] = ()  # the bridge, then the trainer's entries
 
 
-def run_state() -> RunState:
+def run_state() -> PluginRun:
     """The plug-in's state in this process (the model chunks, the handle, the byte totals)."""
     return _RUN
 
