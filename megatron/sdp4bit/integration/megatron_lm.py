@@ -53,7 +53,7 @@ Checked against megatron-core 0.19.2's ``megatron/training`` (``training.py``,
 * ``training.train_step(..., iteration=...)``: the wrapper starts SDP4Bit's iteration
   (``handle.set_iteration``: the rounding streams, ``--gradients-quantization-start-iteration``)
   with the loop's iteration counter, which a resumed run restores from the checkpoint, and
-  adds the iteration's bytes to the returned ``loss_dict`` (the last pipeline stage's, the
+  adds the bytes sent since the previous iteration's line to the returned ``loss_dict`` (the last pipeline stage's, the
   one whose dict has entries), so they appear in Megatron-LM's log line and, when
   ``--tensorboard-dir`` is set, as TensorBoard scalars under ``sdp4bit/``.
 * ``training.train(...)``: when the loop returns, the wrapper prints SDP4Bit's end line,
@@ -123,7 +123,8 @@ class PluginRun:
     """From the parsed flags (None until Megatron-LM validated them)."""
     handle: SDP4BitHandle | None = None
     model: list = dataclasses.field(default_factory=list)
-    totals: dict[str, int] = dataclasses.field(default_factory=dict)
+    counted: dict[str, int] = dataclasses.field(default_factory=dict)
+    """The byte counters when the last log line took its share."""
     iterations: int = 0
 
 
@@ -247,7 +248,7 @@ def _install(model: list, optimizer, config: SDP4BitConfig) -> None:
     except ValueError as err:
         _refuse(str(err))
     _RUN.handle, _RUN.model = handle, list(model)
-    _RUN.totals = {counter: 0 for fields in BYTE_KEYS.values() for counter in fields}
+    _RUN.counted = handle.stats.snapshot()
     if _rank() == 0:
         print(f"SDP4Bit installed on {len(handle.buckets)} bucket(s) of Megatron-LM's "
               f"trainer: {config.describe()}", flush=True)
@@ -286,9 +287,12 @@ def _train_step(original: Callable) -> Callable:
         # train() passes it by name; position 7 in the signature checked
         handle.set_iteration(kwargs["iteration"] if "iteration" in kwargs else args[7])
         out = original(*args, **kwargs)
-        step = handle.step_stats()
-        for counter in _RUN.totals:
-            _RUN.totals[counter] += step[counter]
+        # Since the previous iteration's share, not since set_iteration: a parameter sync that
+        # Megatron-LM forces between iterations (before a save, with --overlap-param-gather)
+        # is counted in the next line rather than in none.
+        now = handle.stats.snapshot()
+        step = {counter: now[counter] - _RUN.counted.get(counter, 0) for counter in now}
+        _RUN.counted = now
         _RUN.iterations += 1
         loss_dict = out[0]
         if loss_dict:  # the last pipeline stage's: training_log adds it to the log line
@@ -344,7 +348,7 @@ def _print_end_line() -> None:
     replicas = _replicas_line()  # collective: every rank
     if _rank() != dist.get_world_size() - 1:  # Megatron-LM's log line is the last rank's
         return
-    state, totals = _RUN.handle.state, _RUN.totals
+    state, totals = _RUN.handle.state, _RUN.handle.stats.snapshot()  # all since install
 
     def ratio(sent: str, baseline: str) -> str:
         total = sum(totals[c] for c in BYTE_KEYS[baseline])
