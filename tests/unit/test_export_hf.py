@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from megatron.sdp4bit.training.checkpoint import hf_mappings
+from megatron.sdp4bit.training.checkpoint import hf as hf_mappings
 
 from tests.helpers.scripts import load_tool
 

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from megatron.sdp4bit.training.checkpoint import hf_mappings
+from megatron.sdp4bit.training.checkpoint import hf as hf_mappings
 from megatron.sdp4bit.training.cli.arguments import ArgumentsError, parse_args
 
 from tests.helpers.scripts import load_tool

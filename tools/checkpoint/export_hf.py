@@ -40,7 +40,7 @@ import warnings
 
 import torch
 
-from megatron.sdp4bit.training.checkpoint.hf_mappings import (
+from megatron.sdp4bit.training.checkpoint.hf import (
     READS, ExportError, hf_config, to_hf, trim_vocab, unstack, with_defaults)
 
 

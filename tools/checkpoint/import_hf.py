@@ -33,7 +33,7 @@ import socket
 import sys
 import tempfile
 
-from megatron.sdp4bit.training.checkpoint.hf_mappings import (
+from megatron.sdp4bit.training.checkpoint.hf import (
     MappingError, from_hf, pad_vocab, trainer_flags)
 
 GPT2_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal masks saved by old transformers
