@@ -3,7 +3,8 @@ and how a later run is compared with it.
 
 :func:`run_settings` is what the trainer records (``manifest.json``'s ``settings``): the
 parallel layout, the model's shape, the data order, the SDP4Bit method, and, not compared,
-the tokenizer's vocabulary size and the megatron-core release. :func:`settings_problem`
+the tokenizer (its vocabulary size, type, files and special ids) and the megatron-core
+release. :func:`settings_problem`
 compares a manifest with this run's settings. Settings added after a manifest was written
 are read with the value every run had before (:data:`LATER_MODEL_DEFAULTS`,
 :data:`LATER_SDP4BIT_SETTINGS`) or left out of the comparison
@@ -44,12 +45,14 @@ LATER_SDP4BIT_SETTINGS = {"weight_difference_target": "main"}
 
 
 def run_settings(args: argparse.Namespace, sdp4bit_config: SDP4BitConfig,
-                 vocab: int, tokenizer_vocab: int | None = None) -> dict:
+                 vocab: int, tokenizer_vocab: int | None = None,
+                 tokenizer: dict | None = None) -> dict:
     """What a checkpoint must agree with to be resumed by this run (recorded in its
     manifest): the parallel layout, the model's shape and the SDP4Bit method; and, not
     compared, the tokenizer's vocabulary size before padding (the HF export cuts the
-    padding rows off with it) and the megatron-core release writing it
-    (``checkpoint.formats.release_problem``)."""
+    padding rows off with it), the tokenizer (``tokenizers.registry.record``: its type,
+    files and special ids, which the HF export ships) and the megatron-core release writing
+    it (``checkpoint.formats.release_problem``)."""
     layout = {"world_size": args.world_size, "tp": args.tensor_model_parallel_size,
               "pp": args.pipeline_model_parallel_size, "dp": args.data_parallel_size,
               "ddp_bucket_size": args.ddp_bucket_size if args.overlap_grad_reduce else None}
@@ -57,6 +60,7 @@ def run_settings(args: argparse.Namespace, sdp4bit_config: SDP4BitConfig,
     model["padded_vocab_size"] = vocab
     return {"layout": layout, "model": model, "data": data_settings(args),
             "sdp4bit": method_settings(sdp4bit_config), "vocab_size": tokenizer_vocab,
+            "tokenizer": tokenizer,
             "megatron_core": megatron_core_version()}  # the release that wrote it
 
 

@@ -166,7 +166,10 @@ def _add_data(p: argparse.ArgumentParser) -> None:
                    "with --mock-data and no vocab")
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
-    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--tokenizer-model", default=None,
+                   help="the tokenizer's model file or, for HuggingFaceTokenizer, its local "
+                   "folder (save_pretrained's output; nothing is downloaded): "
+                   + ", ".join(tokenizer_registry.needing("--tokenizer-model")))
     g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary size")
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
