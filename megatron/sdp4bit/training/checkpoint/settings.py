@@ -1,5 +1,5 @@
 """The manifest's settings contract: what a checkpoint records about the run that wrote it,
-and how a later run is compared with it.
+and how a later run is compared with it (a changed tokenizer counts as changed data).
 
 :func:`run_settings` is what the trainer records (``manifest.json``'s ``settings``): the
 parallel layout, the model's shape, the data order, the SDP4Bit method, and, not compared,
@@ -120,6 +120,24 @@ def saved_model_settings(saved: dict[str, Any], current: dict[str, Any]) -> dict
             **saved.get("model", {})}
 
 
+# What makes a tokenizer another one for the model (not where its files are).
+TOKENIZER_KEYS = ("type", "vocab_size", "eod")
+
+
+def _tokenizer_problem(saved: dict | None, current: dict | None, directory: str) -> str | None:
+    """A changed tokenizer (both manifests record one: an older one does not)."""
+    if not saved or not current:
+        return None
+    diff = [k for k in TOKENIZER_KEYS if saved.get(k) != current.get(k)]
+    if not diff:
+        return None
+    return (f"checkpoint {directory} was trained with tokenizer "
+            f"{describe({k: saved.get(k) for k in diff})}; this run has "
+            f"{describe({k: current.get(k) for k in diff})}: pass the checkpoint's "
+            "--tokenizer-type and tokenizer files, or --allow-changed-data to continue with "
+            "another tokenizer")
+
+
 def settings_problem(saved: dict[str, Any], current: dict[str, Any], directory: str,
                      allow_sdp4bit_change: bool, allow_data_change: bool = False) -> str | None:
     """What forbids resuming a checkpoint whose manifest recorded ``saved`` with this run's
@@ -146,6 +164,9 @@ def settings_problem(saved: dict[str, Any], current: dict[str, Any], directory: 
         return (f"checkpoint {directory} was trained with {describe(was)}; this run has "
                 f"{describe(now)}: resume with the checkpoint's --data-path, --split and "
                 "--seed, or pass --allow-changed-data to continue on other data")
+    problem = _tokenizer_problem(saved.get("tokenizer"), current.get("tokenizer"), directory)
+    if problem is not None and not allow_data_change:
+        return problem
     if "sdp4bit" in saved:
         saved = {**saved, "sdp4bit": {**{k: v for k, v in LATER_SDP4BIT_SETTINGS.items()
                                          if k in current["sdp4bit"]}, **saved["sdp4bit"]}}

@@ -223,7 +223,7 @@ def _add_checkpoint_and_logging(p: argparse.ArgumentParser) -> None:
                    "method mid-run)")
     g.add_argument("--allow-changed-data", action="store_true",
                    help="resume a checkpoint trained on another --data-path blend, --split or "
-                   "--seed (the samples and their order change)")
+                   "--seed (the samples and their order change), or with another tokenizer")
     g.add_argument("--ckpt-step", type=int, default=None,
                    help="load iter_N of --load instead of the iteration its tracker names")
     g.add_argument("--load-without-manifest", action="store_true",
