@@ -102,6 +102,12 @@ def test_where_no_tokenizer_can_be_shipped_none_is_and_one_line_says_why(
         assert (config["eos_token_id"], config["bos_token_id"], config["pad_token_id"]) == (
             tok.eod, tok.bos, tok.pad), kind
     assert config["eos_token_id"] == 2
+    gpt2 = tokenizers["gpt2"]
+    with pytest.raises(export_hf.ExportError) as err:
+        export_hf.export(str(tmp_path / "null"), str(tmp_path / "out2"),
+                         vocab_file=gpt2.vocab_file, merge_file=gpt2.merge_file)
+    assert str(err.value) == ("the checkpoint's run used NullTokenizer, not GPT-2 BPE files: "
+                              "drop --vocab-file and --merge-file (its tokenizer is recorded)")
 
 
 def test_changed_files_and_an_older_manifest_ship_no_tokenizer(tokenizers, tmp_path, capsys):
@@ -121,12 +127,17 @@ def test_changed_files_and_an_older_manifest_ship_no_tokenizer(tokenizers, tmp_p
         f"note: no tokenizer written: the run's GPT2BPETokenizer: its file {moved.vocab_file} "
         "changed since the checkpoint was written\n")
     assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
+    # --vocab-file/--merge-file: where the recorded files are now, not other files
     with pytest.raises(export_hf.ExportError) as err:
-        export_hf.export(str(root), str(tmp_path / "out2"), vocab_file=args.vocab_file,
+        export_hf.export(str(root), str(tmp_path / "out2"), vocab_file=moved.vocab_file,
                          merge_file=args.merge_file)
-    assert str(err.value) == ("the checkpoint records its tokenizer (GPT2BPETokenizer): "
-                              "--vocab-file/--merge-file are for checkpoints of older "
-                              "trainers; drop them")
+    assert str(err.value) == ("--vocab-file/--merge-file are not the files the checkpoint's "
+                              "run used (their SHA-256 differ from its manifest's): drop them "
+                              "to ship the recorded ones")
+    export_hf.export(str(root), str(tmp_path / "out3"), vocab_file=args.vocab_file,
+                     merge_file=args.merge_file)
+    assert capsys.readouterr().err == ""
+    assert "vocab.json" in os.listdir(tmp_path / "out3")
     # An older trainer's manifest: no tokenizer, no ids, unless the GPT-2 files are named.
     out, config, notes = _export(tmp_path / "older", tmp_path, None, capsys)
     assert notes == ["note: the manifest (an older trainer's) does not record the tokenizer: "

@@ -7,7 +7,8 @@ Reads only the model's tensors of the checkpoint the tracker names (in one proce
 torch.distributed), checks them against the manifest's SHA-256, and writes ``HF_DIR`` with
 ``model.safetensors`` and ``config.json`` (fp32), and the tokenizer the run was trained with,
 which the manifest records, with its bos, eos (end-of-document) and pad ids in
-``config.json``; where it cannot (the files changed or are gone, a tokenizer without a
+``config.json`` (``--vocab-file``/``--merge-file``: where its GPT-2 BPE files are now); where
+it cannot (the files changed or are gone, a tokenizer without a
 Hugging Face form, an older trainer's manifest without ``--vocab-file``/``--merge-file``) it
 ships none and says why in one line (checkpoint/hf/tokenizer.py). The architecture follows
 the model flags recorded in the manifest (checkpoint/hf/):
@@ -183,8 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load", required=True, help="the trainer's --save folder")
     p.add_argument("--output", required=True, help="folder for the Hugging Face model")
     p.add_argument("--iteration", type=int, default=None, help="default: the tracker's")
-    p.add_argument("--vocab-file", help="a checkpoint of an older trainer (its manifest records "
-                   "no tokenizer): the run's GPT-2 BPE vocab.json, shipped as the tokenizer")
+    p.add_argument("--vocab-file", help="the run's GPT-2 BPE vocab.json: where the recorded "
+                   "one is now, or for a checkpoint of an older trainer (its manifest records "
+                   "no tokenizer) the file to ship")
     p.add_argument("--merge-file", help="the same run's GPT-2 BPE merges.txt")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a non-empty --output folder (the whole folder)")

@@ -10,6 +10,8 @@ never a tokenizer other than the one the model was trained with.
 
 A manifest of an older trainer records no tokenizer: ``--vocab-file``/``--merge-file``
 name the GPT-2 BPE files such a run used; without them no tokenizer and no ids are written.
+With a recorded GPT-2 tokenizer they say where its files are now (the same files, by
+SHA-256).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 
 from megatron.sdp4bit.training.checkpoint.hf.common import ExportError
 from megatron.sdp4bit.training.tokenizers import registry
-from megatron.sdp4bit.training.tokenizers.base import PROBES, HFTokenizerFiles, Tokenizer
+from megatron.sdp4bit.training.tokenizers.base import PROBES, HFTokenizerFiles, Tokenizer, sha256
 
 
 def _ids(tok: Any) -> dict[str, int | None]:
@@ -39,20 +41,18 @@ def choose(settings: dict, vocab_file: str | None, merge_file: str | None
     shipped or None)."""
     saved = settings.get("tokenizer")
     if vocab_file or merge_file:
-        if saved is not None:
-            raise ExportError(f"the checkpoint records its tokenizer ({saved['type']}): "
-                              "--vocab-file/--merge-file are for checkpoints of older trainers; "
-                              "drop them")
         if not (vocab_file and merge_file):
             raise ExportError("--vocab-file and --merge-file go together (the GPT-2 BPE files "
                               "of the run)")
+        if saved is not None:
+            saved = _moved(saved, vocab_file, merge_file)
         try:
             tok = registry.build_tokenizer(argparse.Namespace(
                 tokenizer_type="GPT2BPETokenizer", vocab_file=vocab_file,
                 merge_file=merge_file))
         except ValueError as err:
             raise ExportError(str(err)) from None
-        return tok, _ids(tok), None
+        return tok, _ids(saved or tok), None
     if saved is None:
         return None, dict(NO_IDS), (
             "the manifest (an older trainer's) does not record the tokenizer: no tokenizer "
@@ -67,6 +67,19 @@ def choose(settings: dict, vocab_file: str | None, merge_file: str | None
         return None, ids, (f"no tokenizer written: the run's {saved['type']} files do not "
                            f"load ({type(err).__name__}: {str(err).splitlines()[0][:160]})")
     return tok, ids, None
+
+
+def _moved(saved: dict, vocab_file: str, merge_file: str) -> dict:
+    """The manifest's GPT-2 record with its files where ``--vocab-file``/``--merge-file``
+    say, when they are the same files; else the refusal."""
+    if saved["type"] != "GPT2BPETokenizer":
+        raise ExportError(f"the checkpoint's run used {saved['type']}, not GPT-2 BPE files: "
+                          "drop --vocab-file and --merge-file (its tokenizer is recorded)")
+    if sorted(map(sha256, (vocab_file, merge_file))) != sorted(saved["sha256"].values()):
+        raise ExportError("--vocab-file/--merge-file are not the files the checkpoint's run "
+                          "used (their SHA-256 differ from its manifest's): drop them to ship "
+                          "the recorded ones")
+    return saved
 
 
 def write(folder: str, tok: Tokenizer, max_length: int) -> str | None:
