@@ -68,7 +68,9 @@ class HuggingFaceTokenizer:
         return self._tok.pad_token_id
 
     def tokenize(self, text: str) -> list[int]:
-        return list(self._tok(text).input_ids)
+        # verbose=False: a document longer than the tokenizer's model_max_length is normal
+        # here (the dataset cuts sequences), not worth transformers' warning
+        return list(self._tok(text, verbose=False).input_ids)
 
     def detokenize(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids))
