@@ -19,8 +19,8 @@ whole gradient buffer in one bucket, as the paper's speed scripts lay it out (no
 
 from __future__ import annotations
 
-import statistics
 import time
+from typing import Callable
 
 import torch
 
@@ -32,6 +32,10 @@ BUCKETS = [("default bucket (40M)", 40_000_000), ("default bucket at DP 128 (128
            ("GPT 1.3B, one bucket (1.41G)", 1_414_463_488)]
 REHEARSAL_BUCKETS = [("rehearsal (16K)", 16384)]
 GOAL = 0.80
+# The references allocate several full-size temporaries (int64 random streams among them):
+# at 1.41G elements they would not fit beside the buffers, and each call takes long.
+TORCH_MAX_NUMEL = 128_000_000
+TORCH_SKIP_REASON = "torch references timed up to 128M elements only (memory, time budget)"
 
 
 def padded(numel: int) -> int:
@@ -44,37 +48,49 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def measure(buckets: list[tuple[str, int]], device: torch.device, backends: list[str],
-            warmup: int, iters: int, log=print) -> dict:
+def measure(buckets: list[tuple[str, int]], device: torch.device, plan: list[tuple[str, int, int]],
+            save: Callable[[dict], None], log=print) -> dict:
     """Rows ``{bucket, numel, op, backend, ms, gb_per_s, vs_copy}`` (``vs_copy``: of the
-    device's copy bandwidth, ``copy_gb_per_s``), and the buckets that did not fit."""
-    rows, skipped, copies = [], [], []
+    device's copy bandwidth, ``copy_gb_per_s``) and the buckets that did not fit, handed to
+    ``save`` after each bucket and backend (so a step cut short keeps what it measured).
+    ``plan``: ``(backend, warmup, iters)``; the first backend also times the copy."""
+    result = dict(copy_gb_per_s=None, rows=[], skipped=[], goal=GOAL)
+    copies = []
     for name, numel in buckets:
         n = padded(numel)
-        for backend in backends:
+        for backend, warmup, iters in plan:
+            if backend == "torch" and numel > TORCH_MAX_NUMEL:
+                result["skipped"].append(dict(bucket=name, backend=backend,
+                                              reason=TORCH_SKIP_REASON))
+                continue
             try:
                 for op, fn, nbytes in build_cases(n, device, backend):
-                    if op.startswith("copy") and backend != backends[0]:
+                    if op.startswith("copy") and backend != plan[0][0]:
                         continue
                     seconds, _, _ = time_op(fn, device, warmup, iters)
                     gbs = nbytes / seconds / 1e9
                     if op.startswith("copy"):
                         copies.append(gbs)
-                    rows.append(dict(bucket=name, numel=n, op=op,
-                                     backend="-" if op.startswith("copy") else backend,
-                                     ms=round(seconds * 1e3, 4), bytes=nbytes,
-                                     gb_per_s=round(gbs, 2)))
-                    log(f"{name:<32} {op:<20} {rows[-1]['backend']:<7} "
+                    result["rows"].append(dict(
+                        bucket=name, numel=n, op=op,
+                        backend="-" if op.startswith("copy") else backend,
+                        ms=round(seconds * 1e3, 4), bytes=nbytes, gb_per_s=round(gbs, 2),
+                        warmup=warmup, iters=iters))
+                    log(f"{name:<32} {op:<20} {result['rows'][-1]['backend']:<7} "
                         f"{seconds * 1e3:10.3f} ms {gbs:9.1f} GB/s")
             except torch.cuda.OutOfMemoryError as err:
-                skipped.append(dict(bucket=name, backend=backend,
-                                    reason=f"out of memory: {str(err).splitlines()[0]}"))
+                result["skipped"].append(dict(
+                    bucket=name, backend=backend,
+                    reason=f"out of memory: {str(err).splitlines()[0]}"))
                 log(f"{name}: {backend} out of memory, skipped")
             _release(device)
-    copy = copies[-1] if copies else None  # the largest buffer's copy
-    for row in rows:
-        row["vs_copy"] = round(row["gb_per_s"] / copy, 4) if copy else None
-    return dict(copy_gb_per_s=copy, rows=rows, skipped=skipped, goal=GOAL)
+            copy = copies[-1] if copies else None  # the largest buffer's copy so far
+            result["copy_gb_per_s"] = copy
+            for row in result["rows"]:
+                row["vs_copy"] = round(row["gb_per_s"] / copy, 4) if copy else None
+            result["worst_triton_vs_copy"] = worst_kernel_fraction(result)
+            save(result)
+    return result
 
 
 def worst_kernel_fraction(result: dict) -> float | None:
@@ -87,18 +103,18 @@ def worst_kernel_fraction(result: dict) -> float | None:
     return min(r["vs_copy"] for r in triton if r["numel"] == largest)
 
 
-def run(rehearse: bool, device: torch.device, log=print) -> dict:
+def run(rehearse: bool, device: torch.device, save: Callable[[dict], None], log=print
+        ) -> dict:
     start = time.perf_counter()
     buckets = REHEARSAL_BUCKETS if rehearse else BUCKETS
-    warmup, iters = (0, 1) if rehearse else (3, 10)
-    result = measure(buckets, device, ["triton", "torch"], warmup, iters, log)
-    result.update(buckets=[dict(name=n, numel=padded(x)) for n, x in buckets],
-                  warmup=warmup, iters=iters, timing="median of the timed calls, "
-                  + ("CUDA events" if device.type == "cuda" else "wall clock"),
-                  worst_triton_vs_copy=worst_kernel_fraction(result),
-                  seconds=round(time.perf_counter() - start, 1))
-    if result["rows"]:
-        result["median_triton_vs_copy"] = statistics.median(
-            r["vs_copy"] for r in result["rows"] if r["backend"] == "triton") \
-            if any(r["backend"] == "triton" for r in result["rows"]) else None
-    return result
+    plan = [("triton", 0, 1), ("torch", 0, 1)] if rehearse else [("triton", 3, 10),
+                                                                  ("torch", 1, 3)]
+    meta = dict(buckets=[dict(name=n, numel=padded(x)) for n, x in buckets],
+                timing="median of the timed calls, "
+                + ("CUDA events" if device.type == "cuda" else "wall clock"))
+
+    def save_with_meta(result: dict) -> None:
+        save({**result, **meta, "seconds": round(time.perf_counter() - start, 1)})
+
+    result = measure(buckets, device, plan, save_with_meta, log)
+    return {**result, **meta}

@@ -103,8 +103,7 @@ def env_step(rehearse: bool, wheels_dir: Path | None) -> dict:
                     memory_gib=round(props.total_memory / 2**30, 1),
                     capability=f"{props.major}.{props.minor}",
                     nvidia_smi=_run(["nvidia-smi", "--query-gpu=name,driver_version,"
-                                     "memory.total,clocks.max.sm,clocks.max.mem",
-                                     "--format=csv,noheader"]))
+                                     "memory.total", "--format=csv,noheader"]))
     else:
         info.update(device=f"CPU ({platform.machine()}), no CUDA device")
     wheels = sorted(wheels_dir.glob("*.whl")) if wheels_dir and wheels_dir.is_dir() else []
@@ -119,16 +118,31 @@ def env_step(rehearse: bool, wheels_dir: Path | None) -> dict:
 
 
 def kernels_step(rehearse: bool, results: Path) -> int:
+    """``tests/helpers/cuda_checks.py`` on the GPU for the five operations at once, one process
+    each (a fresh machine compiles some 70 kernel variants: in parallel they fit the step's
+    budget); in the rehearsal one process runs them all (2 cores). Then ``kernels.json``."""
     from tests.helpers import cuda_checks
 
     device = _device(rehearse).type
-    path = results / "kernels.json"
-    ops = []
-    for op in cuda_checks.CASES:
-        ops.append(cuda_checks.run_op(op, device, tiny=rehearse,
-                                      limit=1 if rehearse else None))
-        path.write_text(json.dumps(dict(device=device, tiny=rehearse, ops=ops), indent=1))
-    return 1 if any(r["failures"] for r in ops) else 0
+    extra = ["--device", "cpu", "--tiny", "--limit", "1"] if rehearse else []
+    groups = [list(cuda_checks.CASES)] if rehearse else [[op] for op in cuda_checks.CASES]
+    procs = [(group, subprocess.Popen(
+        [sys.executable, "-m", "tests.helpers.cuda_checks", *group, "--json",
+         str(results / f"kernels_{group[0]}.json"), *extra], cwd=ROOT)) for group in groups]
+    ops, failed = [], False
+    for group, proc in procs:
+        code = proc.wait()
+        failed |= code != 0
+        part = results / f"kernels_{group[0]}.json"
+        done = json.loads(part.read_text())["ops"] if part.exists() else []
+        part.unlink(missing_ok=True)
+        ops += done
+        ops += [dict(op=op, cases=0, failures=1, seconds=None, failed=[dict(
+            case={}, error=f"the check process exited {code} before this operation's end")])
+            for op in group[len(done):]]
+    (results / "kernels.json").write_text(
+        json.dumps(dict(device=device, tiny=rehearse, ops=ops), indent=1) + "\n")
+    return 1 if failed or any(r["failures"] for r in ops) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.step == "bandwidth":
         from benchmarks import gpu_bandwidth
 
-        save(gpu_bandwidth.run(args.rehearse, _device(args.rehearse)))
+        gpu_bandwidth.run(args.rehearse, _device(args.rehearse), save)
         return 0
     if args.step == "overhead":
         from benchmarks import gpu_overhead

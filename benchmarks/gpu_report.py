@@ -99,11 +99,16 @@ def _kernel_lines(k: dict | None) -> list[str]:
 def _bandwidth_lines(b: dict | None) -> list[str]:
     if not b:
         return ["Not measured (the step failed or ran out of time: see the steps table).", ""]
-    lines = [f"Device copy bandwidth (`dst.copy_(src)`, largest buffer, read + written): "
-             f"**{b['copy_gb_per_s']:.0f} GB/s**. Worst Triton kernel at the largest bucket: "
-             f"**{_pct(b.get('worst_triton_vs_copy'))}** of it (goal >= "
-             f"{_pct(b['goal'])}). Timing: {b['timing']}, {b['warmup']} warm-up and "
-             f"{b['iters']} timed calls.", "",
+    plans = sorted({(r["backend"], r["warmup"], r["iters"]) for r in b["rows"]
+                    if r["backend"] != "-"})
+    copy = b.get("copy_gb_per_s")
+    head = (f"Device copy bandwidth (`dst.copy_(src)` of the largest buffer, bytes read + "
+            f"written): **{copy:.0f} GB/s**. " if copy else "No copy measured. ")
+    head += (f"Worst Triton kernel at the largest bucket: "
+             f"**{_pct(b.get('worst_triton_vs_copy'))}** of it (goal >= {_pct(b['goal'])}). "
+             f"Timing: {b['timing']}; "
+             + "; ".join(f"{p[0]}: {p[1]} warm-up, {p[2]} timed calls" for p in plans) + ".")
+    lines = [head, "",
              "| bucket | operation | Triton ms | Triton GB/s | vs copy | torch ms | torch GB/s "
              "| vs copy | Triton speed-up |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     torch_rows = {(r["bucket"], r["op"]): r for r in b["rows"] if r["backend"] == "torch"}
