@@ -12,7 +12,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 STEP_FILES = ("env", "kernels", "bandwidth", "overhead")
-LOGS = ("gpu_check.log", "baseline_train.log", "gpu_tests.log")
+LOGS = ("gpu_check.log", "baseline_train.log")
 COMMAND = "bash dev/gpu_check.sh"
 
 

@@ -120,6 +120,8 @@ echo "== report" | tee -a "$LOG"
 timeout --kill-after=5 "$REPORT_RESERVE" "$PYTHON" -m benchmarks.gpu_check report \
     --results "$RESULTS" "${WRITE[@]}" 2>&1 | tee -a "$LOG"
 ((PIPESTATUS[0] == 0)) || status=1
+# The report last, so that the end of the output (all a remote call may show) holds it.
+cat "$RESULTS/gpu.md" 2>/dev/null
 echo "== done in $((SECONDS - T0)) s, exit $status: $RESULTS/gpu.md" | tee -a "$LOG"
 if [[ -n "${OUT:-}" && -d "${OUT:-}" ]]; then cp "$LOG" "$OUT/"; fi
 exit $status
