@@ -59,12 +59,11 @@ def _gpu_tests(results: Path) -> dict | None:
                                 ("tests", "failures", "errors", "skipped")})
 
 
-def build(results: Path) -> dict:
-    env = _load(results / "env.json") or {}
-    rehearsal = env.get("rehearsal", True)
+def build(results: Path, rehearsal: bool) -> dict:
     flag = " --rehearse" if rehearsal else ""
     return dict(
-        command=COMMAND + flag, env=env, steps=_steps(results),
+        command=COMMAND + flag, rehearsal=rehearsal, env=_load(results / "env.json") or {},
+        steps=_steps(results),
         kernels=_load(results / "kernels.json"), gpu_tests=_gpu_tests(results),
         bandwidth=_load(results / "bandwidth.json"), overhead=_load(results / "overhead.json"),
         commands={
@@ -149,7 +148,7 @@ def _overhead_lines(o: dict | None) -> list[str]:
 def render(report: dict) -> str:
     env = report["env"]
     lines = ["# GPU check", ""]
-    if env.get("rehearsal", True):
+    if report["rehearsal"]:
         lines += ["**REHEARSAL on CPU** (kernels in Triton's interpreter, tiny sizes, tiny "
                   "model): these figures only show that every step runs; they measure "
                   "nothing.", ""]

@@ -121,7 +121,7 @@ step gpu_tests "$PYTHON" -m pytest -q -p no:cacheprovider tests/gpu/test_trainin
     --junitxml "$RESULTS/gpu_tests.xml"
 echo "== report" | tee -a "$LOG"
 timeout --kill-after=5 "$REPORT_RESERVE" "$PYTHON" -m benchmarks.gpu_check report \
-    --results "$RESULTS" "${WRITE[@]}" 2>&1 | tee -a "$LOG"
+    --results "$RESULTS" "${WRITE[@]}" "${REH[@]}" 2>&1 | tee -a "$LOG"
 ((PIPESTATUS[0] == 0)) || status=1
 # The report last, so that the end of the output (all a remote call may show) holds it.
 cat "$RESULTS/gpu.md" 2>/dev/null
