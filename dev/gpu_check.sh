@@ -39,10 +39,15 @@ if ((REHEARSE)) && ((${#WRITE[@]})); then
     echo "dev/gpu_check.sh: --write-results takes a GPU run's figures, not a rehearsal's" >&2
     exit 2
 fi
+if [[ -n "${GPU_CHECK_SECONDS:-}" && ! "$GPU_CHECK_SECONDS" =~ ^[1-9][0-9]*$ ]]; then
+    echo "dev/gpu_check.sh: GPU_CHECK_SECONDS='$GPU_CHECK_SECONDS' is not a whole number of seconds" >&2
+    exit 2
+fi
 mkdir -p "$RESULTS" || exit 2
 RESULTS="$(cd "$RESULTS" && pwd)"
-rm -f "$RESULTS"/{env,kernels,bandwidth,overhead}.json "$RESULTS"/gpu.{md,json} \
-      "$RESULTS"/steps.tsv "$RESULTS"/gpu_tests.xml "$RESULTS"/*.log
+rm -f "$RESULTS"/{env,kernels,bandwidth,overhead}.json "$RESULTS"/kernels_*.json \
+      "$RESULTS"/gpu.{md,json} "$RESULTS"/steps.tsv "$RESULTS"/gpu_tests.xml \
+      "$RESULTS"/{gpu_check,baseline_train}.log "$RESULTS"/baseline_metrics.jsonl
 LOG="$RESULTS/gpu_check.log"
 export PYTHONUNBUFFERED=1
 TOTAL="${GPU_CHECK_SECONDS:-345}"

@@ -97,6 +97,13 @@ def test_bad_arguments_are_refused_in_one_line(args, message):
     assert done.returncode == 2 and done.stderr.strip() == message and done.stdout == ""
 
 
+def test_a_total_that_is_not_whole_seconds_is_refused():
+    done = _run("--rehearse", env={"GPU_CHECK_SECONDS": "5m"}, timeout=30)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip() == ("dev/gpu_check.sh: GPU_CHECK_SECONDS='5m' is not a whole "
+                                   "number of seconds")
+
+
 def test_without_cuda_the_gpu_steps_refuse_in_one_line(tmp_path, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
