@@ -224,7 +224,7 @@ def checkpoint(tmp_path_factory) -> str:
 
     import torch.distributed.checkpoint as dcp
 
-    from megatron.sdp4bit.training.checkpoint import files, torch_dist_format
+    from megatron.sdp4bit.training.checkpoint import files, integrity
 
     root = tmp_path_factory.mktemp("ckpt")
     directory = files.iteration_dir(str(root), 2)
@@ -232,7 +232,7 @@ def checkpoint(tmp_path_factory) -> str:
              no_dist=True)
     with open(os.path.join(directory, "metadata.json"), "w") as f:
         json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
-    entries = {n: torch_dist_format.file_hash(os.path.join(directory, n))
+    entries = {n: integrity.file_hash(os.path.join(directory, n))
                for n in sorted(os.listdir(directory))}
     files.write_manifest(directory, 2, entries, {"model": BIGGER, "vocab_size": BIGGER["padded_vocab_size"]})
     files.write_tracker(str(root), 2)
