@@ -11,6 +11,7 @@ import torch
 
 from megatron.sdp4bit.training.checkpoint import hf as hf_arch
 
+from tests.helpers.full_disk import full_disk
 from tests.helpers.scripts import load_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -225,7 +226,7 @@ def checkpoint(tmp_path_factory) -> str:
 
     import torch.distributed.checkpoint as dcp
 
-    from megatron.sdp4bit.training.checkpoint import files, torch_dist_format
+    from megatron.sdp4bit.training.checkpoint import files, integrity
 
     root = tmp_path_factory.mktemp("ckpt")
     directory = files.iteration_dir(str(root), 2)
@@ -233,7 +234,7 @@ def checkpoint(tmp_path_factory) -> str:
              no_dist=True)
     with open(os.path.join(directory, "metadata.json"), "w") as f:
         json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
-    entries = {n: torch_dist_format.file_hash(os.path.join(directory, n))
+    entries = {n: integrity.file_hash(os.path.join(directory, n))
                for n in sorted(os.listdir(directory))}
     files.write_manifest(directory, 2, entries, {"model": BIGGER, "vocab_size": BIGGER["padded_vocab_size"]})
     files.write_tracker(str(root), 2)
@@ -267,7 +268,6 @@ def test_an_output_folder_is_replaced_whole_or_not_at_all(checkpoint, tmp_path):
 
 def test_a_missing_file_and_a_full_disk_are_one_line_and_leave_nothing(checkpoint, tmp_path):
     import shutil
-    import subprocess
 
     damaged = tmp_path / "damaged"
     shutil.copytree(checkpoint, damaged)
@@ -277,16 +277,9 @@ def test_a_missing_file_and_a_full_disk_are_one_line_and_leave_nothing(checkpoin
     assert (res.returncode, res.stdout, res.stderr) == (2, "", (
         f"export_hf.py: error: checkpoint file {missing} is missing: the checkpoint is "
         "incomplete; export an earlier checkpoint\n"))
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small file system needs root")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], check=True)
-    try:
+    with full_disk(tmp_path, kib=64) as disk:
         res = _run("--load", checkpoint, "--output", str(disk / "hf"))
         assert (res.returncode, res.stderr) == (2, (
             f"export_hf.py: error: cannot write {disk / 'hf'} (No space left on device): free "
             "space or fix the folder; nothing was written\n"))
         assert os.listdir(disk) == []
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=True)
