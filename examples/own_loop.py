@@ -80,7 +80,7 @@ def forward_step(batch_iterator, model):
 
 
 for iteration in range(1, args.iterations + 1):
-    handle.set_iteration(iteration)  # SDP4Bit: seeds its rounding; resets handle.step_stats
+    handle.set_iteration(iteration)  # SDP4Bit: every iteration: seeds, handle.step_stats
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
     samples = args.micro_batch_size * args.micro_batches  # this rank's share of the batch
