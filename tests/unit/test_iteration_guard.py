@@ -46,3 +46,22 @@ def test_set_iteration_opens_and_the_step_closes(gradients):
         step()  # a second step in iteration 3
     assert str(err.value) == ("SDP4Bit: an optimizer step came after iteration 3's optimizer "
                               f"step without a new handle.set_iteration(...): {FIX}")
+
+
+def test_a_chain_of_optimizers_steps_once_per_iteration():
+    """A chained optimizer's step copies once per distributed optimizer: the first copy
+    checks, the last closes the iteration."""
+    state = _state()
+    step = _step_check(state, gradients=True, optimizers=2)
+    for iteration in (1, 2):
+        _open(state, iteration)
+        state.grad_syncs_since_step += 1
+        step()
+        assert state.iteration_open  # the second optimizer of the same step still to copy
+        step()
+        assert not state.iteration_open and state.grad_syncs_since_step == 0
+    with pytest.raises(RuntimeError, match="an optimizer step came after iteration 2's"):
+        step()
+    _open(state, 3)  # an iteration whose gradients were never reduced
+    with pytest.raises(RuntimeError, match="found no gradient reduce-scatter"):
+        step()

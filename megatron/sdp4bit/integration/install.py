@@ -182,23 +182,30 @@ def _check_gradients_are_reduced(model_chunks) -> None:
                 "megatron.core.distributed.finalize_model_grads before install_sdp4bit")
 
 
-def _step_check(state: RunState, *, gradients: bool):
+def _step_check(state: RunState, *, gradients: bool, optimizers: int = 1):
     """The checks every optimizer step runs before its copy ([Note: an iteration without
     set_iteration]; with quantized ``gradients``, [Note: a loop that never reduces its
-    gradients]); the step closes the iteration."""
+    gradients]). A step of a chain of ``optimizers`` copies once per optimizer: the first
+    copy checks, the last closes the iteration."""
+    copies = 0
 
     def check_step() -> None:
-        state.require_iteration("an optimizer step")
-        state.iteration_open = False
-        if gradients and state.grad_syncs_since_step == 0:
-            raise RuntimeError(
-                f"SDP4Bit: an optimizer step at iteration {state.iteration} found no gradient "
-                "reduce-scatter since the previous step: its gradients were never reduced "
-                "across data-parallel ranks. megatron-core's schedule reduces them through "
-                "config.finalize_model_grads_func (set it to "
-                "megatron.core.distributed.finalize_model_grads); a loop without the schedule "
-                "calls ddp.finish_grad_sync() before optimizer.step()")
-        state.grad_syncs_since_step = 0
+        nonlocal copies
+        if copies == 0:
+            state.require_iteration("an optimizer step")
+            if gradients and state.grad_syncs_since_step == 0:
+                raise RuntimeError(
+                    f"SDP4Bit: an optimizer step at iteration {state.iteration} found no "
+                    "gradient reduce-scatter since the previous step: its gradients were never "
+                    "reduced across data-parallel ranks. megatron-core's schedule reduces them "
+                    "through config.finalize_model_grads_func (set it to "
+                    "megatron.core.distributed.finalize_model_grads); a loop without the "
+                    "schedule calls ddp.finish_grad_sync() before optimizer.step()")
+        copies += 1
+        if copies == optimizers:
+            copies = 0
+            state.iteration_open = False
+            state.grad_syncs_since_step = 0
 
     return check_step
 
@@ -265,7 +272,8 @@ def install_sdp4bit(model_chunks, optimizer, config: SDP4BitConfig, *,
                     for opt in optimizers]
     # Every step's copy: qWD leaves it to the all-gather; the step checks that its iteration
     # called set_iteration and, with quantized gradients, that they were reduced.
-    check = _step_check(state, gradients=config.quantized_gradients)
+    check = _step_check(state, gradients=config.quantized_gradients,
+                        optimizers=len(optimizers))
     planned += [COPY_MAIN_PARAMS.on(opt, qwd=config.quantized_weights, check_step=check)
                 for opt in optimizers]
     applied = patches.apply(planned)
