@@ -9,7 +9,7 @@
 # Runs as it is on a machine with CUDA torch and triton but no package registry: the wheels
 # it needs (megatron-core) come from --wheels [dev/gpu_wheels], filled beforehand by
 # `bash dev/gpu_wheels.sh fetch`. Each step runs in its own process under its own time
-# budget (`timeout`), all of them inside GPU_CHECK_SECONDS [345] in total, and writes its
+# budget (`timeout`), all of them inside GPU_CHECK_SECONDS [330] in total, and writes its
 # results before the next starts; the report comes last whatever failed. Exit status:
 # 0 when every step passed. --rehearse runs every step on this CPU machine (the kernels in
 # Triton's interpreter, tiny sizes, a tiny model) with this interpreter's packages.
@@ -50,7 +50,7 @@ rm -f "$RESULTS"/{env,kernels,bandwidth,overhead}.json "$RESULTS"/kernels_*.json
       "$RESULTS"/{gpu_check,baseline_train}.log "$RESULTS"/baseline_metrics.jsonl
 LOG="$RESULTS/gpu_check.log"
 export PYTHONUNBUFFERED=1
-TOTAL="${GPU_CHECK_SECONDS:-345}"
+TOTAL="${GPU_CHECK_SECONDS:-330}"
 REPORT_RESERVE=15
 T0=$SECONDS
 status=0
