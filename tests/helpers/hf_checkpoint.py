@@ -38,14 +38,14 @@ def write_gpt2_checkpoint(root: Path, model: dict, iteration: int = 2,
     padded vocabulary as the tokenizer's size, updated with ``settings``. Returns ``root``."""
     import torch.distributed.checkpoint as dcp
 
-    from megatron.sdp4bit.training.checkpoint import files, torch_dist_format
+    from megatron.sdp4bit.training.checkpoint import files, integrity
 
     directory = files.iteration_dir(str(root), iteration)
     dcp.save(gpt2_tensors(model), storage_writer=dcp.FileSystemWriter(directory),
              no_dist=True)
     with open(os.path.join(directory, "metadata.json"), "w") as f:
         json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
-    entries = {n: torch_dist_format.file_hash(os.path.join(directory, n))
+    entries = {n: integrity.file_hash(os.path.join(directory, n))
                for n in sorted(os.listdir(directory))}
     files.write_manifest(directory, iteration, entries, {
         "model": model, "vocab_size": model["padded_vocab_size"], **(settings or {})})

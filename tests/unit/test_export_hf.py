@@ -11,6 +11,7 @@ import torch
 
 from megatron.sdp4bit.training.checkpoint import hf as hf_arch
 
+from tests.helpers.full_disk import full_disk
 from tests.helpers.hf_checkpoint import write_gpt2_checkpoint
 from tests.helpers.scripts import load_tool
 
@@ -230,7 +231,6 @@ def test_an_output_folder_is_replaced_whole_or_not_at_all(checkpoint, tmp_path):
 
 def test_a_missing_file_and_a_full_disk_are_one_line_and_leave_nothing(checkpoint, tmp_path):
     import shutil
-    import subprocess
 
     damaged = tmp_path / "damaged"
     shutil.copytree(checkpoint, damaged)
@@ -240,16 +240,9 @@ def test_a_missing_file_and_a_full_disk_are_one_line_and_leave_nothing(checkpoin
     assert (res.returncode, res.stdout, res.stderr) == (2, "", (
         f"export_hf.py: error: checkpoint file {missing} is missing: the checkpoint is "
         "incomplete; export an earlier checkpoint\n"))
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small file system needs root")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], check=True)
-    try:
+    with full_disk(tmp_path, kib=64) as disk:
         res = _run("--load", checkpoint, "--output", str(disk / "hf"))
         assert (res.returncode, res.stderr) == (2, (
             f"export_hf.py: error: cannot write {disk / 'hf'} (No space left on device): free "
             "space or fix the folder; nothing was written\n"))
         assert os.listdir(disk) == []
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=True)

@@ -88,7 +88,7 @@ def read_model_tensors(directory: str) -> dict[str, torch.Tensor]:
 
 
 def _verify(directory: str) -> None:
-    from megatron.sdp4bit.training.checkpoint import files, torch_dist_format
+    from megatron.sdp4bit.training.checkpoint import files, integrity
 
     manifest = files.read_manifest(directory)
     if manifest is None:
@@ -97,7 +97,7 @@ def _verify(directory: str) -> None:
         if not os.path.isfile(os.path.join(directory, name)):
             raise ExportError(f"checkpoint file {os.path.join(directory, name)} is missing: the "
                               "checkpoint is incomplete; export an earlier checkpoint")
-        if torch_dist_format.file_hash(os.path.join(directory, name)) != entry:
+        if integrity.file_hash(os.path.join(directory, name)) != entry:
             raise ExportError(f"checkpoint file {os.path.join(directory, name)} does not match "
                               "its manifest: it is damaged; export an earlier checkpoint")
 
@@ -130,6 +130,7 @@ def _write(folder: str, state: dict, config: dict) -> None:
 def export(load: str, output: str, iteration: int | None = None, vocab_file: str | None = None,
            merge_file: str | None = None, overwrite: bool = False) -> str:
     """Write the Hugging Face model into ``output``; returns its architecture's name."""
+    from megatron.sdp4bit.atomic_files import replace_folder
     from megatron.sdp4bit.training.checkpoint import files
 
     output = os.path.abspath(output)
@@ -167,7 +168,7 @@ def export(load: str, output: str, iteration: int | None = None, vocab_file: str
         _write(tmp, state, config)
         if tokenizer is not None:
             no_tokenizer = hf_tokenizer.write(tmp, tokenizer, model["max_position_embeddings"])
-        files.replace_folder(tmp, output)
+        replace_folder(tmp, output)
     except OSError as err:
         raise ExportError(f"cannot write {output} ({err.strerror or err}): free space or fix "
                           "the folder; nothing was written") from None

@@ -230,9 +230,9 @@ def import_hf(hf: str, save: str, overwrite: bool = False, divisible_by: int = 1
     try:
         _write(args, tensors, vocab, padded, tmp, f"import_hf.py from {os.path.abspath(hf)} "
                f"({name})", tokenizer)
-        from megatron.sdp4bit.training.checkpoint import files
+        from megatron.sdp4bit.atomic_files import replace_folder
 
-        files.replace_folder(tmp, save)
+        replace_folder(tmp, save)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if divisible_by != 128:

@@ -39,7 +39,9 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 )
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
-from megatron.sdp4bit.training.checkpoint import common, files, torch_dist_format
+from megatron.sdp4bit import atomic_files
+from megatron.sdp4bit.integration.dist_checkpointing import in_process_writer
+from megatron.sdp4bit.training.checkpoint import common, files, integrity, torch_dist_format
 from megatron.sdp4bit.training.checkpoint import settings as settings_contract
 from megatron.sdp4bit.training.checkpoint.files import CheckpointError
 
@@ -135,7 +137,7 @@ def load_weights(directory: str, manifest: dict[str, Any] | None, model_chunks, 
     if manifest is not None:
         problem = model_settings_problem(manifest["settings"], settings, directory)
         if problem is None:
-            problem = torch_dist_format.verify_files(directory, manifest)
+            problem = integrity.verify_files(directory, manifest)
         if problem is not None:
             raise CheckpointError(problem)
     state = _chunk_state(model_chunks)
@@ -173,16 +175,16 @@ def save_weights(root: str, model_chunks, settings: dict[str, Any]) -> str:
     dist.barrier()
     state = _chunk_state(model_chunks)
     state.update(iteration=0, checkpoint_version=3.0)
-    with torch_dist_format.in_process_writer() as strategy:
+    with in_process_writer() as strategy:
         dist_checkpointing.save(state, partial, sharded_strategy=strategy,
                                 validate_access_integrity=True)
     dist.barrier()
-    entries = torch_dist_format.hash_shares(partial, torch_dist_format.shared_listing(partial))
+    entries = integrity.hash_shares(partial, integrity.shared_listing(partial))
     if dist.get_rank() == 0:
         files.write_manifest(partial, 0, entries, {**settings, "contents": MODEL_ONLY,
                                                    "ckpt_format": torch_dist_format.FORMAT_NAME})
         os.replace(partial, final)
-        files.fsync_dir(root)
+        atomic_files.fsync_dir(root)
         files.write_tracker(root, 0)
     dist.barrier()
     return final

@@ -230,7 +230,7 @@ def _check_data(args: argparse.Namespace) -> None:
     if args.mock_data:
         for dest, value in spec.mock_defaults.items():
             if getattr(args, dest) is None:
-                setattr(args, dest, value)
+                vars(args)[dest] = value  # an argparse namespace, not a replaced attribute
     problem = spec.missing(args)
     if problem:
         _fail(problem)
