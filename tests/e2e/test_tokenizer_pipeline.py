@@ -52,6 +52,9 @@ def test_a_huggingface_tokenizer_is_preprocessed_trained_with_and_exported(tmp_p
         "--save", str(save), "--save-interval", "3"], nproc=2)
     assert [m["iteration"] for m in train_lines(res.stdout)] == [1, 2, 3]
     manifest = json.loads((save / "iter_0000003" / "manifest.json").read_text())
+    # Megatron-LM's padding of the tokenizer's vocabulary: a multiple of 128 rows
+    assert (manifest["settings"]["vocab_size"], manifest["settings"]["model"][
+        "padded_vocab_size"]) == (len(tok), -(-len(tok) // 128) * 128)
     saved = manifest["settings"]["tokenizer"]
     assert (saved["type"], saved["args"], saved["vocab_size"], saved["eod"], saved["bos"],
             saved["pad"]) == ("HuggingFaceTokenizer", {"tokenizer_model": folder}, len(tok),
