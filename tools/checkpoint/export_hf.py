@@ -6,7 +6,7 @@
 Reads only the model's tensors of the checkpoint the tracker names (in one process, no
 torch.distributed), checks them against the manifest's SHA-256, and writes ``HF_DIR`` with
 ``model.safetensors`` and ``config.json`` (fp32) and, given GPT-2 BPE files, the tokenizer.
-The architecture follows the model flags recorded in the manifest (hf_mappings.py):
+The architecture follows the model flags recorded in the manifest (checkpoint/hf/):
 
 * the default (learned absolute positions, LayerNorm, GeLU, biases, tied embeddings) is a
   ``GPT2LMHeadModel`` (``activation_function`` ``gelu``, or ``gelu_new`` with
@@ -40,7 +40,7 @@ import warnings
 
 import torch
 
-from megatron.sdp4bit.training.checkpoint.hf_mappings import (
+from megatron.sdp4bit.training.checkpoint.hf import (
     READS, ExportError, hf_config, to_hf, trim_vocab, unstack, with_defaults)
 
 
@@ -157,7 +157,7 @@ def export(load: str, output: str, iteration: int | None = None, vocab_file: str
               "tokenizer's vocabulary size: the model keeps the padded "
               f"{model['padded_vocab_size']} rows", file=sys.stderr)
     tensors = unstack(read_model_tensors(directory), model)
-    if vocab is not None:  # the padding rows go: the import's rule backwards (hf_mappings)
+    if vocab is not None:  # the padding rows go: the import's rule backwards (hf/tensors.py)
         tensors = trim_vocab(tensors, vocab)
     state = to_hf(name, tensors, model)
     parent = os.path.dirname(output)

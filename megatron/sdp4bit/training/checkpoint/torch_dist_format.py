@@ -42,6 +42,7 @@ from megatron.sdp4bit.integration.dist_checkpointing import (
     tolerate_missing_step,
 )
 from megatron.sdp4bit.training.checkpoint import common, files, integrity
+from megatron.sdp4bit.training.checkpoint import settings as settings_contract
 from megatron.sdp4bit.training.checkpoint.files import CheckpointError
 from megatron.sdp4bit.training.guards import faults
 
@@ -148,8 +149,8 @@ def settings_problem(saved: dict[str, Any], current: dict[str, Any], directory: 
     # dp_reshardable keeps the optimizer's buckets: with bucketing on, their size must stay.
     strip = lambda s: {**s, "layout": {k: v for k, v in s.get("layout", {}).items()  # noqa: E731
                                        if k not in free}}
-    problem = common.settings_problem(strip(saved), strip(current), directory,
-                                         allow_sdp4bit_change, allow_data_change)
+    problem = settings_contract.settings_problem(strip(saved), strip(current), directory,
+                                                    allow_sdp4bit_change, allow_data_change)
     if problem is not None and sharding == "dp_reshardable" and (
             saved.get("layout", {}).get("tp") != current["layout"]["tp"]
             or saved.get("layout", {}).get("pp") != current["layout"]["pp"]):

@@ -42,6 +42,7 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShard
 from megatron.sdp4bit import atomic_files
 from megatron.sdp4bit.integration.dist_checkpointing import in_process_writer
 from megatron.sdp4bit.training.checkpoint import common, files, integrity, torch_dist_format
+from megatron.sdp4bit.training.checkpoint import settings as settings_contract
 from megatron.sdp4bit.training.checkpoint.files import CheckpointError
 
 # settings["contents"] of a checkpoint that holds the model's weights and nothing else.
@@ -103,18 +104,18 @@ def shape_problem(directory: str, state: dict[str, Any]) -> str | None:
 def model_settings_problem(saved: dict[str, Any], current: dict[str, Any],
                            directory: str) -> str | None:
     """The manifest's model settings against this run's, the dtype left out."""
-    old = {k: v for k, v in common.saved_model_settings(saved, current).items()
+    old = {k: v for k, v in settings_contract.saved_model_settings(saved, current).items()
            if k not in FREE_MODEL_SETTINGS}
     new = {k: v for k, v in current["model"].items() if k not in FREE_MODEL_SETTINGS}
-    for k in common.LATER_MODEL_SETTINGS:  # an older manifest lacks them: not compared
+    for k in settings_contract.LATER_MODEL_SETTINGS:  # an older manifest lacks them: not compared
         if k not in old:
             new.pop(k, None)
     diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
     if not diff:
         return None
     return (f"checkpoint {directory} was saved with model "
-            f"{common.describe({k: old.get(k) for k in diff})}; this run has "
-            f"{common.describe({k: new.get(k) for k in diff})}: pass the checkpoint's model "
+            f"{settings_contract.describe({k: old.get(k) for k in diff})}; this run has "
+            f"{settings_contract.describe({k: new.get(k) for k in diff})}: pass the checkpoint's model "
             "flags")
 
 
