@@ -11,12 +11,16 @@ the config; GPT-2's tanh GeLU ``gelu_new``, transformers' default, becomes
 model's weights (fp32) with this trainer's manifest, which records the model settings: a run
 whose model flags differ is refused naming them. Start training from it with ``--finetune --load
 CKPT_DIR`` or ``--pretrained-checkpoint CKPT_DIR``. The last line printed is the
-``pretrain_gpt.py`` model flags of the checkpoint.
+``pretrain_gpt.py`` model flags of the checkpoint. The folder's tokenizer (its tokenizer
+files, read offline by transformers) is recorded in the manifest as the
+``--tokenizer-type HuggingFaceTokenizer --tokenizer-model HF_DIR`` it is, with its files'
+SHA-256, and those two flags end the printed line; a folder without one is noted in one
+line.
 
-The tensors go through the export's mapping backwards (megatron/sdp4bit/training/checkpoint/
-hf_mappings.py). The vocabulary is padded as Megatron-LM pads it, with zero rows up to a
-multiple of ``--make-vocab-size-divisible-by`` x ``--tensor-model-parallel-size``; the export
-cuts them off again. Any other architecture, or a setting that does not map (a GPT-2
+The tensors go through the export's mapping backwards (the architecture's entry in
+megatron/sdp4bit/training/checkpoint/hf/registry.py). The vocabulary is padded as
+Megatron-LM pads it, with zero rows up to a multiple of ``--make-vocab-size-divisible-by``
+x ``--tensor-model-parallel-size``; the export cuts them off again. Any other architecture, or a setting that does not map (a GPT-2
 activation other than GeLU or its tanh approximation, RoPE scaling, biases in a Llama, ...),
 is refused in one line naming it. The checkpoint is written into a temporary folder beside
 ``CKPT_DIR`` and renamed at the end; a non-empty ``CKPT_DIR`` is refused unless
@@ -33,10 +37,8 @@ import socket
 import sys
 import tempfile
 
-from megatron.sdp4bit.training.checkpoint.hf_mappings import (
-    MappingError, from_hf, pad_vocab, trainer_flags)
-
-GPT2_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal masks saved by old transformers
+from megatron.sdp4bit.training.checkpoint.hf import (
+    REGISTRY, Architecture, MappingError, from_hf, pad_vocab, trainer_flags)
 
 
 def _read_tensors(hf: str) -> dict:
@@ -68,23 +70,40 @@ def _read_tensors(hf: str) -> dict:
                        "sharded .index.json forms)")
 
 
-def _normalized(name: str, tensors: dict, tied: bool, embedding: str) -> dict:
-    """The weight names as ``save_pretrained`` of the architecture writes them: GPT-2's
-    ``transformer.`` prefix (missing in some older files), no saved causal masks or RoPE
-    frequency buffers, and no output layer when it is the tied embedding."""
-    out = dict(tensors)
-    if name == "GPT2LMHeadModel":
-        if not any(k.startswith("transformer.") for k in out):
-            out = {(k if k.startswith("lm_head.") else "transformer." + k): v
-                   for k, v in out.items()}
-        out = {k: v for k, v in out.items() if not k.endswith(GPT2_BUFFERS)}
+def _normalized(arch: Architecture, tensors: dict, tied: bool) -> dict:
+    """The weight names as ``save_pretrained`` of the architecture writes them (its own
+    rules, then: no RoPE frequency buffers, and no output layer when it is the tied
+    embedding)."""
+    out = arch.normalize(tensors)
     out = {k: v for k, v in out.items() if not k.endswith("rotary_emb.inv_freq")}
     if tied and "lm_head.weight" in out:
-        if embedding in out and not bool((out["lm_head.weight"] == out[embedding]).all()):
+        if arch.embedding in out and not bool((out["lm_head.weight"] == out[arch.embedding]).all()):
             raise MappingError("config.json ties the output layer to the embedding, but "
                                "lm_head.weight differs from it")
         del out["lm_head.weight"]
     return out
+
+
+def _source_tokenizer(hf: str, vocab: int) -> tuple[dict | None, str | None]:
+    """(the manifest's record of the folder's tokenizer, as ``--tokenizer-type
+    HuggingFaceTokenizer --tokenizer-model HF`` builds it; or None and why)."""
+    import argparse
+
+    from megatron.sdp4bit.training.tokenizers import registry
+    from megatron.sdp4bit.training.tokenizers.huggingface import tokenizer_files
+
+    if not tokenizer_files(hf):
+        return None, (f"--hf {hf} holds no tokenizer files: none recorded (the export will "
+                      "ship none)")
+    args = argparse.Namespace(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=hf)
+    try:
+        tok = registry.build_tokenizer(args)
+    except ValueError as err:
+        return None, f"the tokenizer is not recorded: {err}"
+    if tok.vocab_size > vocab:
+        return None, (f"the tokenizer is not recorded: it has {tok.vocab_size} tokens, more "
+                      f"than config.json's vocab_size {vocab}")
+    return registry.record(args, tok), None
 
 
 def _parse_trainer_flags(flags: list[str]):
@@ -137,11 +156,13 @@ def _fill(model, tensors: dict) -> None:
         model.load_state_dict({n: tensors[k] for n, k in names.items()}, strict=False)
 
 
-def _write(args, tensors: dict, vocab: int, padded: int, partial: str, source: str) -> None:
+def _write(args, tensors: dict, vocab: int, padded: int, partial: str, source: str,
+           tokenizer: dict | None) -> None:
     """Build the trainer's GPTModel (fp32, one process), load the tensors, save them."""
     from megatron.sdp4bit.config import SDP4BitConfig
     from megatron.sdp4bit.training import build
     from megatron.sdp4bit.training.checkpoint import weights_only
+    from megatron.sdp4bit.training.checkpoint.settings import run_settings
     from megatron.sdp4bit.training.model import build_model, transformer_config_from_args
 
     with socket.socket() as s:
@@ -153,9 +174,9 @@ def _write(args, tensors: dict, vocab: int, padded: int, partial: str, source: s
     try:
         model = build_model(args, transformer_config_from_args(args), padded)
         _fill(model, tensors)
-        settings = build.run_settings(args, SDP4BitConfig(), padded, vocab)
+        settings = run_settings(args, SDP4BitConfig(), padded, vocab)
         settings = {"model": settings["model"], "layout": settings["layout"],
-                    "vocab_size": vocab, "source": source}
+                    "vocab_size": vocab, "source": source, "tokenizer": tokenizer}
         weights_only.save_weights(partial, [model], settings)
     finally:
         build.teardown()
@@ -186,15 +207,15 @@ def import_hf(hf: str, save: str, overwrite: bool = False, divisible_by: int = 1
                            f"config ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
                            ) from None
     name, flags, vocab = trainer_flags(config)
+    tokenizer, note = _source_tokenizer(hf, vocab)
     padded = padded_vocab_size(vocab, divisible_by, tp)
     args = _parse_trainer_flags(flags)
     model = {k: getattr(args, k) for k in (
         "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels",
         "group_query_attention", "num_query_groups", "untie_embeddings_and_output_weights")}
-    embedding = ("transformer.wte.weight" if name == "GPT2LMHeadModel"
-                 else "model.embed_tokens.weight")
-    tensors = _normalized(name, _read_tensors(hf), not model["untie_embeddings_and_output_weights"],
-                          embedding)
+    arch = REGISTRY[name]
+    embedding = arch.embedding
+    tensors = _normalized(arch, _read_tensors(hf), not model["untie_embeddings_and_output_weights"])
     rows = tensors[embedding].shape[0] if embedding in tensors else vocab
     if rows != vocab:
         raise MappingError(f"{embedding} has {rows} rows, config.json's vocab_size is {vocab}")
@@ -208,16 +229,21 @@ def import_hf(hf: str, save: str, overwrite: bool = False, divisible_by: int = 1
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's folder is private; a checkpoint is not
     try:
         _write(args, tensors, vocab, padded, tmp, f"import_hf.py from {os.path.abspath(hf)} "
-               f"({name})")
-        from megatron.sdp4bit.training.checkpoint import files
+               f"({name})", tokenizer)
+        from megatron.sdp4bit.atomic_files import replace_folder
 
-        files.replace_folder(tmp, save)
+        replace_folder(tmp, save)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if divisible_by != 128:
         flags += ["--make-vocab-size-divisible-by", str(divisible_by)]
     if tp != 1:
         flags += ["--tensor-model-parallel-size", str(tp)]
+    if tokenizer is not None:
+        flags += ["--tokenizer-type", tokenizer["type"], "--tokenizer-model",
+                  tokenizer["args"]["tokenizer_model"]]
+    if note:
+        print(f"note: {note}", file=sys.stderr)
     return flags
 
 

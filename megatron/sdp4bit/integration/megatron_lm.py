@@ -99,7 +99,6 @@ from megatron.sdp4bit.integration.version import check_megatron_core_version
 
 __all__ = ["BYTE_KEYS", "disable", "enable", "enabled", "replica_checksum", "run_state"]
 
-SCOPE = "megatron_lm"
 _NOTE = "[Note: where the plug-in enters Megatron-LM's trainer] (integration/megatron_lm.py)"
 _TRAINING = "megatron.training.training"
 _ARGUMENTS = "megatron.training.arguments"
@@ -366,8 +365,8 @@ def _print_end_line() -> None:
 def _declare(name: str, owner: str, attribute: str, replacement: Any, fingerprint: str,
              **kwargs: Any) -> patches.Replacement:
     return declare(f"megatron_lm.{name}", owner, attribute, MODULE, replacement, note=_NOTE,
-                   checked={"0.19.2": fingerprint}, applies=_training_installed, scope=SCOPE,
-                   **kwargs)
+                   checked={"0.19.2": fingerprint}, applies=_training_installed,
+                   scope=patches.MEGATRON_LM, **kwargs)
 
 
 PYTHON_312 = _declare("typing.override", "typing", "override", _override, "<absent>", adds=True)
@@ -419,8 +418,9 @@ def enable(*, allow_untested_version: bool = False) -> None:
             "on PYTHONPATH")
     bridge = patches.apply([PYTHON_312])
     try:
-        check_megatron_core_version(allow_untested_version=allow_untested_version,
-                                    scopes=(SCOPE,))
+        check_megatron_core_version(
+            scopes=(patches.SEAM, patches.PADDING, patches.MEGATRON_LM),
+            allow_untested_version=allow_untested_version)
         _applied = (bridge, patches.apply(TRAINER))
     except BaseException:
         bridge.revert()

@@ -20,12 +20,13 @@ from megatron.sdp4bit.config_flags import add_sdp4bit_flags, sdp4bit_config_from
 from megatron.sdp4bit.training.cli.errors import ArgumentsError
 from megatron.sdp4bit.training.cli.megatron_flags import NO_OP_FLAGS, add_megatron_flags
 from megatron.sdp4bit.training.cli.validate import validate_args
+from megatron.sdp4bit.training.tokenizers import registry as tokenizer_registry
 
 __all__ = ["ArgumentsError", "NO_OP_FLAGS", "TOKENIZER_TYPES", "build_parser", "parse_args",
            "sdp4bit_config_from_args"]
 
-# The --tokenizer-type choices (built by megatron.sdp4bit.training.tokenizers).
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "NullTokenizer")
+# The --tokenizer-type choices: the tokenizer registry's names.
+TOKENIZER_TYPES = tokenizer_registry.names()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -161,10 +162,14 @@ def _add_data(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mock-data", action="store_true", help="synthetic data")
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--tokenizer-type", default=None, choices=list(TOKENIZER_TYPES),
-                   help="default GPT2BPETokenizer, or NullTokenizer with --mock-data and no vocab")
+                   help=f"default {tokenizer_registry.DEFAULT}, or {tokenizer_registry.MOCK_DEFAULT} "
+                   "with --mock-data and no vocab")
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
-    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--tokenizer-model", default=None,
+                   help="the tokenizer's model file or, for HuggingFaceTokenizer, its local "
+                   "folder (save_pretrained's output; nothing is downloaded): "
+                   + ", ".join(tokenizer_registry.needing("--tokenizer-model")))
     g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary size")
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
@@ -218,7 +223,7 @@ def _add_checkpoint_and_logging(p: argparse.ArgumentParser) -> None:
                    "method mid-run)")
     g.add_argument("--allow-changed-data", action="store_true",
                    help="resume a checkpoint trained on another --data-path blend, --split or "
-                   "--seed (the samples and their order change)")
+                   "--seed (the samples and their order change), or with another tokenizer")
     g.add_argument("--ckpt-step", type=int, default=None,
                    help="load iter_N of --load instead of the iteration its tracker names")
     g.add_argument("--load-without-manifest", action="store_true",
