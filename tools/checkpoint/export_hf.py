@@ -70,7 +70,9 @@ def read_model_tensors(directory: str) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = dcp.FileSystemReader(directory)
+    from megatron.sdp4bit.training.checkpoint import safe_load
+
+    reader = safe_load.safe_reader(directory)
     metadata = reader.read_metadata()
     state = {k: torch.empty(m.size, dtype=m.properties.dtype)
              for k, m in metadata.state_dict_metadata.items()
@@ -132,7 +134,7 @@ def _write(folder: str, state: dict, config: dict, model: dict, vocab_file: str 
 def export(load: str, output: str, iteration: int | None = None, vocab_file: str | None = None,
            merge_file: str | None = None, overwrite: bool = False) -> str:
     """Write the Hugging Face model into ``output``; returns its architecture's name."""
-    from megatron.sdp4bit.training.checkpoint import files
+    from megatron.sdp4bit.training.checkpoint import files, safe_load
 
     output = os.path.abspath(output)
     _check_output(output, overwrite)
@@ -141,6 +143,7 @@ def export(load: str, output: str, iteration: int | None = None, vocab_file: str
             raise ExportError(f"{flag} {path}: no such file")
     directory = _checkpoint_dir(load, iteration)
     _verify(directory)
+    safe_load.check_dist_checkpoint(directory)  # before anything unpickles its files
     settings = files.read_manifest(directory)["settings"]
     model, assumed = with_defaults(settings["model"])
     vocab = settings.get("vocab_size")
@@ -190,11 +193,12 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_megatron_core()  # before megatron-core's first import: an error is one line
     from megatron.sdp4bit.training.checkpoint.files import CheckpointError
+    from megatron.sdp4bit.training.checkpoint.safe_load import UnsafePickle
 
     try:
         name = export(args.load, args.output, args.iteration, args.vocab_file, args.merge_file,
                       args.overwrite)
-    except (ExportError, CheckpointError) as err:
+    except (ExportError, CheckpointError, UnsafePickle) as err:
         p.exit(2, f"export_hf.py: error: {err}\n")
     except OSError as err:  # an unreadable checkpoint file (permissions, a lost mount)
         p.exit(2, f"export_hf.py: error: cannot read {err.filename or args.load} "

@@ -71,7 +71,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 from megatron.sdp4bit.integration import patches
 from megatron.sdp4bit.integration.patches import INSTANCE, MODULE, both, declare
 from megatron.sdp4bit.training.checkpoint import common
-from megatron.sdp4bit.training.checkpoint import files
+from megatron.sdp4bit.training.checkpoint import files, safe_load
 from megatron.sdp4bit.training.checkpoint.files import CheckpointError
 from megatron.sdp4bit.training.guards import faults
 
@@ -454,6 +454,9 @@ def load_checkpoint(directory: str, manifest: dict[str, Any] | None, model_chunk
     if problem is not None:
         raise CheckpointError(problem)
     problem = verify_files(directory, manifest)
+    if problem is not None:
+        raise CheckpointError(problem)
+    problem = safe_load.dist_checkpoint_problem(directory)
     if problem is not None:
         raise CheckpointError(problem)
     same_layout = saved["layout"] == settings["layout"]

@@ -39,7 +39,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 )
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
-from megatron.sdp4bit.training.checkpoint import common, files, torch_dist_format
+from megatron.sdp4bit.training.checkpoint import common, files, safe_load, torch_dist_format
 from megatron.sdp4bit.training.checkpoint.files import CheckpointError
 
 # settings["contents"] of a checkpoint that holds the model's weights and nothing else.
@@ -137,8 +137,9 @@ def load_weights(directory: str, manifest: dict[str, Any] | None, model_chunks, 
             problem = torch_dist_format.verify_files(directory, manifest)
         if problem is not None:
             raise CheckpointError(problem)
+    problem = safe_load.dist_checkpoint_problem(directory)
     state = _chunk_state(model_chunks)
-    problem = shape_problem(directory, state)
+    problem = problem or shape_problem(directory, state)
     if problem is not None:
         raise CheckpointError(problem)
     strategy = TorchDistLoadShardedStrategy()
