@@ -5,7 +5,10 @@
 
 Reads only the model's tensors of the checkpoint the tracker names (in one process, no
 torch.distributed), checks them against the manifest's SHA-256, and writes ``HF_DIR`` with
-``model.safetensors`` and ``config.json`` (fp32) and, given GPT-2 BPE files, the tokenizer.
+``model.safetensors`` and ``config.json`` (fp32) and, given GPT-2 BPE files, the tokenizer
+(refused unless its vocabulary is the size the manifest records; without them the export says
+that no tokenizer is written). Every file it reads keeps the trainer's trust rule, and the
+checkpoint's pickles are read through the restricted unpicklers (safe_load.py).
 The architecture follows the model flags recorded in the manifest (hf_mappings.py):
 
 * the default (learned absolute positions, LayerNorm, GeLU, biases, tied embeddings) is a
@@ -131,6 +134,46 @@ def _write(folder: str, state: dict, config: dict, model: dict, vocab_file: str 
                        "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}, f, indent=1)
 
 
+def _check_tokenizer_files(vocab_file: str | None, merge_file: str | None) -> None:
+    """Both GPT-2 BPE files or neither; each present and keeping the trainer's trust rule."""
+    from megatron.sdp4bit import trusted_paths
+
+    if bool(vocab_file) != bool(merge_file):
+        given, missing = (("--vocab-file", "--merge-file") if vocab_file
+                          else ("--merge-file", "--vocab-file"))
+        raise ExportError(f"{given} without {missing}: the tokenizer needs both GPT-2 BPE files "
+                          "(or neither, to export the model alone)")
+    for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+        if path and not os.path.isfile(path):
+            raise ExportError(f"{flag} {path}: no such file")
+        if path:
+            try:
+                trusted_paths.check(path, flag, "copy it to a folder of yours that only you "
+                                    "can write")
+            except trusted_paths.UntrustedPathError as err:
+                raise ExportError(str(err)) from None
+
+
+def _check_tokenizer_vocab(vocab_file: str | None, merge_file: str | None, vocab: int | None,
+                           directory: str) -> None:
+    """The tokenizer shipped must be the one the checkpoint was trained with, as far as the
+    manifest records it (its vocabulary size)."""
+    if not vocab_file:
+        return  # main() says so once the model is written
+    from megatron.sdp4bit.training.tokenizers import GPT2BPETokenizer
+
+    try:
+        size = GPT2BPETokenizer(vocab_file, merge_file).vocab_size
+    except (ValueError, OSError, KeyError) as err:
+        raise ExportError(f"cannot read GPT-2 BPE files --vocab-file {vocab_file} --merge-file "
+                          f"{merge_file} ({str(err).splitlines()[0][:160]})") from None
+    if vocab is not None and size != vocab:
+        raise ExportError(f"--vocab-file {vocab_file} has {size} tokens, the model of "
+                          f"{directory} was trained with a {vocab}-token vocabulary (its "
+                          "manifest): give the tokenizer files the run used, or none to export "
+                          "the model alone")
+
+
 def export(load: str, output: str, iteration: int | None = None, vocab_file: str | None = None,
            merge_file: str | None = None, overwrite: bool = False) -> str:
     """Write the Hugging Face model into ``output``; returns its architecture's name."""
@@ -138,9 +181,7 @@ def export(load: str, output: str, iteration: int | None = None, vocab_file: str
 
     output = os.path.abspath(output)
     _check_output(output, overwrite)
-    for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
-        if path and not os.path.isfile(path):
-            raise ExportError(f"{flag} {path}: no such file")
+    _check_tokenizer_files(vocab_file, merge_file)
     directory = _checkpoint_dir(load, iteration)
     _verify(directory)
     safe_load.check_dist_checkpoint(directory)  # before anything unpickles its files
@@ -158,6 +199,7 @@ def export(load: str, output: str, iteration: int | None = None, vocab_file: str
         print(f"note: {directory}'s manifest (an older trainer's) does not record the "
               "tokenizer's vocabulary size: the model keeps the padded "
               f"{model['padded_vocab_size']} rows", file=sys.stderr)
+    _check_tokenizer_vocab(vocab_file, merge_file, vocab, directory)
     tensors = unstack(read_model_tensors(directory), model)
     if vocab is not None:  # the padding rows go: the import's rule backwards (hf_mappings)
         tensors = trim_vocab(tensors, vocab)
@@ -205,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"({err.strerror or err}): fix its permissions or export another checkpoint\n")
     out = args.output
     print(f"wrote {out} ({name}): transformers.AutoModelForCausalLM.from_pretrained({out!r})")
+    if not args.vocab_file:
+        print("note: no tokenizer written beside the model (pass the --vocab-file and "
+              "--merge-file the checkpoint was trained with to ship it)", file=sys.stderr)
     return 0
 
 

@@ -1,9 +1,12 @@
-"""No code runs from a checkpoint's pickles: the trainer's resume, ``--finetune`` of a
+"""What a checkpoint holds is not trusted for being the user's own file.
+
+No code runs from a checkpoint's pickles: the trainer's resume, ``--finetune`` of a
 manifest-less checkpoint and tools/checkpoint/export_hf.py on a torch_dist checkpoint whose
 ``.metadata`` is a crafted pickle (its manifest rewritten to match, as its author would).
 Each stops with one line naming the file and the refused type, and the marker directory the
 pickle would create never appears. The unpicklers themselves, on every kind of pickle a
-checkpoint holds: tests/unit/training/checkpoint/test_safe_load.py."""
+checkpoint holds: tests/unit/training/checkpoint/test_safe_load.py. And the export ships
+only a tokenizer of the checkpoint's vocabulary."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import shutil
 import pytest
 
 from tests.helpers import launch as _launch
+from tests.helpers.corpora import write_gpt2_vocab
 from tests.helpers.trainer import ROOT, TINY, launch, one_error_line, torchrun, trainer_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -53,9 +57,22 @@ def _plant_metadata(root, marker: str, *, manifest: bool) -> str:
     return folder
 
 
-def test_a_crafted_metadata_runs_no_code_in_the_trainer_or_the_export(data_prefix, tmp_path):
-    saved = tmp_path / "saved"
-    torchrun(RUN + data_prefix + ["--save", str(saved), "--save-interval", "2"], nproc=2)
+@pytest.fixture(scope="module")
+def saved(data_prefix, tmp_path_factory):
+    """A 2-rank torch_dist checkpoint of the tests' corpus at iteration 2."""
+    folder = tmp_path_factory.mktemp("saved")
+    torchrun(RUN + data_prefix + ["--save", str(folder), "--save-interval", "2"], nproc=2)
+    return folder
+
+
+def _export(load, output, *extra: str):
+    return _launch.python(os.path.join(ROOT, "tools", "checkpoint", "export_hf.py"),
+                          ["--load", str(load), "--output", str(output), *extra],
+                          env=trainer_env(), cwd=ROOT, timeout=300)
+
+
+def test_a_crafted_metadata_runs_no_code_in_the_trainer_or_the_export(data_prefix, saved,
+                                                                      tmp_path):
     marker = str(tmp_path / "MARKER")
     refused = ("holds a pickled posix.mkdir, which is not a type a checkpoint holds: refusing "
                "to read it (unpickling it would run code); take the checkpoint from a source "
@@ -67,9 +84,7 @@ def test_a_crafted_metadata_runs_no_code_in_the_trainer_or_the_export(data_prefi
     message = one_error_line(launch(RUN + data_prefix + ["--load", str(resumed)], nproc=2))
     assert message == f"checkpoint file {folder}/.metadata {refused}"
 
-    res = _launch.python(os.path.join(ROOT, "tools", "checkpoint", "export_hf.py"),
-                         ["--load", str(resumed), "--output", str(tmp_path / "hf")],
-                         env=trainer_env(), cwd=ROOT, timeout=300)
+    res = _export(resumed, tmp_path / "hf")
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
     assert res.stderr == f"export_hf.py: error: checkpoint file {folder}/.metadata {refused}\n"
     assert not os.path.exists(tmp_path / "hf")
@@ -82,3 +97,32 @@ def test_a_crafted_metadata_runs_no_code_in_the_trainer_or_the_export(data_prefi
                                                          "--ffn-hidden-size", "128"], nproc=2))
     assert message == f"checkpoint file {folder}/.metadata {refused}"
     assert not os.path.exists(marker)
+
+
+def test_the_export_ships_only_a_tokenizer_of_the_checkpoints_vocabulary(data_prefix, saved,
+                                                                         tmp_path):
+    vocab, merges = (data_prefix[data_prefix.index(f) + 1]
+                     for f in ("--vocab-file", "--merge-file"))
+    other = write_gpt2_vocab(tmp_path / "other", vocab_size=400)  # another tokenizer
+    res = _export(saved, tmp_path / "hf", "--vocab-file", other[0], "--merge-file", other[1])
+    assert res.returncode == 2, res.stdout
+    tokens = json.load(open(other[0], encoding="utf-8"))
+    assert res.stderr == (
+        f"export_hf.py: error: --vocab-file {other[0]} has {len(tokens)} tokens, the model of "
+        f"{saved}/iter_0000002 was trained with a {len(json.load(open(vocab)))}-token "
+        "vocabulary (its manifest): give the tokenizer files the run used, or none to export "
+        "the model alone\n")
+    assert not os.path.exists(tmp_path / "hf")
+    res = _export(saved, tmp_path / "hf", "--vocab-file", vocab)
+    assert res.returncode == 2 and res.stderr == (
+        "export_hf.py: error: --vocab-file without --merge-file: the tokenizer needs both "
+        "GPT-2 BPE files (or neither, to export the model alone)\n"), res.stderr
+    res = _export(saved, tmp_path / "hf")
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.endswith("note: no tokenizer written beside the model (pass the "
+                               "--vocab-file and --merge-file the checkpoint was trained with "
+                               "to ship it)\n"), res.stderr
+    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]
+    res = _export(saved, tmp_path / "hf2", "--vocab-file", vocab, "--merge-file", merges)
+    assert res.returncode == 0, res.stderr
+    assert "vocab.json" in os.listdir(tmp_path / "hf2")
