@@ -68,10 +68,10 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     TorchDistSaveShardedStrategy,
 )
 
-from megatron.sdp4bit.integration import patches
+from megatron.sdp4bit.integration import checkpoint_space, patches
 from megatron.sdp4bit.integration.patches import INSTANCE, MODULE, both, declare
 from megatron.sdp4bit.training.checkpoint import common
-from megatron.sdp4bit.training.checkpoint import files, safe_load
+from megatron.sdp4bit.training.checkpoint import disk_space, files, safe_load
 from megatron.sdp4bit.training.checkpoint.files import CheckpointError
 from megatron.sdp4bit.training.guards import faults
 
@@ -330,6 +330,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
                            with_optimizer=True, with_rng=True)
     state.update(iteration=iteration, consumed_samples=consumed_samples,
                  opt_param_scheduler=scheduler.state_dict(), checkpoint_version=3.0)
+    disk_space.check_space(root, partial, iteration, checkpoint_space.written_bytes(state))
     with in_process_writer() as strategy:
         if fully_parallel:
             strategy = FullyParallelSaveStrategyWrapper(
