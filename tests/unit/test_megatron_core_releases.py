@@ -119,7 +119,8 @@ def test_untested_release_with_a_moved_target_is_refused_naming_it(untested,
     assert "start_grad_sync" not in vars(group)
 
 
-def test_untested_release_with_a_missing_target_stays_refused(untested, monkeypatch) -> None:
+def test_untested_release_with_a_missing_target_stays_refused_even_when_allowed(
+        untested, monkeypatch) -> None:
     from megatron.core.tensor_parallel import random as mcore_random
 
     monkeypatch.delattr(mcore_random, "_set_cuda_rng_state")
@@ -127,7 +128,15 @@ def test_untested_release_with_a_missing_target_stays_refused(untested, monkeypa
                        r"megatron\.core\.tensor_parallel\.random\._set_cuda_rng_state is "
                        r"missing: install"):
         check_megatron_core_version()
-    assert check_megatron_core_version(allow_untested_version=True) == "0.17.0"
+    # The override cannot make a missing target replaceable: one line, before anything is
+    # built (not a ReplacementError at the first application, on every rank).
+    with pytest.raises(RuntimeError) as err:
+        check_megatron_core_version(allow_untested_version=True)
+    assert str(err.value) == (
+        "SDP4Bit cannot run on megatron-core 0.17.0: megatron.core.tensor_parallel.random."
+        "_set_cuda_rng_state is missing, and SDP4Bit replaces it (the override accepts a "
+        "changed signature, not a missing target): install megatron-core==0.19.2 (Python >= "
+        "3.12) or megatron-core==0.16.1 (Python < 3.12)")
     from megatron.sdp4bit.integration import patches
     from megatron.sdp4bit.integration.cuda_stubs import SHARED_STUBS
 

@@ -14,7 +14,9 @@ On 0.16.1 and 0.19.2 every entry was checked by hand and by the release walk
 with, SDP4Bit runs, with one warning line naming the release; otherwise it refuses, naming
 the first target that moved, unless the user accepts that (``allow_untested_version=True``,
 the trainer's ``--allow-untested-megatron-core``): then it runs with one warning line naming
-the moved target, and the engine lets the moved (not the missing) targets be replaced.
+the moved target, and the engine lets the moved targets be replaced. A missing target cannot
+be replaced, so it is refused even then, here, in one line naming it, before anything is
+built (the engine would otherwise stop at the first application, on every rank).
 """
 
 from __future__ import annotations
@@ -56,6 +58,13 @@ def check_megatron_core_version(*, allow_untested_version: bool = False,
                    f"{old}, {new}); every attribute SDP4Bit replaces is present with the "
                    "signature it was checked with, so it runs")
         return version
+    missing = next((p for e in entries if (p := patches.problem(e, version)) is not None
+                    and " is missing" in p.split(":")[0]), None)
+    if allow_untested_version and missing is not None:
+        raise RuntimeError(
+            f"SDP4Bit cannot run on megatron-core {version}: {missing}, and SDP4Bit replaces "
+            "it (the override accepts a changed signature, not a missing target): install "
+            f"megatron-core=={new} (Python >= 3.12) or megatron-core=={old} (Python < 3.12)")
     if allow_untested_version:
         patches.accept_changed(e for e in entries if patches.problem(e, version) is not None)
         _warn_once(version, f"SDP4Bit: warning: megatron-core {version} was never tested "
