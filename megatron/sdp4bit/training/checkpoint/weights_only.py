@@ -109,11 +109,33 @@ def model_settings_problem(saved: dict[str, Any], current: dict[str, Any],
             new.pop(k, None)
     diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
     if not diff:
-        return None
-    return (f"checkpoint {directory} was saved with model "
-            f"{common.describe({k: old.get(k) for k in diff})}; this run has "
-            f"{common.describe({k: new.get(k) for k in diff})}: pass the checkpoint's model "
-            "flags")
+        return _vocabulary_problem(saved, current, directory)
+    problem = (f"checkpoint {directory} was saved with model "
+               f"{common.describe({k: old.get(k) for k in diff})}; this run has "
+               f"{common.describe({k: new.get(k) for k in diff})}")
+    padded, tp = old.get("padded_vocab_size"), current.get("layout", {}).get("tp", 1)
+    if diff == ["padded_vocab_size"] and isinstance(padded, int):
+        # Megatron-LM pads the vocabulary to a multiple of --make-vocab-size-divisible-by x TP:
+        # the model flags are the checkpoint's, the divisor (or the TP) is not.
+        fix = (f"at TP {tp}, --make-vocab-size-divisible-by {padded // tp} gives the "
+               f"checkpoint's {padded}" if padded % tp == 0 else
+               f"choose a TP and --make-vocab-size-divisible-by whose product divides {padded}")
+        return (f"{problem}: the vocabulary is padded to a multiple of "
+                f"--make-vocab-size-divisible-by x TP; {fix}")
+    return f"{problem}: pass the checkpoint's model flags"
+
+
+def _vocabulary_problem(saved: dict[str, Any], current: dict[str, Any],
+                        directory: str) -> str | None:
+    """The tokenizer's vocabulary (before padding), which two tokenizers of one padded size
+    can differ in: the rows would then mean other tokens."""
+    old, new = saved.get("vocab_size"), current.get("vocab_size")
+    if isinstance(old, int) and isinstance(new, int) and old != new:
+        return (f"checkpoint {directory} was trained with a {old}-token vocabulary, this run's "
+                f"tokenizer has {new} tokens (both padded to "
+                f"{current['model'].get('padded_vocab_size')}): its embedding rows would mean "
+                "other tokens; use the tokenizer files the checkpoint was trained with")
+    return None
 
 
 def _consumed(saved_common: dict[str, Any], iteration: int, global_batch: int) -> int:
