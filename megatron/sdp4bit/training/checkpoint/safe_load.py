@@ -22,9 +22,15 @@ Anything else stops the load with one line naming the file and the refused type,
 megatron-core or torch reads the folder: :func:`check_dist_checkpoint` reads (and discards)
 every pickle of a torch_dist folder this way first, as the first step of every load of one,
 after the manifest's SHA-256 check where there is a manifest. megatron-core then reads the
-same files with its own loaders (``pickle.load`` for ``.metadata``); the check proved what
-they hold, so nothing but the allowed types is built. The SHA-256 check alone cannot stand
-for this one: a manifest is written by the checkpoint's author, who may be the attacker.
+same files with its own loaders (``pickle.load`` for ``.metadata``, ``weights_only=False``
+for the objects); the check proved what they hold, so nothing but the allowed types is
+built. The files cannot change between the two reads but by someone who may write them,
+and the trust rule (``megatron/sdp4bit/trusted_paths.py``, checked before) leaves that to
+this user alone: the two rules together cover a checkpoint's contents (this one) and its
+ownership (that one). This keeps megatron-core's and torch's loaders as they are (no entry
+of the replacement table) on both tested releases, whose loaders differ (0.19 keeps the
+common state inside the ``.distcp`` files). The SHA-256 check alone cannot stand for this
+one: a manifest is written by the checkpoint's author, who may be the attacker.
 """
 
 from __future__ import annotations
