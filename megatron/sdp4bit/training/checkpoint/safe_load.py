@@ -120,8 +120,11 @@ _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 def torch_load(data: bytes, label: str) -> Any:
     """``torch.load(weights_only=True)`` of ``data`` (what file ``label`` holds), with
     :data:`TORCH_GLOBALS` allowed; a refused type or a damaged file is one line naming it."""
+    # torch's context removes its globals on exit, also ones registered before (megatron-core
+    # registers the Namespace at import): add only what is not there yet.
+    extra = [g for g in TORCH_GLOBALS if g not in torch.serialization.get_safe_globals()]
     try:
-        with torch.serialization.safe_globals(TORCH_GLOBALS):
+        with torch.serialization.safe_globals(extra):
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         found = _GLOBAL.search(str(err))

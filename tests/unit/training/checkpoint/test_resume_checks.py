@@ -161,3 +161,16 @@ def test_finetune_names_the_divisor_and_a_vocabulary_of_the_same_padded_size():
         "tokenizer files the checkpoint was trained with")
     assert model_settings_problem(saved, {**saved, "vocab_size": None}, "D") is None
     assert model_settings_problem(saved, saved, "D") is None
+
+
+def test_a_manifest_less_checkpoint_at_another_tp_names_the_divisor():
+    from megatron.sdp4bit.training.checkpoint.weights_only import padding_fix
+
+    rows = {"embedding.word_embeddings.weight": ((640, 64), (768, 64)),
+            "output_layer.weight": ((640, 64), (768, 64))}
+    assert padding_fix(rows, 2) == (
+        "the vocabulary is padded to a multiple of --make-vocab-size-divisible-by x TP; at TP 2, "
+        "--make-vocab-size-divisible-by 320 gives the checkpoint's 640")
+    # another width, or another tensor, is a model of other flags
+    assert padding_fix({"embedding.word_embeddings.weight": ((640, 64), (640, 32))}, 2) is None
+    assert padding_fix({**rows, "decoder.final_layernorm.weight": ((64,), (32,))}, 2) is None

@@ -111,3 +111,19 @@ def test_a_metadata_naming_a_file_outside_its_folder_is_refused(tmp_path):
     with pytest.raises(UnsafePickle, match=r"names data file '\.\./outside\.distcp' outside "
                                               r"its folder: refusing it$"):
         safe_load.check_dist_checkpoint(folder)
+
+
+def test_the_loader_leaves_torchs_registered_globals_as_they_were(tmp_path):
+    import argparse
+
+    path = str(tmp_path / "args.pt")
+    torch.save({"args": argparse.Namespace(lr=1.0)}, path)
+    before = list(torch.serialization.get_safe_globals())
+    torch.serialization.add_safe_globals([argparse.Namespace])  # as megatron-core does
+    try:
+        assert safe_load.torch_load(open(path, "rb").read(), path)["args"].lr == 1.0
+        assert argparse.Namespace in torch.serialization.get_safe_globals()
+        torch.load(path, weights_only=True)  # megatron-core's own load still reads it
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(before)
