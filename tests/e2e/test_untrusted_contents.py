@@ -99,6 +99,7 @@ def test_a_crafted_metadata_runs_no_code_in_the_trainer_or_the_export(data_prefi
     assert not os.path.exists(marker)
 
 
+@pytest.mark.release_independent  # the export's own check; its reads: the test above
 def test_the_export_ships_only_a_tokenizer_of_the_checkpoints_vocabulary(data_prefix, saved,
                                                                          tmp_path):
     vocab, merges = (data_prefix[data_prefix.index(f) + 1]
