@@ -63,6 +63,9 @@ METADATA_GLOBALS = frozenset({
     ("collections", "OrderedDict"), ("pathlib", "PosixPath"),  # the saver's checkpoint id
 })
 
+# torch's dtypes, pickled by name (``torch.bfloat16``): looked up here, not with getattr.
+_DTYPES = frozenset(n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype))
+
 # Allowed in ``torch.save`` pickles on top of torch's own and megatron-core's registered types
 # (megatron-core registers these at import, but the tools read checkpoints before that).
 TORCH_GLOBALS = [argparse.Namespace]
@@ -79,8 +82,7 @@ class _Refused(Exception):
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in METADATA_GLOBALS or (
-                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        if (module, name) in METADATA_GLOBALS or (module == "torch" and name in _DTYPES):
             return super().find_class(module, name)
         raise _Refused(f"{module}.{name}")
 
@@ -91,9 +93,9 @@ def refusal(path: str, what: str) -> str:
             "from a source you trust")
 
 
-def _corrupt(path: str, err: BaseException) -> CheckpointError:
+def _corrupt(path: str, err: BaseException) -> UnsafePickle:
     return UnsafePickle(f"checkpoint file {path} is corrupt or not a checkpoint "
-                           f"({type(err).__name__}: {str(err).splitlines()[0][:160]})")
+                        f"({type(err).__name__}: {str(err).splitlines()[0][:160]})")
 
 
 def read_dcp_metadata(directory: str) -> Metadata:
@@ -106,7 +108,7 @@ def read_dcp_metadata(directory: str) -> Metadata:
         raise UnsafePickle(refusal(path, str(refused))) from None
     except OSError as err:
         raise UnsafePickle(f"cannot read checkpoint file {path} ({err.strerror}): the "
-                              "checkpoint is incomplete or unreadable") from None
+                           "checkpoint is incomplete or unreadable") from None
     except Exception as err:  # noqa: BLE001 - a damaged pickle raises many types
         raise _corrupt(path, err) from None
     if not isinstance(metadata, Metadata):
@@ -142,7 +144,7 @@ def _read(path: str) -> bytes:
             return f.read()
     except OSError as err:
         raise UnsafePickle(f"cannot read checkpoint file {path} ({err.strerror}): the "
-                              "checkpoint is incomplete or unreadable") from None
+                           "checkpoint is incomplete or unreadable") from None
 
 
 def _object_bytes(directory: str, metadata: Metadata) -> list[tuple[str, str, bytes]]:
@@ -158,11 +160,11 @@ def _object_bytes(directory: str, metadata: Metadata) -> list[tuple[str, str, by
         if (not isinstance(name, str) or os.path.basename(name) != name
                 or name in ("", ".", "..")):
             raise UnsafePickle(f"checkpoint file {os.path.join(directory, DCP_METADATA)} "
-                                  f"names data file {name!r} outside its folder: refusing it")
+                               f"names data file {name!r} outside its folder: refusing it")
         if getattr(info, "transform_descriptors", None):
             raise UnsafePickle(f"checkpoint file {path} holds object {index.fqn} stored "
-                                  f"with transforms {list(info.transform_descriptors)}, which "
-                                  "this trainer does not read")
+                               f"with transforms {list(info.transform_descriptors)}, which "
+                               "this trainer does not read")
         with open(path, "rb") as f:
             f.seek(info.offset)
             out.append((path, index.fqn, f.read(info.length)))
@@ -179,9 +181,13 @@ def check_dist_checkpoint(directory: str) -> Metadata:
         torch_load(_read(common), common)
     try:
         objects = _object_bytes(directory, metadata)
+    except UnsafePickle:
+        raise
     except OSError as err:
         raise UnsafePickle(f"cannot read the data files of checkpoint {directory} "
-                              f"({err.strerror}): the checkpoint is incomplete") from None
+                           f"({err.strerror}): the checkpoint is incomplete") from None
+    except (AttributeError, TypeError, ValueError) as err:  # allowed types, wrong values
+        raise _corrupt(os.path.join(directory, DCP_METADATA), err) from None
     for path, key, data in objects:
         torch_load(data, f"{path} (object {key})")
     return metadata

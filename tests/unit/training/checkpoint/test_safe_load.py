@@ -111,6 +111,12 @@ def test_a_metadata_naming_a_file_outside_its_folder_is_refused(tmp_path):
     with pytest.raises(UnsafePickle, match=r"names data file '\.\./outside\.distcp' outside "
                                               r"its folder: refusing it$"):
         safe_load.check_dist_checkpoint(folder)
+    metadata.storage_data = ["not", "a", "table"]  # only allowed types, in the wrong places
+    with open(os.path.join(folder, ".metadata"), "wb") as f:
+        pickle.dump(metadata, f)
+    with pytest.raises(UnsafePickle, match=r"\.metadata is corrupt or not a checkpoint "
+                                              r"\(AttributeError: "):
+        safe_load.check_dist_checkpoint(folder)
 
 
 def test_the_loader_leaves_torchs_registered_globals_as_they_were(tmp_path):
