@@ -18,7 +18,7 @@ import pytest
 
 from tests.helpers.trainer import TINY, launch, one_error_line, torchrun
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = pytest.mark.distributed
 
 RUN = list(TINY)
 for _flag, _value in (("--train-iters", "4"), ("--lr-warmup-iters", "1"),

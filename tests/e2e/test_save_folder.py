@@ -10,7 +10,7 @@ import pytest
 
 from tests.helpers.trainer import TINY, launch, one_error_line
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = pytest.mark.distributed
 
 
 @pytest.mark.release_independent  # pretrain_gpt.py's own refusal and clean-up
