@@ -2,9 +2,10 @@
 disk_space.py, [Note: a full disk during a save]).
 
 ``--save`` on a small tmpfs holds the iteration-2 checkpoint of the tiny GPT (about 2 MiB)
-but not a second one, in either format: the save of iteration 4 stops every rank with one line naming the
-folder and the space, no partial folder is left on the disk, the tracker stays on iteration
-2 and that checkpoint loads. Mounting needs root (as every run of this suite has here).
+but not a second one, in either format: the save of iteration 4 stops every rank with one
+line naming the folder and the space, no partial folder is left on the disk, the tracker
+stays on iteration 2 and that checkpoint loads. And a disk that fills during the save, after
+the check. Mounting needs root (as every run of this suite has here).
 """
 
 from __future__ import annotations
@@ -63,3 +64,25 @@ def _check(data_prefix, root, copy, ckpt_format: str) -> None:
     res = torchrun(flags[:flags.index("--save")] + ["--load", str(copy), "--ckpt-format",
                                                     ckpt_format], nproc=2)
     assert f"loaded checkpoint from {copy} at iteration 2" in res.stdout
+
+
+def test_a_disk_that_fills_during_the_save_stops_in_one_line_and_keeps_the_last(
+        data_prefix, tmp_path):
+    """The space check passed, then the disk filled (``fill-disk-saving``: another job):
+    megatron-core's writes fail, every rank stops with one line, the partial folder goes."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)], check=True)
+    try:
+        root = disk / "ckpt"
+        flags = RUN + data_prefix + ["--save", str(root), "--save-interval", "2"]
+        message = one_error_line(launch(flags, nproc=2,
+                                        env={"SDP4BIT_FAULT": "fill-disk-saving@4:0"}))
+        assert message == (
+            f"saving iteration 4 to {root} failed (No space left on device): its partial "
+            f"folder is removed and iteration 2 in {root} stays the current checkpoint; free "
+            "space on its file system (or give --save another folder) and resume")
+        assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == [
+            "iter_0000002", "latest_checkpointed_iteration.txt"]
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)

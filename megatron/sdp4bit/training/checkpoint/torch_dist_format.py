@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -115,13 +116,18 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
     state.update(iteration=iteration, consumed_samples=consumed_samples,
                  opt_param_scheduler=scheduler.state_dict(), checkpoint_version=3.0)
     disk_space.check_space(root, partial, iteration, checkpoint_space.written_bytes(state))
-    with in_process_writer() as strategy:
-        if fully_parallel:
-            strategy = FullyParallelSaveStrategyWrapper(
-                strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
-        extra = {"verify_integrity": True} if megatron_integrity_check() else {}
-        dist_checkpointing.save(state, partial, sharded_strategy=strategy,
-                                validate_access_integrity=True, **extra)
+    if faults.active("fill-disk-saving", iteration, dist.get_rank()):
+        faults.fill_disk(root)
+    try:
+        with in_process_writer() as strategy:
+            if fully_parallel:
+                strategy = FullyParallelSaveStrategyWrapper(
+                    strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
+            extra = {"verify_integrity": True} if megatron_integrity_check() else {}
+            dist_checkpointing.save(state, partial, sharded_strategy=strategy,
+                                    validate_access_integrity=True, **extra)
+    except CheckpointException as err:  # a write failed: raised on every rank together
+        raise disk_space.failed_save(root, partial, iteration, err) from err
     if faults.active("die-saving", iteration, dist.get_rank()):
         os._exit(17)
     dist.barrier()
