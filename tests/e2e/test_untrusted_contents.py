@@ -5,8 +5,7 @@ manifest-less checkpoint and tools/checkpoint/export_hf.py on a torch_dist check
 ``.metadata`` is a crafted pickle (its manifest rewritten to match, as its author would).
 Each stops with one line naming the file and the refused type, and the marker directory the
 pickle would create never appears. The unpicklers themselves, on every kind of pickle a
-checkpoint holds: tests/unit/training/checkpoint/test_safe_load.py. And the export ships
-only a tokenizer of the checkpoint's vocabulary."""
+checkpoint holds: tests/unit/training/checkpoint/test_safe_load.py."""
 
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ import shutil
 import pytest
 
 from tests.helpers import launch as _launch
-from tests.helpers.corpora import write_gpt2_vocab
 from tests.helpers.trainer import ROOT, TINY, launch, one_error_line, torchrun, trainer_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -97,33 +95,3 @@ def test_a_crafted_metadata_runs_no_code_in_the_trainer_or_the_export(data_prefi
                                                          "--ffn-hidden-size", "128"], nproc=2))
     assert message == f"checkpoint file {folder}/.metadata {refused}"
     assert not os.path.exists(marker)
-
-
-@pytest.mark.release_independent  # the export's own check; its reads: the test above
-def test_the_export_ships_only_a_tokenizer_of_the_checkpoints_vocabulary(data_prefix, saved,
-                                                                         tmp_path):
-    vocab, merges = (data_prefix[data_prefix.index(f) + 1]
-                     for f in ("--vocab-file", "--merge-file"))
-    other = write_gpt2_vocab(tmp_path / "other", vocab_size=400)  # another tokenizer
-    res = _export(saved, tmp_path / "hf", "--vocab-file", other[0], "--merge-file", other[1])
-    assert res.returncode == 2, res.stdout
-    tokens = json.load(open(other[0], encoding="utf-8"))
-    assert res.stderr == (
-        f"export_hf.py: error: --vocab-file {other[0]} has {len(tokens)} tokens, the model of "
-        f"{saved}/iter_0000002 was trained with a {len(json.load(open(vocab)))}-token "
-        "vocabulary (its manifest): give the tokenizer files the run used, or none to export "
-        "the model alone\n")
-    assert not os.path.exists(tmp_path / "hf")
-    res = _export(saved, tmp_path / "hf", "--vocab-file", vocab)
-    assert res.returncode == 2 and res.stderr == (
-        "export_hf.py: error: --vocab-file without --merge-file: the tokenizer needs both "
-        "GPT-2 BPE files (or neither, to export the model alone)\n"), res.stderr
-    res = _export(saved, tmp_path / "hf")
-    assert res.returncode == 0, res.stderr
-    assert res.stderr.endswith("note: no tokenizer written beside the model (pass the "
-                               "--vocab-file and --merge-file the checkpoint was trained with "
-                               "to ship it)\n"), res.stderr
-    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]
-    res = _export(saved, tmp_path / "hf2", "--vocab-file", vocab, "--merge-file", merges)
-    assert res.returncode == 0, res.stderr
-    assert "vocab.json" in os.listdir(tmp_path / "hf2")

@@ -5,11 +5,15 @@
 
 Reads only the model's tensors of the checkpoint the tracker names (in one process, no
 torch.distributed), checks them against the manifest's SHA-256, and writes ``HF_DIR`` with
-``model.safetensors`` and ``config.json`` (fp32) and, given GPT-2 BPE files, the tokenizer
-(refused unless its vocabulary is the size the manifest records; without them the export says
-that no tokenizer is written). Every file it reads keeps the trainer's trust rule, and the
-checkpoint's pickles are read through the restricted unpicklers (safe_load.py).
-The architecture follows the model flags recorded in the manifest (checkpoint/hf/):
+``model.safetensors`` and ``config.json`` (fp32), and the tokenizer the run was trained with,
+which the manifest records, with its bos, eos (end-of-document) and pad ids in
+``config.json`` (``--vocab-file``/``--merge-file``: where its GPT-2 BPE files are now); where
+it cannot (the files changed or are gone, a tokenizer without a
+Hugging Face form, an older trainer's manifest without ``--vocab-file``/``--merge-file``) it
+ships none and says why in one line (checkpoint/hf/tokenizer.py). Every file it reads keeps
+the trainer's trust rule, and the checkpoint's pickles are read through the restricted
+unpicklers (safe_load.py). The architecture follows the model flags recorded in the manifest
+(checkpoint/hf/):
 
 * the default (learned absolute positions, LayerNorm, GeLU, biases, tied embeddings) is a
   ``GPT2LMHeadModel`` (``activation_function`` ``gelu``, or ``gelu_new`` with
@@ -45,6 +49,7 @@ import torch
 
 from megatron.sdp4bit.training.checkpoint.hf import (
     READS, ExportError, hf_config, to_hf, trim_vocab, unstack, with_defaults)
+from megatron.sdp4bit.training.checkpoint.hf import tokenizer as hf_tokenizer
 
 
 def _checkpoint_dir(load: str, iteration: int | None) -> str:
@@ -111,8 +116,7 @@ def _check_output(output: str, overwrite: bool) -> None:
                           "the whole folder, or choose another --output")
 
 
-def _write(folder: str, state: dict, config: dict, model: dict, vocab_file: str | None,
-           merge_file: str | None) -> None:
+def _write(folder: str, state: dict, config: dict) -> None:
     from safetensors.torch import save_file
 
     path = os.path.join(folder, "model.safetensors")
@@ -125,71 +129,34 @@ def _write(folder: str, state: dict, config: dict, model: dict, vocab_file: str 
         raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), path) from None
     with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=1)
-    if vocab_file and merge_file:
-        shutil.copyfile(vocab_file, os.path.join(folder, "vocab.json"))
-        shutil.copyfile(merge_file, os.path.join(folder, "merges.txt"))
-        with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-            json.dump({"tokenizer_class": "GPT2Tokenizer", "model_max_length":
-                       model["max_position_embeddings"], "bos_token": "<|endoftext|>",
-                       "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}, f, indent=1)
-
-
-def _check_tokenizer_files(vocab_file: str | None, merge_file: str | None) -> None:
-    """Both GPT-2 BPE files or neither; each present and keeping the trainer's trust rule."""
-    from megatron.sdp4bit import trusted_paths
-
-    if bool(vocab_file) != bool(merge_file):
-        given, missing = (("--vocab-file", "--merge-file") if vocab_file
-                          else ("--merge-file", "--vocab-file"))
-        raise ExportError(f"{given} without {missing}: the tokenizer needs both GPT-2 BPE files "
-                          "(or neither, to export the model alone)")
-    for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
-        if path and not os.path.isfile(path):
-            raise ExportError(f"{flag} {path}: no such file")
-        if path:
-            try:
-                trusted_paths.check(path, flag, "copy it to a folder of yours that only you "
-                                    "can write")
-            except trusted_paths.UntrustedPathError as err:
-                raise ExportError(str(err)) from None
-
-
-def _check_tokenizer_vocab(vocab_file: str | None, merge_file: str | None, vocab: int | None,
-                           directory: str) -> None:
-    """The tokenizer shipped must be the one the checkpoint was trained with, as far as the
-    manifest records it (its vocabulary size)."""
-    if not vocab_file:
-        return  # main() says so once the model is written
-    from megatron.sdp4bit.training.tokenizers import GPT2BPETokenizer
-
-    try:
-        size = GPT2BPETokenizer(vocab_file, merge_file).vocab_size
-    except (ValueError, OSError, KeyError) as err:
-        raise ExportError(f"cannot read GPT-2 BPE files --vocab-file {vocab_file} --merge-file "
-                          f"{merge_file} ({str(err).splitlines()[0][:160]})") from None
-    if vocab is not None and size != vocab:
-        raise ExportError(f"--vocab-file {vocab_file} has {size} tokens, the model of "
-                          f"{directory} was trained with a {vocab}-token vocabulary (its "
-                          "manifest): give the tokenizer files the run used, or none to export "
-                          "the model alone")
 
 
 def export(load: str, output: str, iteration: int | None = None, vocab_file: str | None = None,
            merge_file: str | None = None, overwrite: bool = False) -> str:
     """Write the Hugging Face model into ``output``; returns its architecture's name."""
+    from megatron.sdp4bit import trusted_paths
     from megatron.sdp4bit.atomic_files import replace_folder
     from megatron.sdp4bit.training.checkpoint import files, safe_load
 
     output = os.path.abspath(output)
     _check_output(output, overwrite)
-    _check_tokenizer_files(vocab_file, merge_file)
+    for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+        if path and not os.path.isfile(path):
+            raise ExportError(f"{flag} {path}: no such file")
+        try:  # the trainer's trust rule, as for every file the tools read
+            if path:
+                trusted_paths.check(path, flag, "copy it to a folder of yours that only you "
+                                    "can write")
+        except trusted_paths.UntrustedPathError as err:
+            raise ExportError(str(err)) from None
     directory = _checkpoint_dir(load, iteration)
     _verify(directory)
     safe_load.check_dist_checkpoint(directory)  # before anything unpickles its files
     settings = files.read_manifest(directory)["settings"]
     model, assumed = with_defaults(settings["model"])
     vocab = settings.get("vocab_size")
-    config = hf_config(model, vocab)
+    tokenizer, special_ids, no_tokenizer = hf_tokenizer.choose(settings, vocab_file, merge_file)
+    config = hf_config(model, vocab, special_ids)
     name = config["architectures"][0]
     assumed = [k for k in assumed if k in READS[name]]
     if assumed:
@@ -200,7 +167,6 @@ def export(load: str, output: str, iteration: int | None = None, vocab_file: str
         print(f"note: {directory}'s manifest (an older trainer's) does not record the "
               "tokenizer's vocabulary size: the model keeps the padded "
               f"{model['padded_vocab_size']} rows", file=sys.stderr)
-    _check_tokenizer_vocab(vocab_file, merge_file, vocab, directory)
     tensors = unstack(read_model_tensors(directory), model)
     if vocab is not None:  # the padding rows go: the import's rule backwards (hf/tensors.py)
         tensors = trim_vocab(tensors, vocab)
@@ -211,7 +177,9 @@ def export(load: str, output: str, iteration: int | None = None, vocab_file: str
         os.makedirs(parent, exist_ok=True)
         tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(output)}.tmp-")
         os.chmod(tmp, 0o755)
-        _write(tmp, state, config, model, vocab_file, merge_file)
+        _write(tmp, state, config)
+        if tokenizer is not None:
+            no_tokenizer = hf_tokenizer.write(tmp, tokenizer, model["max_position_embeddings"])
         replace_folder(tmp, output)
     except OSError as err:
         raise ExportError(f"cannot write {output} ({err.strerror or err}): free space or fix "
@@ -219,6 +187,8 @@ def export(load: str, output: str, iteration: int | None = None, vocab_file: str
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+    if no_tokenizer:
+        print(f"note: {no_tokenizer}", file=sys.stderr)
     return name
 
 
@@ -227,8 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load", required=True, help="the trainer's --save folder")
     p.add_argument("--output", required=True, help="folder for the Hugging Face model")
     p.add_argument("--iteration", type=int, default=None, help="default: the tracker's")
-    p.add_argument("--vocab-file", help="GPT-2 BPE vocab.json to ship as the tokenizer")
-    p.add_argument("--merge-file", help="GPT-2 BPE merges.txt to ship as the tokenizer")
+    p.add_argument("--vocab-file", help="the run's GPT-2 BPE vocab.json: where the recorded "
+                   "one is now, or for a checkpoint of an older trainer (its manifest records "
+                   "no tokenizer) the file to ship")
+    p.add_argument("--merge-file", help="the same run's GPT-2 BPE merges.txt")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a non-empty --output folder (the whole folder)")
     args = p.parse_args(argv)
@@ -248,9 +220,6 @@ def main(argv: list[str] | None = None) -> int:
                   f"({err.strerror or err}): fix its permissions or export another checkpoint\n")
     out = args.output
     print(f"wrote {out} ({name}): transformers.AutoModelForCausalLM.from_pretrained({out!r})")
-    if not args.vocab_file:
-        print("note: no tokenizer written beside the model (pass the --vocab-file and "
-              "--merge-file the checkpoint was trained with to ship it)", file=sys.stderr)
     return 0
 
 

@@ -71,7 +71,7 @@ from torch.overrides import TorchFunctionMode
 
 from megatron.sdp4bit.integration import patches
 from megatron.sdp4bit.integration.cuda_stubs import SHARED_STUBS, cuda_type_name, names_cuda
-from megatron.sdp4bit.integration.patches import MODULE, both, declare
+from megatron.sdp4bit.integration.patches import CPU_MODE, MODULE, both, declare
 
 __all__ = ["enable_cpu_mode", "cpu_mode_active", "names_cuda"]
 
@@ -106,10 +106,11 @@ _MASK_NOTE = "[Note: the causal mask in the backward pass] (integration/cpu_mode
 CPU_MODE_STUBS = SHARED_STUBS + (
     declare("cpu.transformer_utils.get_default_causal_mask",
             "megatron.core.transformer.utils", "get_default_causal_mask", MODULE,
-            _default_causal_mask_cpu, note=_MASK_NOTE, checked=both("(sq)")),
+            _default_causal_mask_cpu, note=_MASK_NOTE, checked=both("(sq)"),
+            scope=CPU_MODE),
     declare("cpu.fused_softmax.get_default_causal_mask", "megatron.core.fusions.fused_softmax",
             "get_default_causal_mask", MODULE, _default_causal_mask_cpu, note=_MASK_NOTE,
-            checked=both("(sq)")),
+            checked=both("(sq)"), scope=CPU_MODE),
 )
 """What CPU mode replaces: the shared CUDA stubs and megatron-core's causal mask."""
 
