@@ -74,7 +74,13 @@ def failed_save(root: str, partial: str, iteration: int, err: BaseException) -> 
     if dist.get_rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
     found = _ERRNO.search(str(err))
-    reason = found.group(1).strip() if found else "a rank could not write its files"
+    free = shutil.disk_usage(root).free
+    if found:
+        reason = found.group(1).strip()
+    elif free < MARGIN_BYTES:  # the error's text does not say (megatron-core 0.19's writer)
+        reason = f"its file system is full: {_mib(free)} free"
+    else:
+        reason = "a rank could not write its files"
     return CheckpointError(f"saving iteration {iteration} to {root} failed ({reason}): its "
                            f"partial folder is removed and {_kept(root)}; free space on its "
                            "file system (or give --save another folder) and resume")
