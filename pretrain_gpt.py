@@ -53,6 +53,19 @@ def _report(err: BaseException, debug: bool, lost_peer: bool = False) -> int:
     return 1
 
 
+def _remove_if_unused(folder: str) -> None:
+    """A refused run leaves no ``--save`` folder behind that it made itself: removed again
+    while it holds nothing but the run's lock."""
+    try:
+        names = os.listdir(folder)
+        if set(names) <= {".lock"}:
+            for name in names:
+                os.remove(os.path.join(folder, name))
+            os.rmdir(folder)
+    except OSError:
+        pass  # it holds something after all, or is gone: leave it as it is
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
@@ -75,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.sdp4bit.training.guards import preflight
 
     lock = watchdog = None
+    # rank 0 makes --save (the input checks, the lock): whether this run is the one that does
+    new_save = bool(args.save) and os.environ.get("RANK", "0") == "0" and not os.path.lexists(
+        args.save)
+    refused = False
     try:
         announce(f"initializing torch.distributed: {args.world_size} process(es)")
         build.init_distributed(args)
@@ -98,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         sdp4bit_setup.uninstall(args, state, handle)
         sdp4bit_setup.print_summary(args, state, handle)
     except build.USER_ERRORS as err:
+        refused = True
         return _report(err, args.debug)
     except (RuntimeError, OSError) as err:
         from megatron.sdp4bit.training.guards.errors import is_lost_peer
@@ -109,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if lock is not None:
             lock.release()
+        if refused and new_save:
+            _remove_if_unused(args.save)
         build.teardown(watchdog)
     return 0
 

@@ -41,6 +41,7 @@ import torch
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: E402
+from megatron.sdp4bit.training.guards import preflight  # noqa: E402
 from megatron.sdp4bit.training.tokenizers import registry as tokenizer_registry  # noqa: E402
 from megatron.sdp4bit.training.tokenizers.registry import build_tokenizer  # noqa: E402
 
@@ -132,6 +133,7 @@ def preprocess(args: argparse.Namespace) -> dict[str, int]:
         raise InputError(f"--input {args.input}: no such file")
     if args.workers < 1:
         raise InputError(f"--workers={args.workers} must be >= 1")
+    preflight.check_tokenizer_files(args)  # the trainer's trust rule
     tok = build_tokenizer(args)  # fail fast on bad tokenizer flags, before any worker starts
     dtype = DType.optimal_dtype(tok.vocab_size)
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))

@@ -210,6 +210,60 @@ def test_older_gpt2_files_and_tied_output_layers_are_read_as_save_pretrained_wri
                               "lm_head.weight differs from it")
 
 
+class _Planted:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def test_malformed_folders_and_foreign_code_are_refused_in_one_line(tmp_path, capsys):
+    """Each case once through main(): one line, no traceback, nothing written, no code run."""
+    from safetensors.torch import save_file
+
+    hf = tmp_path / "hf"
+    _config(tmp_path, GPT2)
+    index = hf / "model.safetensors.index.json"
+    index.write_text("{not json")
+    assert _refused(tmp_path, capsys, GPT2).startswith(f"{index} is not JSON (Expecting ")
+    index.write_text(json.dumps({"metadata": {}}))
+    assert _refused(tmp_path, capsys, GPT2) == (
+        f"{index} has no weight_map (the tensor -> file table of a sharded model)")
+    for outside in ("../secret.safetensors", "/etc/passwd"):
+        index.write_text(json.dumps({"weight_map": {"lm_head.weight": outside}}))
+        assert _refused(tmp_path, capsys, GPT2) == (
+            f"{index} names weight file {outside!r}, which is not a file of --hf {hf}: the "
+            "tool reads only files inside the folder it is given")
+    index.unlink()
+
+    # tied embeddings (GPT-2's default) with an lm_head of more rows than the embedding
+    save_file({"transformer.wte.weight": torch.zeros(300, 64),
+               "lm_head.weight": torch.zeros(301, 64)}, str(hf / "model.safetensors"))
+    assert _refused(tmp_path, capsys, GPT2) == (
+        "config.json ties the output layer to the embedding, but lm_head.weight is [301, 64] "
+        "and transformer.wte.weight [300, 64]")
+    (hf / "model.safetensors").unlink()
+
+    # a pytorch_model.bin-only folder is read with torch's weights-only loader
+    marker = tmp_path / "MARKER"
+    torch.save({"transformer.wte.weight": _Planted(str(marker))}, str(hf / "pytorch_model.bin"))
+    assert _refused(tmp_path, capsys, GPT2) == (
+        f"weight file {hf / 'pytorch_model.bin'} holds a pickled posix.mkdir, which is not a "
+        "type a checkpoint holds: refusing to read it (unpickling it would run code); take the "
+        "checkpoint from a source you trust")
+
+    # custom code: transformers would ask (or, trusted, run the folder's Python)
+    (hf / "configuration_evil.py").write_text(f"import os\nos.mkdir({str(marker)!r})\n")
+    auto = {**GPT2, "auto_map": {"AutoConfig": "configuration_evil.EvilConfig"}}
+    assert _refused(tmp_path, capsys, auto) == (
+        f"{hf / 'config.json'} names custom code (auto_map {{'AutoConfig': "
+        "'configuration_evil.EvilConfig'}): this tool runs no code from the folder it reads; "
+        "only GPT2LMHeadModel and LlamaForCausalLM are imported")
+    assert not marker.exists()
+    assert sorted(os.listdir(tmp_path)) == ["hf"]  # no checkpoint, no temporary folder
+
+
 def test_the_folders_tokenizer_is_recorded_as_a_huggingface_tokenizer(tmp_path):
     from tests.helpers.corpora import write_hf_tokenizer
 

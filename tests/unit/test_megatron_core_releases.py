@@ -137,7 +137,8 @@ def test_a_scoped_target_decides_only_for_the_callers_of_its_scope(untested,
             scopes=(patches.SEAM, patches.PADDING, patches.MEGATRON_LM))
 
 
-def test_untested_release_with_a_missing_target_stays_refused(untested, monkeypatch) -> None:
+def test_untested_release_with_a_missing_target_stays_refused_even_when_allowed(
+        untested, monkeypatch) -> None:
     from megatron.core.tensor_parallel import random as mcore_random
 
     monkeypatch.delattr(mcore_random, "_set_cuda_rng_state")
@@ -145,8 +146,17 @@ def test_untested_release_with_a_missing_target_stays_refused(untested, monkeypa
                        r"megatron\.core\.tensor_parallel\.random\._set_cuda_rng_state is "
                        r"missing: install"):
         check_megatron_core_version(scopes=["cpu_mode"])
-    assert check_megatron_core_version(scopes=["cpu_mode"], allow_untested_version=True) \
-        == "0.17.0"
+    # The override cannot make a missing target replaceable: one line, before anything is
+    # built (not a ReplacementError at the first application, on every rank).
+    with pytest.raises(RuntimeError) as err:
+        check_megatron_core_version(scopes=["cpu_mode"], allow_untested_version=True)
+    assert str(err.value) == (
+        "SDP4Bit cannot run on megatron-core 0.17.0: megatron.core.tensor_parallel.random."
+        "_set_cuda_rng_state is missing, and SDP4Bit replaces it (the override accepts a "
+        "changed signature, not a missing target): install megatron-core==0.19.2 (Python >= "
+        "3.12) or megatron-core==0.16.1 (Python < 3.12)")
+    # a scope the caller does not apply cannot refuse it
+    assert check_megatron_core_version(scopes=["seam"], allow_untested_version=True) == "0.17.0"
     from megatron.sdp4bit.integration import patches
     from megatron.sdp4bit.integration.cuda_stubs import SHARED_STUBS
 

@@ -180,3 +180,38 @@ def test_the_rule_accepts_root_and_a_private_group(tmp_path):
     assert trusted_paths.problem(str(path), "f") == (
         f"f {path} is writable by group or others (mode 0664)")
     assert not trusted_paths._private_group(NOBODY, 0)
+
+
+def test_the_tools_apply_the_rule_to_the_files_they_read(tmp_path, shared, capsys):
+    from tests.helpers.scripts import load_tool
+
+    vocab, merges = write_gpt2_vocab(tmp_path)
+    planted = plant(shared, "vocab.json", vocab)
+    refused = (f"--vocab-file {planted} belongs to uid {NOBODY}, not to this user (uid 0): "
+               f"{WHY}; copy it to a folder of yours that only you can write")
+    (tmp_path / "in.jsonl").write_text('{"text": "a b"}\n')
+    preprocess = load_tool("tools/preprocess_data.py")
+    assert preprocess.main(["--input", str(tmp_path / "in.jsonl"), "--output-prefix",
+                            str(tmp_path / "out"), "--tokenizer-type", "GPT2BPETokenizer",
+                            "--vocab-file", str(planted), "--merge-file", merges]) == 1
+    assert capsys.readouterr().err == f"preprocess_data.py: error: {refused}\n"
+    assert not list(tmp_path.glob("out*"))
+
+    export_hf = load_tool("tools/checkpoint/export_hf.py")
+    with pytest.raises(SystemExit):
+        export_hf.main(["--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "hf"),
+                        "--vocab-file", str(planted), "--merge-file", merges])
+    assert capsys.readouterr().err == f"export_hf.py: error: {refused}\n"
+
+    import_hf = load_tool("tools/checkpoint/import_hf.py")
+    hf = tmp_path / "hf_model"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    os.rename(plant(shared, "model.safetensors"), hf / "model.safetensors")
+    with pytest.raises(SystemExit):
+        import_hf.main(["--hf", str(hf), "--save", str(tmp_path / "imported")])
+    assert capsys.readouterr().err == (
+        f"import_hf.py: error: a file of --hf {hf / 'model.safetensors'} belongs to uid "
+        f"{NOBODY}, not to this user (uid 0): {WHY}; copy it to a folder of yours that only "
+        "you can write\n")
+    assert not (tmp_path / "imported").exists() and not (tmp_path / "hf").exists()

@@ -10,8 +10,10 @@ which the manifest records, with its bos, eos (end-of-document) and pad ids in
 ``config.json`` (``--vocab-file``/``--merge-file``: where its GPT-2 BPE files are now); where
 it cannot (the files changed or are gone, a tokenizer without a
 Hugging Face form, an older trainer's manifest without ``--vocab-file``/``--merge-file``) it
-ships none and says why in one line (checkpoint/hf/tokenizer.py). The architecture follows
-the model flags recorded in the manifest (checkpoint/hf/):
+ships none and says why in one line (checkpoint/hf/tokenizer.py). Every file it reads keeps
+the trainer's trust rule, and the checkpoint's pickles are read through the restricted
+unpicklers (safe_load.py). The architecture follows the model flags recorded in the manifest
+(checkpoint/hf/):
 
 * the default (learned absolute positions, LayerNorm, GeLU, biases, tied embeddings) is a
   ``GPT2LMHeadModel`` (``activation_function`` ``gelu``, or ``gelu_new`` with
@@ -76,7 +78,9 @@ def read_model_tensors(directory: str) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = dcp.FileSystemReader(directory)
+    from megatron.sdp4bit.training.checkpoint import safe_load
+
+    reader = safe_load.safe_reader(directory)
     metadata = reader.read_metadata()
     state = {k: torch.empty(m.size, dtype=m.properties.dtype)
              for k, m in metadata.state_dict_metadata.items()
@@ -130,16 +134,24 @@ def _write(folder: str, state: dict, config: dict) -> None:
 def export(load: str, output: str, iteration: int | None = None, vocab_file: str | None = None,
            merge_file: str | None = None, overwrite: bool = False) -> str:
     """Write the Hugging Face model into ``output``; returns its architecture's name."""
+    from megatron.sdp4bit import trusted_paths
     from megatron.sdp4bit.atomic_files import replace_folder
-    from megatron.sdp4bit.training.checkpoint import files
+    from megatron.sdp4bit.training.checkpoint import files, safe_load
 
     output = os.path.abspath(output)
     _check_output(output, overwrite)
     for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
         if path and not os.path.isfile(path):
             raise ExportError(f"{flag} {path}: no such file")
+        try:  # the trainer's trust rule, as for every file the tools read
+            if path:
+                trusted_paths.check(path, flag, "copy it to a folder of yours that only you "
+                                    "can write")
+        except trusted_paths.UntrustedPathError as err:
+            raise ExportError(str(err)) from None
     directory = _checkpoint_dir(load, iteration)
     _verify(directory)
+    safe_load.check_dist_checkpoint(directory)  # before anything unpickles its files
     settings = files.read_manifest(directory)["settings"]
     model, assumed = with_defaults(settings["model"])
     vocab = settings.get("vocab_size")
@@ -196,11 +208,12 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_megatron_core()  # before megatron-core's first import: an error is one line
     from megatron.sdp4bit.training.checkpoint.files import CheckpointError
+    from megatron.sdp4bit.training.checkpoint.safe_load import UnsafePickle
 
     try:
         name = export(args.load, args.output, args.iteration, args.vocab_file, args.merge_file,
                       args.overwrite)
-    except (ExportError, CheckpointError) as err:
+    except (ExportError, CheckpointError, UnsafePickle) as err:
         p.exit(2, f"export_hf.py: error: {err}\n")
     except OSError as err:  # an unreadable checkpoint file (permissions, a lost mount)
         p.exit(2, f"export_hf.py: error: cannot read {err.filename or args.load} "

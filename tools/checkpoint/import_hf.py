@@ -41,19 +41,52 @@ from megatron.sdp4bit.training.checkpoint.hf import (
     REGISTRY, Architecture, MappingError, from_hf, pad_vocab, trainer_flags)
 
 
+def _shards(hf: str, index: str) -> list[str]:
+    """The weight files a sharded model's ``*.index.json`` names: file names inside ``hf``
+    (the tool reads nothing outside the folder it was given)."""
+    path = os.path.join(hf, index)
+    try:
+        with open(path, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+    except ValueError as err:
+        raise MappingError(f"{path} is not JSON ({err})") from None
+    except (KeyError, TypeError):
+        raise MappingError(f"{path} has no weight_map (the tensor -> file table of a sharded "
+                           "model)") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str)
+                                                   for v in weight_map.values()):
+        raise MappingError(f"{path}'s weight_map is not a table of tensor names to file names")
+    outside = sorted({v for v in weight_map.values()
+                      if os.path.basename(v) != v or v in ("", ".", "..")})
+    if outside:
+        raise MappingError(f"{path} names weight file {outside[0]!r}, which is not a file of "
+                           f"--hf {hf}: the tool reads only files inside the folder it is given")
+    return sorted(set(weight_map.values()))
+
+
+def _torch_file(path: str) -> dict:
+    """A ``pytorch_model.bin``: torch's weights-only loader (tensors and plain containers;
+    any other pickled type is refused, its code never run)."""
+    from megatron.sdp4bit.training.checkpoint import safe_load
+
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return safe_load.torch_load(data, path)
+    except safe_load.UnsafePickle as err:
+        raise MappingError(str(err).replace("checkpoint file ", "weight file ", 1)) from None
+
+
 def _read_tensors(hf: str) -> dict:
     """Every tensor of the folder's weight files (fp32 or the dtype stored)."""
-    import torch
     from safetensors.torch import load_file
 
     names = os.listdir(hf)
     for index, single, loader in (
             ("model.safetensors.index.json", "model.safetensors", load_file),
-            ("pytorch_model.bin.index.json", "pytorch_model.bin",
-             lambda p: torch.load(p, map_location="cpu", weights_only=True))):
+            ("pytorch_model.bin.index.json", "pytorch_model.bin", _torch_file)):
         if index in names:
-            with open(os.path.join(hf, index), encoding="utf-8") as f:
-                shards = sorted(set(json.load(f)["weight_map"].values()))
+            shards = _shards(hf, index)
         elif single in names:
             shards = [single]
         else:
@@ -62,6 +95,8 @@ def _read_tensors(hf: str) -> dict:
         for shard in shards:
             try:
                 tensors.update(loader(os.path.join(hf, shard)))
+            except MappingError:
+                raise
             except Exception as err:  # noqa: BLE001 - safetensors/torch raise many types
                 raise MappingError(f"cannot read {os.path.join(hf, shard)} ({type(err).__name__}: "
                                    f"{str(err).splitlines()[0][:160]})") from None
@@ -77,7 +112,12 @@ def _normalized(arch: Architecture, tensors: dict, tied: bool) -> dict:
     out = arch.normalize(tensors)
     out = {k: v for k, v in out.items() if not k.endswith("rotary_emb.inv_freq")}
     if tied and "lm_head.weight" in out:
-        if arch.embedding in out and not bool((out["lm_head.weight"] == out[arch.embedding]).all()):
+        head, embedding = out["lm_head.weight"], arch.embedding
+        if embedding in out and head.shape != out[embedding].shape:
+            raise MappingError(f"config.json ties the output layer to the embedding, but "
+                               f"lm_head.weight is {list(head.shape)} and {embedding} "
+                               f"{list(out[embedding].shape)}")
+        if embedding in out and not bool((head == out[embedding]).all()):
             raise MappingError("config.json ties the output layer to the embedding, but "
                                "lm_head.weight differs from it")
         del out["lm_head.weight"]
@@ -182,6 +222,30 @@ def _write(args, tensors: dict, vocab: int, padded: int, partial: str, source: s
         build.teardown()
 
 
+def _check_folder(hf: str) -> None:
+    """The trainer's trust rule for every file of ``hf``, and no custom code: a config.json
+    that names its own Python (``auto_map``) is refused before transformers reads it."""
+    from megatron.sdp4bit import trusted_paths
+
+    try:
+        trusted_paths.check_tree(hf, "--hf", "copy it to a folder of yours that only you can "
+                                 "write")
+    except trusted_paths.UntrustedPathError as err:
+        raise MappingError(str(err)) from None
+    path = os.path.join(hf, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except ValueError as err:
+        raise MappingError(f"{path} is not JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise MappingError(f"{path} is not a transformers config (a JSON object)")
+    if "auto_map" in config:
+        raise MappingError(f"{path} names custom code (auto_map {config['auto_map']}): this "
+                           "tool runs no code from the folder it reads; only GPT2LMHeadModel "
+                           "and LlamaForCausalLM are imported")
+
+
 def import_hf(hf: str, save: str, overwrite: bool = False, divisible_by: int = 128,
               tp: int = 1) -> list[str]:
     """Write the checkpoint; returns the ``pretrain_gpt.py`` model flags that match it."""
@@ -198,10 +262,11 @@ def import_hf(hf: str, save: str, overwrite: bool = False, divisible_by: int = 1
     if divisible_by < 1 or tp < 1:
         raise MappingError("--make-vocab-size-divisible-by and --tensor-model-parallel-size "
                            "must be >= 1")
+    _check_folder(hf)
     try:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(hf, local_files_only=True)
+        config = AutoConfig.from_pretrained(hf, local_files_only=True, trust_remote_code=False)
     except Exception as err:  # noqa: BLE001 - transformers raises many types for bad configs
         raise MappingError(f"cannot read {os.path.join(hf, 'config.json')} as a transformers "
                            f"config ({type(err).__name__}: {str(err).splitlines()[0][:200]})"

@@ -24,7 +24,9 @@ metadata and file layout but writes the buckets in this process, one after anoth
 megatron-core's own per-bucket writer (``FileSystemWriterAsync.write_preloaded_data``,
 fsync included), and gives the writer a local results queue instead of the spawned
 manager's. :func:`in_process_writer` binds that on one strategy, for one save. It is used
-on CPU and on GPU alike: saves are synchronous here.
+on CPU and on GPU alike: saves are synchronous here. A bucket that fails to write (a full
+disk) is put in that queue as the writer processes put theirs, so megatron-core's finalize
+step still gathers every rank's result and raises on every rank together.
 
 [Note: the fully reshardable save of a buffer with several buckets]
 megatron-core's ``fully_reshardable`` save (``sharded_param_state_fully_reshardable``, in
@@ -78,6 +80,7 @@ def _in_process_callbacks(strategy: TorchDistSaveShardedStrategy):
             results: dict[int, list] = {}
             buckets = FileSystemWriterAsync.preload_tensors(writer.write_buckets or [],
                                                             non_blocking=False)
+            writer.results_queue = queue.Queue()
             for i, bucket in enumerate(buckets):
                 done, count = queue.Queue(), queue.Queue()
                 count.put(i)
@@ -85,9 +88,12 @@ def _in_process_callbacks(strategy: TorchDistSaveShardedStrategy):
                                                            True)
                 _, result = done.get()
                 if isinstance(result, Exception):
-                    raise result
+                    # handed on as megatron-core's writer processes hand it on: the finalize
+                    # step gathers every rank's result and raises on every rank together
+                    # (raising here would leave the other ranks waiting in that gather)
+                    writer.results_queue.put(result)
+                    return
                 results[i] = result
-            writer.results_queue = queue.Queue()
             writer.results_queue.put(results)
 
         def finalize() -> None:

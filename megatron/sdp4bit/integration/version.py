@@ -16,8 +16,10 @@ without CUDA, CPU mode's; [Note: scopes] in ``patches.py``) with the engine's ow
 with, SDP4Bit runs, with one warning line naming the release; otherwise it refuses, naming
 the first target that moved, unless the user accepts that (``allow_untested_version=True``,
 the trainer's ``--allow-untested-megatron-core``): then it runs with one warning line naming
-the moved target, and the engine lets the moved (not the missing) targets be replaced.
-A target of a scope the caller does not apply is not looked at: it cannot refuse the call.
+the moved target, and the engine lets the moved targets be replaced. A missing target cannot
+be replaced, so it is refused even then, here, in one line naming it, before anything is
+built (the engine would otherwise stop at the first application, on every rank). A target of
+a scope the caller does not apply is not looked at: it cannot refuse the call.
 """
 
 from __future__ import annotations
@@ -63,6 +65,13 @@ def check_megatron_core_version(*, scopes: Iterable[str] = (patches.SEAM, patche
                    f"{old}, {new}); every attribute SDP4Bit replaces here ({', '.join(scopes)}) "
                    "is present with the signature it was checked with, so it runs")
         return version
+    missing = next((p for e in entries if (p := patches.problem(e)) is not None
+                    and " is missing" in p.split(":")[0]), None)
+    if allow_untested_version and missing is not None:
+        raise RuntimeError(
+            f"SDP4Bit cannot run on megatron-core {version}: {missing}, and SDP4Bit replaces "
+            "it (the override accepts a changed signature, not a missing target): install "
+            f"megatron-core=={new} (Python >= 3.12) or megatron-core=={old} (Python < 3.12)")
     if allow_untested_version:
         patches.accept_changed(e for e in entries if patches.problem(e) is not None)
         _warn_once(version, f"SDP4Bit: warning: megatron-core {version} was never tested "

@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -43,7 +42,7 @@ from typing import Any
 import torch
 
 from megatron.sdp4bit import atomic_files, trusted_paths
-from megatron.sdp4bit.training.checkpoint import integrity
+from megatron.sdp4bit.training.checkpoint import integrity, safe_load
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
@@ -174,11 +173,9 @@ def read_verified(path: str, entry: dict[str, Any] | None) -> dict[str, Any]:
     if problem is not None:
         raise CheckpointError(problem)
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - torch raises many types for foreign files
-        raise CheckpointError(f"checkpoint file {path} is corrupt or not a checkpoint "
-                              f"({type(err).__name__}: {str(err).splitlines()[0][:160]})"
-                              ) from None
+        return safe_load.torch_load(data, path)
+    except safe_load.UnsafePickle as err:
+        raise CheckpointError(str(err)) from None
 
 
 def iteration_folders(root: str) -> list[str]:

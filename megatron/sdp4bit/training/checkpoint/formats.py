@@ -162,6 +162,11 @@ def load(args: argparse.Namespace, model_chunks, optimizer, scheduler,
                                                     if args.load else ""))
     if found is None:  # no tracker: Megatron-LM's "no checkpoint", a fresh start
         return Loaded(0, 0, None, finetune)
+    if (root == args.load and args.pretrained_checkpoint
+            and (not dist.is_initialized() or dist.get_rank() == 0)):
+        print(f"note: --pretrained-checkpoint {args.pretrained_checkpoint} is not read: --load "
+              f"{root} holds a checkpoint, which this run resumes (Megatron-LM's rule: the "
+              "pretrained weights start a run only while --load holds none)", flush=True)
     iteration = _iteration(root, step)
     directory = files.iteration_dir(root, iteration)
     if finetune or (found == "torch_dist" and manifest is None):

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -33,6 +34,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
 from megatron.sdp4bit import atomic_files
+from megatron.sdp4bit.integration import checkpoint_space
 from megatron.sdp4bit.integration.dist_checkpointing import (
     MEGATRON_INTEGRITY,
     bucket_space_world_tensors,
@@ -41,7 +43,7 @@ from megatron.sdp4bit.integration.dist_checkpointing import (
     restore_steps,
     tolerate_missing_step,
 )
-from megatron.sdp4bit.training.checkpoint import common, files, integrity
+from megatron.sdp4bit.training.checkpoint import common, disk_space, files, integrity, safe_load
 from megatron.sdp4bit.training.checkpoint import settings as settings_contract
 from megatron.sdp4bit.training.checkpoint.files import CheckpointError
 from megatron.sdp4bit.training.guards import faults
@@ -113,13 +115,19 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
                            with_optimizer=True, with_rng=True)
     state.update(iteration=iteration, consumed_samples=consumed_samples,
                  opt_param_scheduler=scheduler.state_dict(), checkpoint_version=3.0)
-    with in_process_writer() as strategy:
-        if fully_parallel:
-            strategy = FullyParallelSaveStrategyWrapper(
-                strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
-        extra = {"verify_integrity": True} if megatron_integrity_check() else {}
-        dist_checkpointing.save(state, partial, sharded_strategy=strategy,
-                                validate_access_integrity=True, **extra)
+    disk_space.check_space(root, partial, iteration, checkpoint_space.written_bytes(state))
+    if faults.active("fill-disk-saving", iteration, dist.get_rank()):
+        faults.fill_disk(root)
+    try:
+        with in_process_writer() as strategy:
+            if fully_parallel:
+                strategy = FullyParallelSaveStrategyWrapper(
+                    strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
+            extra = {"verify_integrity": True} if megatron_integrity_check() else {}
+            dist_checkpointing.save(state, partial, sharded_strategy=strategy,
+                                    validate_access_integrity=True, **extra)
+    except CheckpointException as err:  # a write failed: raised on every rank together
+        raise disk_space.failed_save(root, partial, iteration, err) from err
     if faults.active("die-saving", iteration, dist.get_rank()):
         os._exit(17)
     dist.barrier()
@@ -188,6 +196,9 @@ def load_checkpoint(directory: str, manifest: dict[str, Any] | None, model_chunk
     if problem is not None:
         raise CheckpointError(problem)
     problem = integrity.verify_files(directory, manifest)
+    if problem is not None:
+        raise CheckpointError(problem)
+    problem = safe_load.dist_checkpoint_problem(directory)
     if problem is not None:
         raise CheckpointError(problem)
     same_layout = saved["layout"] == settings["layout"]

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron.sdp4bit.training.checkpoint import common, files
+from megatron.sdp4bit.training.checkpoint import common, disk_space, files
 from megatron.sdp4bit.training.checkpoint import settings as settings_contract
 from megatron.sdp4bit.training.guards import faults
 from megatron.sdp4bit.training.checkpoint.files import CheckpointError
@@ -101,11 +101,12 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
     directory = files.iteration_dir(root, iteration)
     name = f"rank_{rank:05d}.pt"
     entry, error = None, None
+    payload = {"model": _model_state(model_chunks), "optimizer": _optimizer_state(optimizer),
+               "rng": common.rng_state()}
+    disk_space.check_space(root, None, iteration, disk_space.tensor_bytes(payload))
     try:  # a full disk on one rank must stop every rank, not leave them waiting
         files.make_dir(directory)
-        entry = files.save_file({"model": _model_state(model_chunks),
-                                 "optimizer": _optimizer_state(optimizer),
-                                 "rng": common.rng_state()}, os.path.join(directory, name))
+        entry = files.save_file(payload, os.path.join(directory, name))
     except CheckpointError as err:
         error = str(err)
     if faults.active("die-saving", iteration, rank):

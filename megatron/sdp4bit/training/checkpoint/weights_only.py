@@ -41,7 +41,8 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShard
 
 from megatron.sdp4bit import atomic_files
 from megatron.sdp4bit.integration.dist_checkpointing import in_process_writer
-from megatron.sdp4bit.training.checkpoint import common, files, integrity, torch_dist_format
+from megatron.sdp4bit.training.checkpoint import (common, files, integrity, safe_load,
+                                                  torch_dist_format)
 from megatron.sdp4bit.training.checkpoint import settings as settings_contract
 from megatron.sdp4bit.training.checkpoint.files import CheckpointError
 
@@ -72,6 +73,25 @@ def _shapes(state: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return {t.key: tuple(t.global_shape) for t in _sharded_tensors(state)}
 
 
+# The tensors whose rows are the padded vocabulary.
+VOCABULARY_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def padding_fix(differ: dict[str, tuple[tuple[int, ...], tuple[int, ...]]],
+                tp: int) -> str | None:
+    """The flag to name when only the vocabulary's rows differ ({key: (there, here)}): the
+    model flags are the checkpoint's, the padding (divisor x TP) is not."""
+    if not differ or any(k not in VOCABULARY_TENSORS or there[1:] != here[1:]
+                         for k, (there, here) in differ.items()):
+        return None
+    rows = {there[0] for there, _ in differ.values()}.pop()
+    fix = (f"at TP {tp}, --make-vocab-size-divisible-by {rows // tp} gives the checkpoint's "
+           f"{rows}" if rows % tp == 0 else
+           f"choose a TP and --make-vocab-size-divisible-by whose product divides {rows}")
+    return ("the vocabulary is padded to a multiple of --make-vocab-size-divisible-by x TP; "
+            + fix)
+
+
 def shape_problem(directory: str, state: dict[str, Any]) -> str | None:
     """Collective: what keeps this run's model (``state``: its sharded state dict, this
     rank's stage) from the checkpoint's tensors; None when every shape agrees."""
@@ -90,13 +110,19 @@ def shape_problem(directory: str, state: dict[str, Any]) -> str | None:
                           f"({type(err).__name__}: {str(err).splitlines()[0][:200]})")
         else:
             fmt = lambda s: "[" + ", ".join(map(str, s)) + "]"  # noqa: E731
-            wrong = [f"{k} is {fmt(stored[k])} there, {fmt(v)} here"
-                     for k, v in sorted(wanted.items()) if k in stored and stored[k] != v]
+            differ = {k: (stored[k], v) for k, v in sorted(wanted.items())
+                      if k in stored and stored[k] != v}
+            wrong = [f"{k} is {fmt(there)} there, {fmt(here)} here"
+                     for k, (there, here) in differ.items()]
+            others = sorted(set(wanted) ^ set(stored))
             wrong += [f"{k} is missing there" for k in sorted(set(wanted) - set(stored))]
             wrong += [f"{k} is not part of this model" for k in sorted(set(stored) - set(wanted))]
             if wrong:
+                fix = None if others else padding_fix(
+                    differ, parallel_state.get_tensor_model_parallel_world_size())
                 problem[0] = (f"checkpoint {directory} does not fit this model: "
-                              + "; ".join(wrong) + ": pass the checkpoint's model flags")
+                              + "; ".join(wrong) + ": "
+                              + (fix or "pass the checkpoint's model flags"))
     dist.broadcast_object_list(problem, src=0)
     return problem[0]
 
@@ -112,11 +138,29 @@ def model_settings_problem(saved: dict[str, Any], current: dict[str, Any],
             new.pop(k, None)
     diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
     if not diff:
-        return None
-    return (f"checkpoint {directory} was saved with model "
-            f"{settings_contract.describe({k: old.get(k) for k in diff})}; this run has "
-            f"{settings_contract.describe({k: new.get(k) for k in diff})}: pass the checkpoint's model "
-            "flags")
+        return _vocabulary_problem(saved, current, directory)
+    problem = (f"checkpoint {directory} was saved with model "
+               f"{settings_contract.describe({k: old.get(k) for k in diff})}; this run has "
+               f"{settings_contract.describe({k: new.get(k) for k in diff})}")
+    padded, tp = old.get("padded_vocab_size"), current.get("layout", {}).get("tp", 1)
+    if diff == ["padded_vocab_size"] and isinstance(padded, int):
+        # Megatron-LM pads the vocabulary to a multiple of --make-vocab-size-divisible-by x TP
+        return f"{problem}: " + padding_fix(
+            {VOCABULARY_TENSORS[0]: ((padded,), (new["padded_vocab_size"],))}, tp)
+    return f"{problem}: pass the checkpoint's model flags"
+
+
+def _vocabulary_problem(saved: dict[str, Any], current: dict[str, Any],
+                        directory: str) -> str | None:
+    """The tokenizer's vocabulary (before padding), which two tokenizers of one padded size
+    can differ in: the rows would then mean other tokens."""
+    old, new = saved.get("vocab_size"), current.get("vocab_size")
+    if isinstance(old, int) and isinstance(new, int) and old != new:
+        return (f"checkpoint {directory} was trained with a {old}-token vocabulary, this run's "
+                f"tokenizer has {new} tokens (both padded to "
+                f"{current['model'].get('padded_vocab_size')}): its embedding rows would mean "
+                "other tokens; use the tokenizer files the checkpoint was trained with")
+    return None
 
 
 def _consumed(saved_common: dict[str, Any], iteration: int, global_batch: int) -> int:
@@ -140,8 +184,9 @@ def load_weights(directory: str, manifest: dict[str, Any] | None, model_chunks, 
             problem = integrity.verify_files(directory, manifest)
         if problem is not None:
             raise CheckpointError(problem)
+    problem = safe_load.dist_checkpoint_problem(directory)
     state = _chunk_state(model_chunks)
-    problem = shape_problem(directory, state)
+    problem = problem or shape_problem(directory, state)
     if problem is not None:
         raise CheckpointError(problem)
     strategy = TorchDistLoadShardedStrategy()

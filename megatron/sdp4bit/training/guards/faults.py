@@ -11,7 +11,10 @@ misbehave at ITERATION, so that tests can prove what a real fault does to a run
 * ``nan-weight``: just before that iteration's checkpoint is saved, one weight of this
   rank becomes NaN (what a save must refuse to write);
 * ``flip-replica``: after that iteration, one weight of this rank's model replica changes
-  (a replica that drifted from the others', what ``--check-replicas-interval`` must catch).
+  (a replica that drifted from the others', what ``--check-replicas-interval`` must catch);
+* ``fill-disk-saving``: after the space check of that iteration's torch_dist save, the rank
+  fills the file system of ``--save`` up to :data:`FILL_LEAVES` bytes (a disk that another
+  job fills during the save): the small files still fit, the tensors do not.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import functools
 import os
 
 ENV = "SDP4BIT_FAULT"
-KINDS = ("nan-grad", "die-saving", "nan-weight", "flip-replica")
+KINDS = ("nan-grad", "die-saving", "nan-weight", "flip-replica", "fill-disk-saving")
+FILL_LEAVES = 64 << 10
 
 
 @functools.lru_cache(maxsize=8)
@@ -48,3 +52,19 @@ def parse_env() -> frozenset[tuple[str, int, int]]:
 def active(kind: str, iteration: int, rank: int) -> bool:
     """Whether fault ``kind`` is requested for ``rank`` at ``iteration``."""
     return (kind, iteration, rank) in parse_env()
+
+
+def fill_disk(folder: str) -> None:
+    """``fill-disk-saving``: write ``folder/.fill`` until the file system is full, then give
+    back :data:`FILL_LEAVES` bytes."""
+    fd = os.open(os.path.join(folder, ".fill"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        size, block = 0, b"\0" * (1 << 16)
+        while True:
+            try:
+                size += os.write(fd, block)
+            except OSError:
+                break
+        os.ftruncate(fd, max(0, size - FILL_LEAVES))
+    finally:
+        os.close(fd)

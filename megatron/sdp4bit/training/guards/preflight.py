@@ -98,9 +98,9 @@ def check_outputs(args: argparse.Namespace) -> None:
         _writable_dir("--metrics-jsonl", os.path.dirname(os.path.abspath(args.metrics_jsonl)))
 
 
-def check_tokenizer(args: argparse.Namespace, build_tokenizer: Callable[[argparse.Namespace], Any]):
-    """Build the tokenizer with ``build_tokenizer`` (the trainer's; its constructors check
-    their files) and return it. Its files must keep the trust rule first."""
+def check_tokenizer_files(args: argparse.Namespace) -> None:
+    """The tokenizer files (``--vocab-file``, ``--merge-file``, ``--tokenizer-model``, a
+    Hugging Face tokenizer folder's files) keep the trust rule; also used by the tools."""
     for flag in ("--vocab-file", "--merge-file", "--tokenizer-model"):
         path = getattr(args, flag[2:].replace("-", "_"), None)
         if path and os.path.lexists(path):
@@ -109,6 +109,12 @@ def check_tokenizer(args: argparse.Namespace, build_tokenizer: Callable[[argpars
                 for name in sorted(os.listdir(path)):
                     _trusted(os.path.join(path, name), f"a file of {flag}",
                              "copy the folder to one of yours that only you can write")
+
+
+def check_tokenizer(args: argparse.Namespace, build_tokenizer: Callable[[argparse.Namespace], Any]):
+    """Build the tokenizer with ``build_tokenizer`` (the trainer's; its constructors check
+    their files) and return it. Its files must keep the trust rule first."""
+    check_tokenizer_files(args)
     try:
         return build_tokenizer(args)
     except ValueError as err:

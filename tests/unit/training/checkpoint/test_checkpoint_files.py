@@ -65,7 +65,8 @@ def test_pickled_code_is_refused(tmp_path):
 
     path = str(tmp_path / "evil.pt")
     torch.save({"x": RunsCode()}, path)
-    with pytest.raises(cf.CheckpointError, match="is corrupt or not a checkpoint"):
+    with pytest.raises(cf.CheckpointError, match="evil.pt holds a pickled io.open, which is "
+                                                 "not a type a checkpoint holds: "):
         cf.read_verified(path, None)
     assert not (tmp_path / "code-ran").exists()
 

@@ -139,6 +139,43 @@ def test_an_older_manifest_without_openai_gelu_is_a_plain_gelu_model():
     assert model_settings_problem(older, tanh, "D") == said + ": pass the checkpoint's model flags"
 
 
+def test_finetune_names_the_divisor_and_a_vocabulary_of_the_same_padded_size():
+    from megatron.sdp4bit.training.checkpoint.weights_only import model_settings_problem
+
+    saved = {"layout": {"tp": 1}, "model": {"hidden_size": 64, "padded_vocab_size": 640},
+             "vocab_size": 513}
+    tp2 = {"layout": {"tp": 2}, "model": {"hidden_size": 64, "padded_vocab_size": 768},
+           "vocab_size": 513}
+    said = ("checkpoint D was saved with model padded_vocab_size 640; this run has "
+            "padded_vocab_size 768: the vocabulary is padded to a multiple of "
+            "--make-vocab-size-divisible-by x TP; ")
+    assert model_settings_problem(saved, tp2, "D") == (
+        said + "at TP 2, --make-vocab-size-divisible-by 320 gives the checkpoint's 640")
+    tp3 = {**tp2, "layout": {"tp": 3}}
+    assert model_settings_problem(saved, tp3, "D") == (
+        said + "choose a TP and --make-vocab-size-divisible-by whose product divides 640")
+    other = {**saved, "vocab_size": 600}  # another tokenizer, padded to the same 640 rows
+    assert model_settings_problem(saved, other, "D") == (
+        "checkpoint D was trained with a 513-token vocabulary, this run's tokenizer has 600 "
+        "tokens (both padded to 640): its embedding rows would mean other tokens; use the "
+        "tokenizer files the checkpoint was trained with")
+    assert model_settings_problem(saved, {**saved, "vocab_size": None}, "D") is None
+    assert model_settings_problem(saved, saved, "D") is None
+
+
+def test_a_manifest_less_checkpoint_at_another_tp_names_the_divisor():
+    from megatron.sdp4bit.training.checkpoint.weights_only import padding_fix
+
+    rows = {"embedding.word_embeddings.weight": ((640, 64), (768, 64)),
+            "output_layer.weight": ((640, 64), (768, 64))}
+    assert padding_fix(rows, 2) == (
+        "the vocabulary is padded to a multiple of --make-vocab-size-divisible-by x TP; at TP 2, "
+        "--make-vocab-size-divisible-by 320 gives the checkpoint's 640")
+    # another width, or another tensor, is a model of other flags
+    assert padding_fix({"embedding.word_embeddings.weight": ((640, 64), (640, 32))}, 2) is None
+    assert padding_fix({**rows, "decoder.final_layernorm.weight": ((64,), (32,))}, 2) is None
+
+
 def test_a_changed_tokenizer_is_named_unless_the_data_may_change():
     """The record of SentencePieceTokenizer (Megatron-LM's: <EOD> appended) against the
     GPTSentencePieceTokenizer of the same model file: another vocabulary and end of

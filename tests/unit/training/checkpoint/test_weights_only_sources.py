@@ -53,16 +53,21 @@ def _load(args):
     return formats.load(args, [], None, None, {})
 
 
-def test_pretrained_checkpoint_is_used_only_while_load_holds_none(world):
+def test_pretrained_checkpoint_is_used_only_while_load_holds_none(world, capsys):
     folders, calls = world
     folders["pre"] = ("torch_dist", OURS)
     loaded = _load(_args(load="run", pretrained_checkpoint="pre"))
     assert loaded == (0, 0, "pre/iter_0000005", True)
     assert calls == [("weights", "pre/iter_0000005", True)]
+    assert capsys.readouterr().out == ""
     folders["run"] = ("torch_dist", OURS)  # the fine-tuning run saved: a restart resumes it
     assert _load(_args(load="run", pretrained_checkpoint="pre")) == (
         5, 80, "run/iter_0000005", False)
     assert calls[-1] == ("full", "run/iter_0000005")
+    assert capsys.readouterr().out == (  # said, not silently ignored
+        "note: --pretrained-checkpoint pre is not read: --load run holds a checkpoint, which "
+        "this run resumes (Megatron-LM's rule: the pretrained weights start a run only while "
+        "--load holds none)\n")
     with pytest.raises(CheckpointError) as err:
         _load(_args(load="new", pretrained_checkpoint="none"))
     assert str(err.value) == ("--pretrained-checkpoint none holds no checkpoint (no "

@@ -299,7 +299,7 @@ def test_a_bad_fault_spec_is_a_parse_error(monkeypatch):
     with pytest.raises(ArgumentsError) as info:
         parse()
     assert str(info.value) == ("SDP4BIT_FAULT='bogus': use KIND@ITERATION:RANK, KIND one of "
-                               "nan-grad, die-saving, nan-weight, flip-replica")
+                               "nan-grad, die-saving, nan-weight, flip-replica, fill-disk-saving")
 
 
 def test_split_spellings_agree():

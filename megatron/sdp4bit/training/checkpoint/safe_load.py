@@ -1,0 +1,226 @@
+"""Reading a checkpoint's pickles without running code from them.
+
+A checkpoint holds pickles in three places: the per-rank files of ``--ckpt-format torch``,
+and in a torch_dist folder its ``.metadata`` (PyTorch Distributed Checkpoint's index,
+``pickle.dump`` of a ``Metadata``), its ``common.pt`` (megatron-core 0.16; ``torch.save``)
+and the non-tensor objects inside its ``.distcp`` files (``torch.save`` of each object:
+the RNG states, the optimizer's common part, megatron-core 0.19's common state). A pickle
+names the functions it calls while it is read, so a crafted one runs its author's code.
+
+[Note: what is unpickled from a checkpoint, and how]
+Every pickle of a checkpoint, ours or a foreign one (Megatron-LM's, a downloaded one), is
+read by an unpickler that admits only the types such a file legitimately holds:
+
+* ``torch.save`` pickles (per-rank files, ``common.pt``, the ``.distcp`` objects) by
+  ``torch.load(weights_only=True)``: tensors, plain containers and numbers, the types
+  megatron-core registers at import (``megatron.core.safe_globals``: the argparse Namespace,
+  its enums, ...) and :data:`TORCH_GLOBALS`;
+* ``.metadata`` by :class:`_MetadataUnpickler`, which admits exactly the classes PyTorch
+  Distributed Checkpoint writes there (:data:`METADATA_GLOBALS`, and torch's dtypes).
+
+Anything else stops the load with one line naming the file and the refused type, before
+megatron-core or torch reads the folder: :func:`check_dist_checkpoint` reads (and discards)
+every pickle of a torch_dist folder this way first, as the first step of every load of one,
+after the manifest's SHA-256 check where there is a manifest. megatron-core then reads the
+same files with its own loaders (``pickle.load`` for ``.metadata``, ``weights_only=False``
+for the objects); the check proved what they hold, so nothing but the allowed types is
+built. The files cannot change between the two reads but by someone who may write them,
+and the trust rule (``megatron/sdp4bit/trusted_paths.py``, checked before) leaves that to
+this user alone: the two rules together cover a checkpoint's contents (this one) and its
+ownership (that one). This keeps megatron-core's and torch's loaders as they are (no entry
+of the replacement table) on both tested releases, whose loaders differ (0.19 keeps the
+common state inside the ``.distcp`` files). The SHA-256 check alone cannot stand for this
+one: a manifest is written by the checkpoint's author, who may be the attacker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import pickle
+import re
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+
+DCP_METADATA = ".metadata"
+COMMON = "common.pt"
+
+_DCP = "torch.distributed.checkpoint"
+# What PyTorch Distributed Checkpoint pickles into ``.metadata`` (torch 2.x): its metadata
+# dataclasses, the filesystem storage entries, the saved plans, sizes, layouts and paths.
+METADATA_GLOBALS = frozenset({
+    (f"{_DCP}.metadata", "Metadata"), (f"{_DCP}.metadata", "MetadataIndex"),
+    (f"{_DCP}.metadata", "StorageMeta"), (f"{_DCP}.metadata", "TensorProperties"),
+    (f"{_DCP}.metadata", "TensorStorageMetadata"), (f"{_DCP}.metadata", "BytesStorageMetadata"),
+    (f"{_DCP}.metadata", "ChunkStorageMetadata"), (f"{_DCP}.metadata", "_MEM_FORMAT_ENCODING"),
+    (f"{_DCP}.filesystem", "_StorageInfo"),
+    (f"{_DCP}.planner", "SavePlan"), (f"{_DCP}.planner", "WriteItem"),
+    (f"{_DCP}.planner", "WriteItemType"), (f"{_DCP}.planner", "TensorWriteData"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"), ("pathlib", "PosixPath"),  # the saver's checkpoint id
+})
+
+# torch's dtypes, pickled by name (``torch.bfloat16``): looked up here, not with getattr.
+_DTYPES = frozenset(n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype))
+
+# Allowed in ``torch.save`` pickles on top of torch's own and megatron-core's registered types
+# (megatron-core registers these at import, but the tools read checkpoints before that).
+TORCH_GLOBALS = [argparse.Namespace]
+
+
+class UnsafePickle(ValueError):
+    """A checkpoint file that holds a refused type, or is damaged: the one-line message names
+    the file (the loaders turn it into their ``CheckpointError``)."""
+
+
+class _Refused(Exception):
+    """A type the unpickler does not admit (its dotted name)."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in METADATA_GLOBALS or (module == "torch" and name in _DTYPES):
+            return super().find_class(module, name)
+        raise _Refused(f"{module}.{name}")
+
+
+def refusal(path: str, what: str) -> str:
+    return (f"checkpoint file {path} holds a pickled {what}, which is not a type a checkpoint "
+            "holds: refusing to read it (unpickling it would run code); take the checkpoint "
+            "from a source you trust")
+
+
+def _corrupt(path: str, err: BaseException) -> UnsafePickle:
+    return UnsafePickle(f"checkpoint file {path} is corrupt or not a checkpoint "
+                        f"({type(err).__name__}: {str(err).splitlines()[0][:160]})")
+
+
+def read_dcp_metadata(directory: str) -> Metadata:
+    """The ``.metadata`` of a torch_dist folder, through the restricted unpickler."""
+    path = os.path.join(directory, DCP_METADATA)
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except _Refused as refused:
+        raise UnsafePickle(refusal(path, str(refused))) from None
+    except OSError as err:
+        raise UnsafePickle(f"cannot read checkpoint file {path} ({err.strerror}): the "
+                           "checkpoint is incomplete or unreadable") from None
+    except Exception as err:  # noqa: BLE001 - a damaged pickle raises many types
+        raise _corrupt(path, err) from None
+    if not isinstance(metadata, Metadata):
+        raise UnsafePickle(refusal(path, type(metadata).__name__))
+    return metadata
+
+
+_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def torch_load(data: bytes, label: str) -> Any:
+    """``torch.load(weights_only=True)`` of ``data`` (what file ``label`` holds), with
+    :data:`TORCH_GLOBALS` allowed; a refused type or a damaged file is one line naming it."""
+    # torch's context removes its globals on exit, also ones registered before (megatron-core
+    # registers the Namespace at import): add only what is not there yet.
+    extra = [g for g in TORCH_GLOBALS if g not in torch.serialization.get_safe_globals()]
+    try:
+        with torch.serialization.safe_globals(extra):
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = _GLOBAL.search(str(err))
+        if found is None and "weights only load failed" not in str(err).lower():
+            raise _corrupt(label, err) from None
+        what = found.group(1) if found else "object torch's weights-only loader refuses"
+        raise UnsafePickle(refusal(label, what)) from None
+    except Exception as err:  # noqa: BLE001 - torch raises many types for foreign files
+        raise _corrupt(label, err) from None
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as err:
+        raise UnsafePickle(f"cannot read checkpoint file {path} ({err.strerror}): the "
+                           "checkpoint is incomplete or unreadable") from None
+
+
+def _object_bytes(directory: str, metadata: Metadata) -> list[tuple[str, str, bytes]]:
+    """(file, key, bytes) of every non-tensor object the folder's ``.distcp`` files hold."""
+    keys = {k for k, v in metadata.state_dict_metadata.items()
+            if isinstance(v, BytesStorageMetadata)}
+    out = []
+    for index, info in (metadata.storage_data or {}).items():
+        if getattr(index, "fqn", None) not in keys:
+            continue
+        name = getattr(info, "relative_path", None)
+        path = os.path.join(directory, str(name))
+        if (not isinstance(name, str) or os.path.basename(name) != name
+                or name in ("", ".", "..")):
+            raise UnsafePickle(f"checkpoint file {os.path.join(directory, DCP_METADATA)} "
+                               f"names data file {name!r} outside its folder: refusing it")
+        if getattr(info, "transform_descriptors", None):
+            raise UnsafePickle(f"checkpoint file {path} holds object {index.fqn} stored "
+                               f"with transforms {list(info.transform_descriptors)}, which "
+                               "this trainer does not read")
+        with open(path, "rb") as f:
+            f.seek(info.offset)
+            out.append((path, index.fqn, f.read(info.length)))
+    return out
+
+
+def check_dist_checkpoint(directory: str) -> Metadata:
+    """Read every pickle of a torch_dist folder through the restricted unpicklers (see
+    [Note: what is unpickled from a checkpoint, and how]); returns its ``.metadata``.
+    Raises :class:`UnsafePickle` naming the file."""
+    metadata = read_dcp_metadata(directory)
+    common = os.path.join(directory, COMMON)
+    if os.path.isfile(common):
+        torch_load(_read(common), common)
+    try:
+        objects = _object_bytes(directory, metadata)
+    except UnsafePickle:
+        raise
+    except OSError as err:
+        raise UnsafePickle(f"cannot read the data files of checkpoint {directory} "
+                           f"({err.strerror}): the checkpoint is incomplete") from None
+    except (AttributeError, TypeError, ValueError) as err:  # allowed types, wrong values
+        raise _corrupt(os.path.join(directory, DCP_METADATA), err) from None
+    for path, key, data in objects:
+        torch_load(data, f"{path} (object {key})")
+    return metadata
+
+
+def dist_checkpoint_problem(directory: str) -> str | None:
+    """Collective: rank 0 runs :func:`check_dist_checkpoint`; every rank gets its problem
+    (None: every pickle of the folder holds only the allowed types)."""
+    import torch.distributed as dist
+
+    problem: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            check_dist_checkpoint(directory)
+        except UnsafePickle as err:
+            problem[0] = str(err)
+    dist.broadcast_object_list(problem, src=0)
+    return problem[0]
+
+
+def safe_reader(directory: str):
+    """A PyTorch Distributed Checkpoint ``FileSystemReader`` of ``directory`` whose
+    ``.metadata`` goes through :func:`read_dcp_metadata` (for the tools, which load with
+    ``torch.distributed.checkpoint`` directly)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class _Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            metadata = read_dcp_metadata(directory)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return _Reader(directory)
