@@ -23,7 +23,7 @@ import re
 import sys
 from pathlib import Path
 
-from megatron.sdp4bit.config import SUPPORTED_BITS
+from megatron.sdp4bit.config import ACCEPTED_BITS
 from megatron.sdp4bit.training.cli import megatron_flags as mf
 from megatron.sdp4bit.training.cli.arguments import build_parser
 
@@ -101,8 +101,8 @@ def sdp4bit_table(parser: argparse.ArgumentParser) -> str:
             default = NONE_DEFAULTS[flag] if action.default is None else str(action.default)
             if action.choices:
                 values = ", ".join(map(str, action.choices))
-            elif "bits" in flag:
-                values = ", ".join(map(str, SUPPORTED_BITS))
+            elif action.dest in ACCEPTED_BITS:
+                values = ", ".join(map(str, ACCEPTED_BITS[action.dest]))
             else:
                 values = ACCEPTED[flag]
         rows.append(f"| `{flag}` | {default} | {values} | {_help(action)} |")

@@ -122,6 +122,17 @@ ERRORS = {
     "unknown-flag": ("--no-such-flag", "unrecognized arguments: --no-such-flag"),
     "bad-bits": ("--use-distributed-optimizer --weight-quantization-bits 3",
                  "--weight-quantization-bits=3 is not supported: use one of (4, 8)"),
+    "two-bit-weights": ("--use-distributed-optimizer --weight-quantization-bits 2",
+                        "--weight-quantization-bits=2 is not supported: use one of (4, 8)"),
+    "two-bit-intra": ("--use-distributed-optimizer --gradient-quantization-bits-intra 2",
+                      "--gradient-quantization-bits-intra=2 is not supported: use one of (4, 8)"),
+    "bad-inter-bits": ("--use-distributed-optimizer --gradient-quantization-bits-inter 3",
+                       "--gradient-quantization-bits-inter=3 is not supported: use one of "
+                       "(2, 4, 8)"),
+    "two-bit-group": ("--use-distributed-optimizer --gradient-quantization-bits-inter 2 "
+                      "--gq-group-size-inter 130",
+                      "--gq-group-size-inter=130 must be a multiple of 4 at 2 bits (four codes "
+                      "per byte)"),
     "hadamard-group": ("--use-distributed-optimizer --quantized-gradients --hadamard-transform "
                        "--gq-group-size-inter 48",
                        "--gq-group-size-inter=48 is not a multiple of --hadamard-block-size=32"),
