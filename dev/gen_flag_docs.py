@@ -43,9 +43,12 @@ ACCEPTED: dict[str, str] = {
     "--gq-group-size-intra": _GROUP_SIZE + " (a multiple of the Hadamard block with "
     "`--hadamard-transform`; it and `--gq-group-size-inter` divide one another)",
     "--gq-group-size-inter": _GROUP_SIZE + " (a multiple of the Hadamard block with "
-    "`--hadamard-transform`; it and `--gq-group-size-intra` divide one another)",
+    "`--hadamard-transform`; it and `--gq-group-size-intra` divide one another; a multiple "
+    "of 4 at 2 bits)",
     "--hadamard-block-size": "power of two dividing both gradient group sizes",
     "--gradient-alltoall-pipeline": "integer >= 1",
+    "--gradient-error-feedback-decay": "number in [0, 1)",
+    "--gradient-error-feedback-reset-interval": "integer >= 0 (0 = never)",
     "--gradients-quantization-start-iteration": "integer >= 0",
     "--dp-ranks-per-node": "integer >= 1 dividing the data-parallel size",
     "--seed": "integer",

@@ -74,6 +74,22 @@ class SDP4BitConfig:
     gq_group_size_inter: int = 128
     """Group size on the inter-node hop."""
 
+    gradient_error_feedback: bool = False
+    """Error feedback on the inter-node hop: each rank adds what its last inter-node
+    requantization of a bucket lost before the next one (memory: 1/N of the gradient
+    buckets, at 8 bits by default)."""
+
+    gradient_error_feedback_decay: float = 0.0
+    """Error feedback: weight of the previous error in each update, in [0, 1) (0 = classic
+    error feedback)."""
+
+    gradient_error_feedback_reset_interval: int = 0
+    """Error feedback: zero the error every this many reduce-scatters of a bucket (0 =
+    never)."""
+
+    gradient_error_feedback_storage: Literal["int8", "fp32"] = "int8"
+    """Error feedback: keep the error at 8 bits (groups of the inter hop) or in fp32."""
+
     hadamard_transform: bool = False
     """TLq-HS: smooth gradient outliers with a block Hadamard transform before quantizing."""
 
@@ -167,6 +183,26 @@ class SDP4BitConfig:
                 "gradients_quantization_start_iteration="
                 f"{self.gradients_quantization_start_iteration} must be >= 0"
             )
+        ef_knobs = {"gradient_error_feedback_decay": 0.0,
+                    "gradient_error_feedback_reset_interval": 0,
+                    "gradient_error_feedback_storage": "int8"}
+        if not self.gradient_error_feedback:
+            for name, default in ef_knobs.items():
+                if getattr(self, name) != default:
+                    raise ValueError(f"{name}={getattr(self, name)} needs "
+                                     "gradient_error_feedback=True")
+        elif not self.quantized_gradients:
+            raise ValueError("gradient_error_feedback=True needs quantized_gradients=True: it "
+                             "compensates the quantized inter-node hop")
+        if not 0.0 <= self.gradient_error_feedback_decay < 1.0:
+            raise ValueError(f"gradient_error_feedback_decay={self.gradient_error_feedback_decay}"
+                             " must be in [0, 1)")
+        if self.gradient_error_feedback_reset_interval < 0:
+            raise ValueError("gradient_error_feedback_reset_interval="
+                             f"{self.gradient_error_feedback_reset_interval} must be >= 0")
+        if self.gradient_error_feedback_storage not in ("int8", "fp32"):
+            raise ValueError("gradient_error_feedback_storage="
+                             f"{self.gradient_error_feedback_storage!r}: use 'int8' or 'fp32'")
         if self.dp_ranks_per_node is not None and self.dp_ranks_per_node < 1:
             raise ValueError(f"dp_ranks_per_node={self.dp_ranks_per_node} must be >= 1")
 

@@ -29,6 +29,11 @@ def install(config: SDP4BitConfig, state: TrainState, transformer_config, *,
     if dist.get_rank() == 0:
         print(f"SDP4Bit installed on {len(handle.bucket_numels)} bucket(s): "
               f"{describe(config)}", flush=True)
+        if config.gradient_error_feedback:
+            print(f"SDP4Bit error feedback on the inter-node hop: "
+                  f"{handle.error_feedback_nbytes / 2**20:.2f} MiB of error state on this "
+                  f"rank ({config.gradient_error_feedback_storage}, 1/N of the gradient "
+                  "buckets)", flush=True)
     return handle
 
 
@@ -51,7 +56,13 @@ def describe(config: SDP4BitConfig) -> str:
             f"{config.gq_group_size_intra}, inter {config.gradient_quantization_bits_inter}-bit "
             f"group {config.gq_group_size_inter}{hadamard}, pipeline "
             f"{config.gradient_alltoall_pipeline}, from iteration "
-            f"{config.gradients_quantization_start_iteration}")
+            f"{config.gradients_quantization_start_iteration}"
+            + (f", error feedback on the inter hop (decay "
+               f"{config.gradient_error_feedback_decay}, "
+               + (f"reset every {config.gradient_error_feedback_reset_interval} calls"
+                  if config.gradient_error_feedback_reset_interval else "never reset")
+               + f", {config.gradient_error_feedback_storage} storage)"
+               if config.gradient_error_feedback else ""))
     parts.append(f"{config.quantization_rounding} rounding, {config.kernel_backend} kernels")
     return " | ".join(parts)
 

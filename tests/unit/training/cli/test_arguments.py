@@ -129,6 +129,20 @@ ERRORS = {
     "bad-inter-bits": ("--use-distributed-optimizer --gradient-quantization-bits-inter 3",
                        "--gradient-quantization-bits-inter=3 is not supported: use one of "
                        "(2, 4, 8)"),
+    "ef-with-save": ("--use-distributed-optimizer --quantized-gradients --gradient-error-feedback "
+                     "--save /tmp/x",
+                     "--gradient-error-feedback cannot be combined with --save yet: the error "
+                     "state is not saved in checkpoints (a resume would not be bit-exact); drop "
+                     "one"),
+    "ef-without-tlq": ("--use-distributed-optimizer --gradient-error-feedback",
+                       "--gradient-error-feedback=True needs --quantized-gradients=True: it "
+                       "compensates the quantized inter-node hop"),
+    "ef-knob-alone": ("--use-distributed-optimizer --quantized-gradients "
+                      "--gradient-error-feedback-decay 0.5",
+                      "--gradient-error-feedback-decay=0.5 needs --gradient-error-feedback=True"),
+    "ef-decay": ("--use-distributed-optimizer --quantized-gradients --gradient-error-feedback "
+                 "--gradient-error-feedback-decay 1",
+                 "--gradient-error-feedback-decay=1.0 must be in [0, 1)"),
     "two-bit-group": ("--use-distributed-optimizer --gradient-quantization-bits-inter 2 "
                       "--gq-group-size-inter 130",
                       "--gq-group-size-inter=130 must be a multiple of 4 at 2 bits (four codes "
