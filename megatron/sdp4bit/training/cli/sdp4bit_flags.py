@@ -2,8 +2,8 @@
 
 Field ``foo_bar`` becomes ``--foo-bar``; the field's docstring is the flag's help; a ``bool``
 field is a ``store_true`` switch, a ``Literal`` field offers its values as choices,
-``int`` / ``float`` take a number and ``int | None`` an integer (``None`` when absent). The dataclass default is the flag's
-default. Field ``seed`` is shared with Megatron's ``--seed`` and is not added twice;
+``int`` / ``float`` take a number and ``int | None`` an integer (``None`` when absent). The
+dataclass default is the flag's default. Field ``seed`` is shared with Megatron's ``--seed`` and is not added twice;
 ``--rounding-seed`` sets it alone (the rounding noise without the data order and the
 initialization), for measuring the method's run-to-run noise.
 """
