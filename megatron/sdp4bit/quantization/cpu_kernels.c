@@ -171,7 +171,7 @@ static float quantize_group(const float *restrict x, int64_t G, uint8_t *restric
     const float scale = m >= 0x7F800000u ? NAN : bits_to_f32(m) / fqm;
     if (!(scale > 0.0f)) { /* zeros, or NaN/Inf in the group: every code is q = 0 */
         uint8_t zero = (uint8_t)(qm + 1);
-        for (int k = bits; k < 8; k += bits) zero |= (uint8_t)((qm + 1) << k);
+        for (int64_t k = bits; k < 8; k += bits) zero |= (uint8_t)((qm + 1) << k);
         memset(dst, zero, (size_t)(G * bits / 8));
         return scale;
     }
@@ -214,7 +214,7 @@ enum { SET = 0, SET_FROM_ZERO = 1, ADD = 2 };
         } else if (bits == 2) {                                                            \
             const uint8_t *p = payload + e / 4;                                            \
             for (int64_t jj = 0; jj < run / 4; jj++) {                                     \
-                for (int k = 0; k < 4; k++) {                                              \
+                for (int64_t k = 0; k < 4; k++) {                                          \
                     const int64_t j = 4 * jj + k;                                          \
                     const float v = ((float)((p[jj] >> (2 * k)) & 0x03) - off) * s;        \
                     a[j] = EXPR;                                                           \
