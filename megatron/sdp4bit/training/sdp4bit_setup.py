@@ -28,43 +28,13 @@ def install(config: SDP4BitConfig, state: TrainState, transformer_config, *,
     state.sdp4bit = config
     if dist.get_rank() == 0:
         print(f"SDP4Bit installed on {len(handle.bucket_numels)} bucket(s): "
-              f"{describe(config)}", flush=True)
+              f"{config.describe()}", flush=True)
         if config.gradient_error_feedback:
             print(f"SDP4Bit error feedback on the inter-node hop: "
                   f"{handle.error_feedback_nbytes / 2**20:.2f} MiB of error state on this "
                   f"rank ({config.gradient_error_feedback_storage}, 1/N of the gradient "
                   "buckets)", flush=True)
     return handle
-
-
-def describe(config: SDP4BitConfig) -> str:
-    """One line saying what is quantized and how, for the log."""
-    parts = []
-    if config.quantized_weights:
-        name = "qW (direct)"
-        if config.weight_quantization_mode == "diff":
-            name = "qWD" + (" of the rounded main weights"
-                            if config.weight_difference_target == "rounded-main" else "")
-        parts.append(f"weights {name} {config.weight_quantization_bits}-bit, "
-                     f"group {config.wq_group_size}")
-    if config.quantized_gradients:
-        name = "TLq-HS" if config.hadamard_transform else "TLq"
-        hadamard = (f", Hadamard {config.hadamard_block_size}" if config.hadamard_transform
-                    else "")
-        parts.append(
-            f"gradients {name} intra {config.gradient_quantization_bits_intra}-bit group "
-            f"{config.gq_group_size_intra}, inter {config.gradient_quantization_bits_inter}-bit "
-            f"group {config.gq_group_size_inter}{hadamard}, pipeline "
-            f"{config.gradient_alltoall_pipeline}, from iteration "
-            f"{config.gradients_quantization_start_iteration}"
-            + (f", error feedback on the inter hop (decay "
-               f"{config.gradient_error_feedback_decay}, "
-               + (f"reset every {config.gradient_error_feedback_reset_interval} calls"
-                  if config.gradient_error_feedback_reset_interval else "never reset")
-               + f", {config.gradient_error_feedback_storage} storage)"
-               if config.gradient_error_feedback else ""))
-    parts.append(f"{config.quantization_rounding} rounding, {config.kernel_backend} kernels")
-    return " | ".join(parts)
 
 
 def uninstall(args: argparse.Namespace, state: TrainState, handle) -> None:

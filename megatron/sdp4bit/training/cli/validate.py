@@ -7,11 +7,11 @@ import math
 import os
 import re
 
+from megatron.sdp4bit.config_flags import in_flag_words, sdp4bit_config_from_args
 from megatron.sdp4bit.training.cli.errors import ArgumentsError
 from megatron.sdp4bit.training.cli.megatron_flags import check_megatron_flags, scheduler_steps
 from megatron.sdp4bit.training.guards import faults
 from megatron.sdp4bit.training.tokenizers import registry as tokenizer_registry
-from megatron.sdp4bit.training.cli.sdp4bit_flags import sdp4bit_config_from_args
 
 FP32_TINY, FP32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38
 WEEK_SECONDS = 7 * 24 * 3600  # longest timeout accepted: beyond it a hang is never noticed
@@ -276,11 +276,7 @@ def _check_sdp4bit(args: argparse.Namespace) -> None:
     try:
         config = sdp4bit_config_from_args(args)
     except ValueError as err:
-        # The config speaks in field names (wq_group_size=...); a user typed flags.
-        message = re.sub(r"\b([a-z]+(?:_[a-z0-9]+)+)=",
-                         lambda m: "--" + m.group(1).replace("_", "-") + "=",
-                         str(err).splitlines()[0])
-        _fail(message)
+        _fail(in_flag_words(err))
         return
     # The library's own check (install_sdp4bit runs it again on the built model), worded
     # with the flags; the trainer has no flag for the other setups it refuses.
@@ -298,8 +294,9 @@ def _check_sdp4bit(args: argparse.Namespace) -> None:
     if config.gradient_error_feedback and getattr(args, "save", None):
         # The error state is not in the checkpoint yet: a resume would restart it from zero,
         # silently not bit-exact. Refused until the checkpoint holds it.
-        _fail("--gradient-error-feedback cannot be combined with --save yet: the error state "
-              "is not saved in checkpoints (a resume would not be bit-exact); drop one")
+        from megatron.sdp4bit.comm.error_feedback import SAVE_REFUSAL
+
+        _fail(SAVE_REFUSAL)
     _check_padding_fits(args, config)
     if config.dp_ranks_per_node is not None and args.data_parallel_size % config.dp_ranks_per_node:
         _fail(f"--dp-ranks-per-node={config.dp_ranks_per_node} does not divide the data-parallel "
