@@ -23,7 +23,7 @@ import re
 import sys
 from pathlib import Path
 
-from megatron.sdp4bit.config import SUPPORTED_BITS
+from megatron.sdp4bit.config import ACCEPTED_BITS
 from megatron.sdp4bit.training.cli import megatron_flags as mf
 from megatron.sdp4bit.training.cli.arguments import build_parser
 
@@ -43,9 +43,12 @@ ACCEPTED: dict[str, str] = {
     "--gq-group-size-intra": _GROUP_SIZE + " (a multiple of the Hadamard block with "
     "`--hadamard-transform`; it and `--gq-group-size-inter` divide one another)",
     "--gq-group-size-inter": _GROUP_SIZE + " (a multiple of the Hadamard block with "
-    "`--hadamard-transform`; it and `--gq-group-size-intra` divide one another)",
+    "`--hadamard-transform`; it and `--gq-group-size-intra` divide one another; a multiple "
+    "of 4 at 2 bits)",
     "--hadamard-block-size": "power of two dividing both gradient group sizes",
     "--gradient-alltoall-pipeline": "integer >= 1",
+    "--gradient-error-feedback-decay": "number in [0, 1)",
+    "--gradient-error-feedback-reset-interval": "integer >= 0 (0 = never)",
     "--gradients-quantization-start-iteration": "integer >= 0",
     "--dp-ranks-per-node": "integer >= 1 dividing the data-parallel size",
     "--seed": "integer",
@@ -101,8 +104,8 @@ def sdp4bit_table(parser: argparse.ArgumentParser) -> str:
             default = NONE_DEFAULTS[flag] if action.default is None else str(action.default)
             if action.choices:
                 values = ", ".join(map(str, action.choices))
-            elif "bits" in flag:
-                values = ", ".join(map(str, SUPPORTED_BITS))
+            elif action.dest in ACCEPTED_BITS:
+                values = ", ".join(map(str, ACCEPTED_BITS[action.dest]))
             else:
                 values = ACCEPTED[flag]
         rows.append(f"| `{flag}` | {default} | {values} | {_help(action)} |")

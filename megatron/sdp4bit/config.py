@@ -11,7 +11,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-SUPPORTED_BITS = (4, 8)
+SUPPORTED_BITS = (2, 4, 8)
+"""Bit widths the quantizer, its wire format and every kernel backend implement."""
+ACCEPTED_BITS = {
+    "weight_quantization_bits": (4, 8),
+    "gradient_quantization_bits_intra": (4, 8),
+    "gradient_quantization_bits_inter": (2, 4, 8),
+}
+"""The bit widths each flag accepts. 2 bits are offered on the inter-node gradient hop only:
+that is where bytes are scarcest, and the only place they are tested end to end."""
 KERNEL_BACKENDS = ("auto", "torch", "triton", "cpu")
 """The kernel backends, the one list of them (``quantization.backend.KernelBackend`` is made
 from it; the ``--kernel-backend`` choices are read from the field below)."""
@@ -21,10 +29,10 @@ def _is_power_of_two(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
 
-def check_bits(name: str, bits: int) -> None:
-    """Raise ``ValueError`` unless ``bits`` is a supported bit width."""
-    if bits not in SUPPORTED_BITS:
-        raise ValueError(f"{name}={bits} is not supported: use one of {SUPPORTED_BITS}")
+def check_bits(name: str, bits: int, accepted: tuple[int, ...] = SUPPORTED_BITS) -> None:
+    """Raise ``ValueError`` unless ``bits`` is one of ``accepted``."""
+    if bits not in accepted:
+        raise ValueError(f"{name}={bits} is not supported: use one of {accepted}")
 
 
 @dataclass(frozen=True)
@@ -60,10 +68,27 @@ class SDP4BitConfig:
     """Group size on the intra-node hop (the paper's scripts pass 128)."""
 
     gradient_quantization_bits_inter: int = 4
-    """Bits on the inter-node hop of the gradient reduce-scatter: 4 or 8."""
+    """Bits on the inter-node hop of the gradient reduce-scatter: 2, 4 or 8 (2 bits: the
+    levels -1, 0, 1 times the group's absmax)."""
 
     gq_group_size_inter: int = 128
     """Group size on the inter-node hop."""
+
+    gradient_error_feedback: bool = False
+    """Error feedback on the inter-node hop: each rank adds what its last inter-node
+    requantization of a bucket lost before the next one (memory: 1/N of the gradient
+    buckets, at 8 bits by default)."""
+
+    gradient_error_feedback_decay: float = 0.0
+    """Error feedback: weight of the previous error in each update, in [0, 1) (0 = classic
+    error feedback)."""
+
+    gradient_error_feedback_reset_interval: int = 0
+    """Error feedback: zero the error every this many reduce-scatters of a bucket (0 =
+    never)."""
+
+    gradient_error_feedback_storage: Literal["int8", "fp32"] = "int8"
+    """Error feedback: keep the error at 8 bits (groups of the inter hop) or in fp32."""
 
     hadamard_transform: bool = False
     """TLq-HS: smooth gradient outliers with a block Hadamard transform before quantizing."""
@@ -96,13 +121,16 @@ class SDP4BitConfig:
     compiled backends. All give the same bits."""
 
     def __post_init__(self) -> None:
-        check_bits("weight_quantization_bits", self.weight_quantization_bits)
-        check_bits("gradient_quantization_bits_intra", self.gradient_quantization_bits_intra)
-        check_bits("gradient_quantization_bits_inter", self.gradient_quantization_bits_inter)
+        for name, accepted in ACCEPTED_BITS.items():
+            check_bits(name, getattr(self, name), accepted)
         for name in ("wq_group_size", "gq_group_size_intra", "gq_group_size_inter"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0 or value % 2:
                 raise ValueError(f"{name}={value} must be a positive even integer")
+        if self.gradient_quantization_bits_inter == 2 and self.gq_group_size_inter % 4:
+            # Four 2-bit codes per byte: a group must fill whole bytes.
+            raise ValueError(f"gq_group_size_inter={self.gq_group_size_inter} must be a "
+                             "multiple of 4 at 2 bits (four codes per byte)")
         if self.weight_quantization_mode not in ("diff", "direct"):
             raise ValueError(
                 f"weight_quantization_mode={self.weight_quantization_mode!r}: use 'diff' or 'direct'"
@@ -155,6 +183,26 @@ class SDP4BitConfig:
                 "gradients_quantization_start_iteration="
                 f"{self.gradients_quantization_start_iteration} must be >= 0"
             )
+        ef_knobs = {"gradient_error_feedback_decay": 0.0,
+                    "gradient_error_feedback_reset_interval": 0,
+                    "gradient_error_feedback_storage": "int8"}
+        if not self.gradient_error_feedback:
+            for name, default in ef_knobs.items():
+                if getattr(self, name) != default:
+                    raise ValueError(f"{name}={getattr(self, name)} needs "
+                                     "gradient_error_feedback=True")
+        elif not self.quantized_gradients:
+            raise ValueError("gradient_error_feedback=True needs quantized_gradients=True: it "
+                             "compensates the quantized inter-node hop")
+        if not 0.0 <= self.gradient_error_feedback_decay < 1.0:
+            raise ValueError(f"gradient_error_feedback_decay={self.gradient_error_feedback_decay}"
+                             " must be in [0, 1)")
+        if self.gradient_error_feedback_reset_interval < 0:
+            raise ValueError("gradient_error_feedback_reset_interval="
+                             f"{self.gradient_error_feedback_reset_interval} must be >= 0")
+        if self.gradient_error_feedback_storage not in ("int8", "fp32"):
+            raise ValueError("gradient_error_feedback_storage="
+                             f"{self.gradient_error_feedback_storage!r}: use 'int8' or 'fp32'")
         if self.dp_ranks_per_node is not None and self.dp_ranks_per_node < 1:
             raise ValueError(f"dp_ranks_per_node={self.dp_ranks_per_node} must be >= 1")
 
@@ -185,7 +233,13 @@ class SDP4BitConfig:
                 f"{self.gq_group_size_intra}, inter {self.gradient_quantization_bits_inter}-bit "
                 f"group {self.gq_group_size_inter}{hadamard}, pipeline "
                 f"{self.gradient_alltoall_pipeline}, from iteration "
-                f"{self.gradients_quantization_start_iteration}")
+                f"{self.gradients_quantization_start_iteration}"
+                + (", error feedback on the inter hop (decay "
+                   f"{self.gradient_error_feedback_decay}, "
+                   + (f"reset every {self.gradient_error_feedback_reset_interval} calls"
+                      if self.gradient_error_feedback_reset_interval else "never reset")
+                   + f", {self.gradient_error_feedback_storage} storage)"
+                   if self.gradient_error_feedback else ""))
         parts.append(f"{self.quantization_rounding} rounding, {self.kernel_backend} kernels")
         return " | ".join(parts)
 

@@ -4,9 +4,9 @@ Beside ``config.py`` (no layer): the trainer's parser (``training/cli/arguments.
 Megatron-LM's, through the plug-in (``integration/megatron_lm.py``), add the same group.
 
 Field ``foo_bar`` becomes ``--foo-bar``; the field's docstring is the flag's help; a ``bool``
-field is a ``store_true`` switch, a ``Literal`` field offers its values as choices and
-``int | None`` takes an integer (``None`` when absent). The dataclass default is the flag's
-default. Field ``seed`` is shared with Megatron's ``--seed`` and is not added twice;
+field is a ``store_true`` switch, a ``Literal`` field offers its values as choices,
+``int`` / ``float`` take a number and ``int | None`` an integer (``None`` when absent). The
+dataclass default is the flag's default. Field ``seed`` is shared with Megatron's ``--seed`` and is not added twice;
 ``--rounding-seed`` sets it alone (the rounding noise without the data order and the
 initialization), for measuring the method's run-to-run noise.
 """
@@ -65,8 +65,8 @@ def add_sdp4bit_flags(parser: argparse.ArgumentParser) -> None:
         elif typing.get_origin(hint) is typing.Literal:
             kwargs["choices"] = list(typing.get_args(hint))
             kwargs["type"] = str
-        elif hint is int:
-            kwargs["type"] = int
+        elif hint in (int, float):
+            kwargs["type"] = hint
         elif typing.get_origin(hint) in (typing.Union, types.UnionType):
             inner = [a for a in typing.get_args(hint) if a is not type(None)]
             if len(inner) != 1 or inner[0] is not int:

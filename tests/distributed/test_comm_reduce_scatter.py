@@ -304,6 +304,61 @@ def _backend_cases(topo, world: int, rank: int) -> None:
         assert torch.equal(out, outs[0]), "the backends disagree"
 
 
+def _two_bit_cases(topo, world: int, rank: int) -> None:
+    """The 2-bit inter-node hop (levels -s, 0, s with s = absmax): within the derived bound,
+    beside torch's own reduce-scatter too; bytes per hop equal the formula; every backend
+    gives the same bits; and the inter bit width really is what the inter hop uses."""
+    from megatron.sdp4bit.comm import CommStats, GradientQuantConfig, two_level_reduce_scatter
+
+    n, m = topo.ranks_per_node, topo.nodes
+    x = _data(rank, world * SHARD, 21)
+    shards = rsb.gather_shards(x, topo.group, world, rank)
+    errs = {}
+    for hadamard in (0, H):
+        for bits in (2, 4):
+            cfg = GradientQuantConfig(intra_group_size=G_INTRA, inter_bits=bits,
+                                      inter_group_size=G_INTER, hadamard_block=hadamard,
+                                      pipeline_slices=2, kernel_backend="torch")
+            stats = CommStats()
+            out = torch.empty(SHARD)
+            two_level_reduce_scatter(out, x, topology=topo, config=cfg, seed=5, stats=stats)
+            errs[hadamard, bits] = _check_error(out, shards, n, m, cfg, False)
+            if bits == 2:
+                c = SHARD // 2
+                inter = ((m - 1) * 2 * _expected_bytes(c, 2, G_INTER) if n > 1
+                         else (m - 1) * _expected_bytes(SHARD, 2, G_INTER))
+                assert stats.grad_inter_bytes == inter
+                assert stats.grad_inter_bytes_baseline == (m - 1) * SHARD * 4
+                if m > 1:  # 32 / (2 + 32/32) at group 32; 14.2x at the default group 128
+                    assert stats.grad_inter_bytes_baseline / inter == 32 / (2 + 32 / G_INTER)
+                theirs = torch.empty(SHARD)
+                dist.reduce_scatter_single(theirs, x.clone(), group=topo.group)
+                bound, _, mag = rsb.bounds(shards, n, m, cfg, False, 1.0)
+                diff = out.double() - theirs.double()
+                if hadamard:
+                    diff = rsb.hadamard64(diff, H)
+                block = hadamard or 1
+                assert (diff.view(-1, block).norm(dim=1)
+                        <= (bound * 1.001 + 2e-5 * mag).view(-1, block).norm(dim=1)).all()
+    if m > 1:  # the inter hop runs at the bits asked for: 3 levels lose more than 15
+        assert errs[0, 2] > 1.5 * errs[0, 4], f"2-bit not worse than 4-bit: {errs}"
+    else:  # no inter hop: the inter bit width is unused
+        assert errs[0, 2] == errs[0, 4]
+    if n > 1 and m > 1:
+        xb = _data(rank, world * SHARD, 22).to(torch.bfloat16)
+        outs = []
+        for backend in ("torch", "cpu") + (("triton",) if triton_available() else ()):
+            cfg = GradientQuantConfig(intra_group_size=G_INTRA, inter_bits=2,
+                                      inter_group_size=G_INTER, hadamard_block=H,
+                                      pipeline_slices=2, kernel_backend=backend)
+            out = torch.empty(SHARD)
+            two_level_reduce_scatter(out, xb, topology=topo, config=cfg, op=ReduceOp.AVG,
+                                     seed=7)
+            outs.append(out)
+        for out in outs[1:]:
+            assert torch.equal(out, outs[0]), "the backends disagree at 2 bits"
+
+
 def _bad_input_cases(topo, world: int, rank: int) -> None:
     """Every rank raises the same ValueError before any collective; the group stays usable."""
     from megatron.sdp4bit.comm import GradientQuantConfig, two_level_reduce_scatter
@@ -317,8 +372,12 @@ def _bad_input_cases(topo, world: int, rank: int) -> None:
     with pytest.raises(ValueError, match=r"not a multiple of .*pad_numel"):
         two_level_reduce_scatter(torch.empty(SHARD - 64), short, topology=topo, config=cfg,
                                  seed=0)
-    with pytest.raises(ValueError, match="inter_bits=2 is not supported"):
-        GradientQuantConfig(inter_bits=2)
+    with pytest.raises(ValueError, match=r"intra_bits=2 is not supported: use one of \(4, 8\)"):
+        GradientQuantConfig(intra_bits=2)
+    with pytest.raises(ValueError, match=r"inter_bits=3 is not supported: use one of \(2, 4, 8\)"):
+        GradientQuantConfig(inter_bits=3)
+    with pytest.raises(ValueError, match="inter_group_size=6 must be a multiple of 4 at 2"):
+        GradientQuantConfig(inter_bits=2, inter_group_size=6)
     with pytest.raises(ValueError, match="op=.* is not supported"):
         two_level_reduce_scatter(torch.empty(SHARD), x, topology=topo, config=cfg,
                                  op=ReduceOp.MAX, seed=0)
@@ -387,6 +446,7 @@ def _phase(n: int, dp_groups: list[list[int]]) -> None:
     _advance_cases(topo, world, rank)
     if topo.ranks_per_node > 1 and topo.nodes > 1:
         _backend_cases(topo, world, rank)
+    _two_bit_cases(topo, world, rank)
     _bad_input_cases(topo, world, rank)
 
 

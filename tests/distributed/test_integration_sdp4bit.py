@@ -37,6 +37,9 @@ METHODS = {
     "TLq": dict(quantized_gradients=True),
     "TLq-HS": dict(quantized_gradients=True, hadamard_transform=True),
     "SDP4Bit": dict(quantized_weights=True, quantized_gradients=True, hadamard_transform=True),
+    # error feedback on the inter-node hop (int8 state, the default)
+    "SDP4Bit-EF": dict(quantized_weights=True, quantized_gradients=True,
+                       hadamard_transform=True, gradient_error_feedback=True),
 }
 
 
@@ -211,7 +214,7 @@ def _methods_worker(rank: int, world_size: int, tp: int, pp: int, methods: list[
 @pytest.mark.parametrize(
     "tp,pp,methods,overlap_methods",
     [
-        (1, 1, ["qWD", "qWD-rounded", "TLq", "TLq-HS", "SDP4Bit"], ["SDP4Bit"]),
+        (1, 1, ["qWD", "qWD-rounded", "TLq", "TLq-HS", "SDP4Bit"], ["SDP4Bit", "SDP4Bit-EF"]),
         (2, 1, ["SDP4Bit"], ["SDP4Bit"]),
         (1, 2, [], ["SDP4Bit"]),
     ],

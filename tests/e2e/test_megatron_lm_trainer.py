@@ -149,7 +149,14 @@ def test_megatron_lm_trainer_trains_saves_and_resumes_with_sdp4bit(tmp_path):
     (["--use-distributed-optimizer", "--quantized-gradients", "--gq-group-size-intra", "96"],
      "--gq-group-size-intra=96 and --gq-group-size-inter=128 must divide one another "
      "(e.g. 128 and 128, or 512 and 128)"),
-], ids=["no-distributed-optimizer", "group-sizes"])
+    (["--use-distributed-optimizer", "--quantized-gradients", "--gradient-error-feedback",
+      "--save", "/tmp/unused"],
+     "--gradient-error-feedback cannot be combined with --save yet: the error state is not "
+     "saved in checkpoints (a resume would not be bit-exact); drop one"),
+    (["--use-distributed-optimizer", "--quantized-gradients",
+      "--gradient-quantization-bits-intra", "2"],
+     "--gradient-quantization-bits-intra=2 is not supported: use one of (4, 8)"),
+], ids=["no-distributed-optimizer", "group-sizes", "error-feedback-save", "two-bit-intra"])
 def test_bad_flags_and_layouts_are_refused_in_one_line_before_anything_runs(
         change, line, monkeypatch, capsys):
     """Megatron-LM parses and validates before it starts torch.distributed: in this process,

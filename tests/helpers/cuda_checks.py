@@ -6,7 +6,7 @@ What the cases cover, per operation: both weight modes of qWD (the difference to
 main weights, 'main'; the difference to the main weights rounded to the replica's dtype,
 'rounded-main'; and qW's direct quantization without a replica); both gradient hops of
 TLq-HS (the 8-bit intra-node hop and the 4-bit inter-node hop, with the 8 -> 4 bit
-requantization between them, and each single-hop topology); the Hadamard transform on and
+requantization between them, and each single-hop topology; the 2-bit inter-node hop too); the Hadamard transform on and
 off; NaN/Inf inputs (the group's scale becomes NaN) and NaN groups on the wire (the receivers
 propagate them).
 
@@ -76,7 +76,7 @@ def tlq_sender(tiny: bool = False) -> Iterator[dict]:
                (1, 8, 1, _size(tiny, 65536, 256)), (8, 1, 1, _size(tiny, 16384, 128)),
                (4, 2, 2, 64)]
     for layout, bits, hadamard, stochastic, dtype in itertools.product(
-            layouts, (8, 4), (32, 0), (True, False), (torch.float32, torch.bfloat16)):
+            layouts, (8, 4, 2), (32, 0), (True, False), (torch.float32, torch.bfloat16)):
         blocks, dests, slices, chunk = layout
         yield dict(blocks=blocks, dests=dests, slices=slices, chunk=chunk, bits=bits,
                    group=128, hadamard=hadamard, dtype=dtype, stochastic=stochastic,
@@ -94,6 +94,9 @@ def tlq_middle(tiny: bool = False) -> Iterator[dict]:
                    bits_out=4, group_out=128, stochastic=stochastic, seed=SEED, nan_group=5)
     yield dict(n_in=4, numel=numel, bits_in=8, group_in=256, n_out=2, bits_out=4,
                group_out=128, stochastic=True, seed=SEED)
+    for stochastic in (True, False):  # the 2-bit inter-node hop
+        yield dict(n_in=8, numel=numel, bits_in=8, group_in=128, n_out=4, bits_out=2,
+                   group_out=128, stochastic=stochastic, seed=SEED, nan_group=5)
     # ragged: 3 senders, groups of 96
     yield dict(n_in=3, numel=RAGGED_GROUP * 2 * _size(tiny, 501, 2), bits_in=8,
                group_in=RAGGED_GROUP, n_out=2, bits_out=4, group_out=RAGGED_GROUP,
@@ -107,6 +110,9 @@ def tlq_receiver(tiny: bool = False) -> Iterator[dict]:
         # the inter-node hop's receiver: 4-bit messages
         yield dict(n_in=n_in, numel=numel, bits=4, group=128, hadamard=hadamard,
                    scale=scale, accumulate=acc, dtype=dtype, seed=n_in, nan_group=7)
+    for hadamard in (32, 0):  # the 2-bit inter-node hop's receiver
+        yield dict(n_in=4, numel=numel, bits=2, group=128, hadamard=hadamard, scale=0.125,
+                   accumulate=True, dtype=torch.bfloat16, seed=2, nan_group=7)
     for hadamard in (32, 0):  # one node: the intra hop's receiver, 8-bit messages
         yield dict(n_in=8, numel=numel, bits=8, group=128, hadamard=hadamard, scale=0.125,
                    accumulate=False, dtype=torch.float32, seed=8, nan_group=2)

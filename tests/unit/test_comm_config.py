@@ -42,7 +42,9 @@ def test_weight_config_from_sdp4bit() -> None:
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(intra_bits=2), "intra_bits=2 is not supported"),
+    (dict(intra_bits=2), r"intra_bits=2 is not supported: use one of \(4, 8\)"),
+    (dict(inter_bits=3), r"inter_bits=3 is not supported: use one of \(2, 4, 8\)"),
+    (dict(inter_bits=2, inter_group_size=130), "inter_group_size=130 must be a multiple of 4"),
     (dict(inter_bits=16), "inter_bits=16 is not supported"),
     (dict(intra_group_size=0), "intra_group_size=0 must be a positive even integer"),
     (dict(inter_group_size=33), "inter_group_size=33 must be a positive even integer"),
@@ -59,6 +61,7 @@ def test_gradient_config_rejects(kwargs: dict, message: str) -> None:
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(bits=3), "bits=3 is not supported"),
+    (dict(bits=2), r"bits=2 is not supported: use one of \(4, 8\)"),
     (dict(group_size=-2), "group_size=-2 must be a positive even integer"),
     (dict(mode="qw"), "mode='qw'"),
     (dict(target="bf16"), "target='bf16': use 'main' or 'rounded-main'"),

@@ -49,6 +49,7 @@ def test_kernels_build_here():
 @pytest.mark.parametrize("replica", ["bf16", "fp32", "fp16", None],
                          ids=["bf16", "fp32", "fp16", "direct"])
 @pytest.mark.parametrize("bits,group,numel", [(4, 64, 192), (8, 64, 192), (4, 96, 192),
+                                              (2, 64, 192), (2, 96, 192),
                                               (4, 2048, 3 * 2048), (8, 128, 8192)], ids=_ids)
 def test_qwd_sender(bits, group, numel, replica, stochastic):
     for seed in SEEDS:
@@ -69,6 +70,7 @@ def test_qwd_sender_of_rounded_main_weights(replica):
 @pytest.mark.parametrize("accumulate", [True, False], ids=["add", "overwrite"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32", "fp16"])
 @pytest.mark.parametrize("bits,group,world", [(4, 64, 1), (4, 64, 3), (8, 32, 3),
+                                              (2, 64, 3), (2, 96, 2),
                                               (4, 96, 2), (4, 2048, 4)], ids=_ids)
 def test_qwd_receiver(bits, group, world, dtype, accumulate):
     kc.check_qwd_receiver(CPU, impl=ck, world=world, shard=2 * group, bits=bits, group=group,
@@ -87,7 +89,7 @@ SENDER_CASES = [(layout, h) for layout in LAYOUTS for h in (0, 32, 16, 8, 4)
 
 
 @pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("layout,hadamard", SENDER_CASES, ids=_ids)
 def test_tlq_sender(layout, hadamard, bits, stochastic):
     blocks, dests, slices, chunk = layout
@@ -101,6 +103,7 @@ def test_tlq_sender(layout, hadamard, bits, stochastic):
 @pytest.mark.parametrize("n_in,n_out", [(1, 1), (3, 1), (2, 2), (4, 2), (8, 4)], ids=_ids)
 @pytest.mark.parametrize("bits_in,group_in,bits_out,group_out",
                          [(8, 64, 4, 64), (4, 64, 8, 64), (8, 128, 4, 64), (8, 32, 4, 64),
+                          (8, 128, 2, 64), (4, 64, 2, 128), (2, 64, 8, 32),
                           (8, 128, 4, 128)], ids=_ids)
 def test_tlq_middle(bits_in, group_in, bits_out, group_out, n_in, n_out, stochastic):
     kc.check_tlq_middle(CPU, impl=ck, n_in=n_in, numel=1024, bits_in=bits_in,
@@ -110,7 +113,7 @@ def test_tlq_middle(bits_in, group_in, bits_out, group_out, n_in, n_out, stochas
 
 def test_tlq_middle_groups_not_a_power_of_two():
     """Groups of 96 (the Triton kernel pads them to 128 lanes): the same bytes here too."""
-    for n_in, n_out, bits_out in ((1, 1, 8), (3, 2, 4)):
+    for n_in, n_out, bits_out in ((1, 1, 8), (3, 2, 4), (2, 2, 2)):
         kc.check_tlq_middle(CPU, impl=ck, n_in=n_in, numel=384, bits_in=8, group_in=96,
                             n_out=n_out, bits_out=bits_out, group_out=96, stochastic=True,
                             seed=7, nan_group=1)
@@ -120,14 +123,15 @@ def test_tlq_middle_groups_not_a_power_of_two():
 @pytest.mark.parametrize("scale,accumulate", [(1.0, False), (1 / 3, False), (0.25, True)],
                          ids=["sum", "mean3", "mean4-add"])
 @pytest.mark.parametrize("hadamard", [0, 32, 16, 8, 2], ids=lambda h: f"H{h}")
-@pytest.mark.parametrize("bits,n_in", [(4, 1), (4, 3), (8, 2), (4, 8)], ids=_ids)
+@pytest.mark.parametrize("bits,n_in", [(2, 1), (2, 3), (4, 1), (4, 3), (8, 2), (4, 8)],
+                         ids=_ids)
 def test_tlq_receiver(bits, n_in, hadamard, scale, accumulate, dtype):
     kc.check_tlq_receiver(CPU, impl=ck, n_in=n_in, numel=512, bits=bits, group=64,
                           hadamard=hadamard, scale=scale, accumulate=accumulate,
                           dtype=DTYPES[dtype], seed=n_in)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [2, 4, 8])
 def test_nonfinite_groups(bits):
     """NaN/Inf inputs give NaN scales exactly where the reference has them, and NaN groups
     on the wire come out NaN (never hidden), as in the reference."""

@@ -40,22 +40,24 @@ def test_both_paths_take_the_lcm() -> None:
     assert d == 4 * math.lcm(2048, 8 * 512)
 
 
-@pytest.mark.parametrize("bits_intra,bits_inter", [(8, 4), (4, 4), (8, 8), (4, 8)])
+@pytest.mark.parametrize("bits_intra,bits_inter", [(8, 4), (4, 4), (8, 8), (4, 8), (8, 2),
+                                                   (4, 2)])
 @pytest.mark.parametrize("n,m", [(2, 1), (1, 2), (2, 3), (4, 2)])
 def test_every_message_of_a_padded_bucket_is_well_formed(bits_intra: int, bits_inter: int,
                                                          n: int, m: int) -> None:
     """What the divisor promises, checked against the wire format's own rule."""
     w, p = n * m, 2
+    gi = 12 if bits_inter == 2 else 6  # a 2-bit group fills whole bytes
     d = required_divisor(w, weight_group=6, intra_group=2, intra_bits=bits_intra,
-                         inter_group=6, inter_bits=bits_inter, slices=p)
+                         inter_group=gi, inter_bits=bits_inter, slices=p)
     for length in (d, 3 * d):
         shard = length // w
         c = shard // p
         check_message_shape(shard, 4, 6)  # weight all-gather message
         check_message_shape(m * c, bits_intra, 2)  # intra message: M chunks of c
-        check_message_shape(c, bits_inter, 6)  # inter message
+        check_message_shape(c, bits_inter, gi)  # inter message
         check_message_shape(shard, bits_intra, 2)  # single intra hop (M = 1)
-        check_message_shape(shard, bits_inter, 6)  # single inter hop (N = 1)
+        check_message_shape(shard, bits_inter, gi)  # single inter hop (N = 1)
 
 
 def test_pad_numel() -> None:

@@ -27,7 +27,7 @@ from megatron.sdp4bit.quantization.hadamard import hadamard_matrix
 from megatron.sdp4bit.quantization.rng import derive_seed, uniform
 
 SLACK = 1e-5
-BITS = [4, 8]
+BITS = [2, 4, 8]
 
 
 def _group_scales(x: torch.Tensor, group_size: int, bits: int) -> torch.Tensor:
@@ -57,10 +57,10 @@ def test_nearest_equals_formula(bits):
 @pytest.mark.parametrize("bits", BITS, ids=lambda b: f"b{b}")
 def test_every_code_survives_pack_unpack(bits):
     n = 2**bits
-    # every code, and for 4 bits every (low, high) pair of codes
+    # every code, and every combination of the codes that share a byte
     codes = torch.arange(n, dtype=torch.uint8)
-    if bits == 4:
-        codes = torch.cartesian_prod(codes, codes).reshape(-1).to(torch.uint8)
+    if bits < 8:
+        codes = torch.cartesian_prod(*[codes] * (8 // bits)).reshape(-1).to(torch.uint8)
     packed = fmt.pack_codes(codes, bits)
     assert packed.numel() == codes.numel() * bits // 8
     assert torch.equal(fmt.unpack_codes(packed, bits), codes)
@@ -69,6 +69,22 @@ def test_every_code_survives_pack_unpack(bits):
 def test_nibble_order_is_low_first():
     packed = fmt.pack_codes(torch.tensor([0x3, 0xA], dtype=torch.uint8), 4)
     assert packed.tolist() == [0xA3]
+
+
+def test_two_bit_order_is_low_first():
+    codes = torch.tensor([1, 2, 3, 0, 3, 3, 1, 2], dtype=torch.uint8)
+    packed = fmt.pack_codes(codes, 2)
+    assert packed.tolist() == [0b00_11_10_01, 0b10_01_11_11]
+
+
+def test_two_bits_are_three_levels_of_absmax():
+    """qmax = 2**(2-1) - 1 = 1: the scale is the absmax, the values -s, 0, s."""
+    x = torch.tensor([0.2, -1.0, 0.6, 0.0, -0.4, 0.5, 0.49, -0.51])
+    q = quantize(x, 2, 8, stochastic=False)  # padded to 16 values: two groups
+    assert q.scales.tolist() == [1.0, 0.0]
+    assert _codes(q).tolist() == [0, -1, 1, 0, 0, 1, 0, -1] + [0] * 8  # ties round upwards
+    levels = set(dequantize(quantize(torch.randn(4096), 2, 128, seed=3)).unique().sign().tolist())
+    assert levels == {-1.0, 0.0, 1.0}
 
 
 @pytest.mark.parametrize("bits", BITS, ids=lambda b: f"b{b}")
@@ -188,6 +204,15 @@ def test_wire_bytes_formula():
     assert q.wire_bytes == 4096 // 2 + 2 * 4
     q = quantize(torch.randn(1024), 8, 128)
     assert q.wire_bytes == 1024 + 8 * 4
+    q = quantize(torch.randn(1024), 2, 128)
+    assert q.wire_bytes == 1024 // 4 + 8 * 4
+    # 32 / (2 + 32/128) = 14.2x fewer bytes than fp32
+    assert round(1024 * 4 / q.wire_bytes, 1) == 14.2
+
+
+def test_two_bit_group_must_fill_bytes():
+    with pytest.raises(ValueError, match="group_size=6 must be a multiple of 4 at 2 bits"):
+        quantize(torch.randn(64), 2, 6)
 
 
 @pytest.mark.parametrize("block", [1, 2, 8, 32, 128], ids=lambda b: f"H{b}")
@@ -214,7 +239,7 @@ def test_hadamard_lowers_4bit_error_on_outliers():
     assert smoothed < 0.5 * plain
 
 
-@pytest.mark.parametrize("bits", [0, 2, 3, 16], ids=lambda b: f"b{b}")
+@pytest.mark.parametrize("bits", [0, 1, 3, 16], ids=lambda b: f"b{b}")
 def test_unsupported_bits_are_refused(bits):
     with pytest.raises(ValueError, match=f"bits={bits} is not supported"):
         quantize(torch.randn(64), bits, 64)

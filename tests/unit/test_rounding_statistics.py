@@ -52,24 +52,30 @@ def _tlq_sender(backend: str, seed: int) -> _noise.Rounding:
     return _noise.rounding(f"tlq_sender{seed}", x, *_noise.decode(out, 4, N // 4, 8, 128))
 
 
-def _tlq_middle(backend: str, seed: int) -> _noise.Rounding:
+def _tlq_middle(backend: str, seed: int, bits_out: int = 4) -> _noise.Rounding:
     """Between the hops: 2 messages of 8-bit codes summed and requantized at 4 bits."""
     n_in, numel = 2, N
     wire = torch.empty(n_in * fmt.message_nbytes(numel, 8, 128), dtype=torch.uint8)
     scales, payload = fmt.split_messages(wire, n_in, numel, 8, 128)
     payload.copy_(torch.randint(0, 256, payload.shape, generator=_gen(seed), dtype=torch.uint8))
     scales.copy_(torch.rand(scales.shape, generator=_gen(seed + 1)) + 0.01)
-    out = torch.empty(2 * fmt.message_nbytes(numel // 2, 4, 128), dtype=torch.uint8)
+    out = torch.empty(2 * fmt.message_nbytes(numel // 2, bits_out, 128), dtype=torch.uint8)
     ops.tlq_middle(wire, out, n_in=n_in, numel=numel, bits_in=8, group_size_in=128, n_out=2,
-                   bits_out=4, group_size_out=128, stochastic=True, seed=derive_seed(9, seed),
-                   backend=backend)
+                   bits_out=bits_out, group_size_out=128, stochastic=True,
+                   seed=derive_seed(9, seed), backend=backend)
     x = _noise.dequantized_sum(wire, n_in, numel, 8, 128)
-    return _noise.rounding(f"tlq_middle{seed}", x, *_noise.decode(out, 2, numel // 2, 4, 128))
+    return _noise.rounding(f"tlq_middle{seed}", x,
+                           *_noise.decode(out, 2, numel // 2, bits_out, 128))
+
+
+def _tlq_middle_2bit(backend: str, seed: int) -> _noise.Rounding:
+    """The same, requantized at 2 bits (levels -s, 0, s): the 2-bit inter-node hop."""
+    return _tlq_middle(backend, seed, bits_out=2)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("op", [_qwd, _tlq_sender, _tlq_middle],
-                         ids=["qwd_sender", "tlq_sender", "tlq_middle"])
+@pytest.mark.parametrize("op", [_qwd, _tlq_sender, _tlq_middle, _tlq_middle_2bit],
+                         ids=["qwd_sender", "tlq_sender", "tlq_middle", "tlq_middle_2bit"])
 def test_fused_senders_round_without_bias(backend: str, op) -> None:
     _noise.assert_unbiased([op(backend, 1)], f"{op.__name__} on {backend}")
 

@@ -37,6 +37,7 @@ def _ids(value):
 @pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
 @pytest.mark.parametrize("replica", ["bf16", "fp32", None], ids=["bf16", "fp32", "direct"])
 @pytest.mark.parametrize("bits,group,numel", [(4, 64, 192), (8, 64, 192), (4, 96, 192),
+                                              (2, 64, 192), (2, 96, 192),
                                               (4, 2048, 4096)], ids=_ids)
 def test_qwd_sender(bits, group, numel, replica, stochastic):
     for seed in SEEDS:
@@ -57,6 +58,7 @@ def test_qwd_sender_of_rounded_main_weights(replica):
 @pytest.mark.parametrize("accumulate", [True, False], ids=["add", "overwrite"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32", "fp16"])
 @pytest.mark.parametrize("bits,group,world", [(4, 64, 1), (4, 64, 3), (8, 32, 3),
+                                              (2, 64, 3), (2, 96, 2),
                                               (4, 96, 2)], ids=_ids)
 def test_qwd_receiver(bits, group, world, dtype, accumulate):
     kc.check_qwd_receiver(CPU, world=world, shard=2 * group, bits=bits, group=group,
@@ -70,7 +72,7 @@ LAYOUTS = [(2, 2, 1, 64), (2, 3, 2, 64), (1, 4, 1, 128), (3, 1, 2, 64), (2, 2, 2
 
 @pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
 @pytest.mark.parametrize("hadamard", [0, 32, 4], ids=["noH", "H32", "H4"])
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("layout", LAYOUTS, ids=_ids)
 def test_tlq_sender(layout, bits, hadamard, stochastic):
     blocks, dests, slices, chunk = layout
@@ -93,7 +95,7 @@ def test_tlq_middle(bits_in, group_in, bits_out, group_out, n_in, n_out, stochas
 
 def test_tlq_middle_groups_not_a_power_of_two():
     """Groups of 96 fill 128-lane tiles: the padding lanes must not enter a group's absmax."""
-    for n_in, n_out, bits_out in ((1, 1, 8), (3, 2, 4)):
+    for n_in, n_out, bits_out in ((1, 1, 8), (3, 2, 4), (2, 2, 2)):
         kc.check_tlq_middle(CPU, n_in=n_in, numel=384, bits_in=8, group_in=96, n_out=n_out,
                             bits_out=bits_out, group_out=96, stochastic=True, seed=7,
                             nan_group=1)
@@ -103,7 +105,8 @@ def test_tlq_middle_groups_not_a_power_of_two():
 @pytest.mark.parametrize("scale,accumulate", [(1.0, False), (1 / 3, False), (0.25, True)],
                          ids=["sum", "mean3", "mean4-add"])
 @pytest.mark.parametrize("hadamard", [0, 32, 8], ids=["noH", "H32", "H8"])
-@pytest.mark.parametrize("bits,n_in", [(4, 1), (4, 3), (8, 2)], ids=_ids)
+@pytest.mark.parametrize("bits,n_in", [(2, 1), (2, 3), (4, 1), (4, 3), (8, 2)],
+                         ids=_ids)
 def test_tlq_receiver(bits, n_in, hadamard, scale, accumulate, dtype):
     kc.check_tlq_receiver(CPU, n_in=n_in, numel=256, bits=bits, group=64, hadamard=hadamard,
                           scale=scale, accumulate=accumulate, dtype=DTYPES[dtype], seed=n_in)
@@ -118,7 +121,7 @@ def _nan_scales(wire, count, numel, bits, group):
     return torch.isnan(scales), codes
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [2, 4, 8])
 def test_senders_mark_nonfinite_groups(bits):
     """NaN in the first group and Inf in the last: scale NaN and q = 0 there, others intact."""
     kc.check_qwd_sender(CPU, numel=192, bits=bits, group=64, replica_dtype=torch.bfloat16,

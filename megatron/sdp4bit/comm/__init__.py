@@ -18,6 +18,7 @@ See docs/comm.md.
 
 from megatron.sdp4bit.comm.all_gather import unquantized_all_gather, weight_difference_all_gather
 from megatron.sdp4bit.comm.config import GradientQuantConfig, WeightQuantConfig
+from megatron.sdp4bit.comm.error_feedback import ErrorFeedback, ErrorFeedbackConfig
 from megatron.sdp4bit.comm.padding import (
     check_padded,
     divisor_from_config,
@@ -30,6 +31,8 @@ from megatron.sdp4bit.comm.topology import DPTopology, build_topology
 from megatron.sdp4bit.comm.work import CollectiveWork
 
 __all__ = [
+    "ErrorFeedback",
+    "ErrorFeedbackConfig",
     "CollectiveWork",
     "CommStats",
     "DPTopology",

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megatron.sdp4bit.config import SDP4BitConfig, check_bits
+from megatron.sdp4bit.config import ACCEPTED_BITS, SDP4BitConfig, check_bits
 from megatron.sdp4bit.quantization.backend import KernelBackend
 
 
@@ -38,7 +38,8 @@ class GradientQuantConfig:
     """Elements per fp32 scale on the intra-node hop."""
 
     inter_bits: int = 4
-    """Bits on the inter-node hop (and on the single hop when every node has one rank)."""
+    """Bits on the inter-node hop (and on the single hop when every node has one rank): 2, 4
+    or 8; the intra hop takes 4 or 8."""
 
     inter_group_size: int = 128
     """Elements per fp32 scale on the inter-node hop."""
@@ -56,10 +57,15 @@ class GradientQuantConfig:
     """Which implementation runs the fused ops: 'auto', 'torch', 'triton' or 'cpu'."""
 
     def __post_init__(self) -> None:
-        check_bits("intra_bits", self.intra_bits)
-        check_bits("inter_bits", self.inter_bits)
+        check_bits("intra_bits", self.intra_bits,
+                   ACCEPTED_BITS["gradient_quantization_bits_intra"])
+        check_bits("inter_bits", self.inter_bits,
+                   ACCEPTED_BITS["gradient_quantization_bits_inter"])
         _check_group("intra_group_size", self.intra_group_size)
         _check_group("inter_group_size", self.inter_group_size)
+        if self.inter_bits * self.inter_group_size % 8:
+            raise ValueError(f"inter_group_size={self.inter_group_size} must be a multiple of 4 "
+                             f"at {self.inter_bits} bits (four codes per byte)")
         if self.hadamard_block:
             h = self.hadamard_block
             if h < 0 or h & (h - 1):
@@ -118,7 +124,7 @@ class WeightQuantConfig:
     """Which implementation runs the fused ops: 'auto', 'torch', 'triton' or 'cpu'."""
 
     def __post_init__(self) -> None:
-        check_bits("bits", self.bits)
+        check_bits("bits", self.bits, ACCEPTED_BITS["weight_quantization_bits"])
         _check_group("group_size", self.group_size)
         if self.mode not in ("diff", "direct"):
             raise ValueError(f"mode={self.mode!r}: use 'diff' (qWD) or 'direct' (qW)")

@@ -50,6 +50,7 @@ from torch.distributed import ReduceOp
 
 from megatron.sdp4bit.comm.checks import check_float_buffers
 from megatron.sdp4bit.comm.config import GradientQuantConfig
+from megatron.sdp4bit.comm.error_feedback import ErrorFeedback, check_two_hops
 from megatron.sdp4bit.comm.padding import check_padded, required_divisor
 from megatron.sdp4bit.comm.stats import CommStats, timed
 from megatron.sdp4bit.comm.topology import DPTopology
@@ -141,7 +142,9 @@ def _record(stats: CommStats | None, topo: DPTopology, config: GradientQuantConf
 def two_level_reduce_scatter(output: torch.Tensor, input: torch.Tensor, *,
                              topology: DPTopology, config: GradientQuantConfig,
                              op: ReduceOp = ReduceOp.SUM, async_op: bool = False, seed: int,
-                             stats: CommStats | None = None) -> CollectiveWork | None:
+                             stats: CommStats | None = None,
+                             error_feedback: ErrorFeedback | None = None
+                             ) -> CollectiveWork | None:
     """Quantized reduce-scatter of ``input`` (W shards) into ``output`` (this rank's shard).
 
     ``input``: contiguous, fp32/bf16/fp16, ``input.numel()`` a multiple of
@@ -152,15 +155,23 @@ def two_level_reduce_scatter(output: torch.Tensor, input: torch.Tensor, *,
     :class:`CollectiveWork` when ``async_op`` (``output`` must stay untouched until
     ``wait()``; ``advance()`` issues the inter-node hop early), else None. ``input`` is fully read (quantized) before this returns, so
     ``output`` may be this rank's shard of ``input`` itself (megatron-core's in-place call).
-    See [Note: the two-hop schedule].
+    ``error_feedback``: this bucket's inter-hop error state (two-hop path only; see
+    :mod:`.error_feedback`). See [Note: the two-hop schedule].
     """
     _validate(output, input, topology, config, op)
+    if error_feedback is not None:
+        check_two_hops(topology.ranks_per_node, topology.nodes)
+        if error_feedback.slices * error_feedback.slice_numel != topology.nodes * output.numel():
+            raise ValueError("error_feedback was sized for another bucket: one state per "
+                             "bucket")
+        error_feedback.start_call()
     _record(stats, topology, config, output.numel(), input.element_size())
     scale = 1.0 / topology.world if op == ReduceOp.AVG else 1.0
     inp = input.view(-1)
     out = output.view(-1)
     if topology.ranks_per_node > 1 and topology.nodes > 1:
-        work = CollectiveWork(*_two_hops(out, inp, topology, config, scale, seed, stats))
+        work = CollectiveWork(*_two_hops(out, inp, topology, config, scale, seed, stats,
+                                         error_feedback))
     else:
         work = CollectiveWork(_one_hop(out, inp, topology, config, scale, seed, stats))
     if async_op:
@@ -206,7 +217,8 @@ def _one_hop(out: torch.Tensor, inp: torch.Tensor, topo: DPTopology,
 
 
 def _two_hops(out: torch.Tensor, inp: torch.Tensor, topo: DPTopology,
-              config: GradientQuantConfig, scale: float, seed: int, stats: CommStats | None
+              config: GradientQuantConfig, scale: float, seed: int, stats: CommStats | None,
+              error_feedback: ErrorFeedback | None = None
               ) -> tuple[Callable[[], None], Callable[[], None]]:
     """N > 1 and M > 1: see [Note: the two-hop schedule]. Issues the intra hops now; returns
     (finish, advance) for :class:`CollectiveWork`."""
@@ -238,15 +250,22 @@ def _two_hops(out: torch.Tensor, inp: torch.Tensor, topo: DPTopology,
             with timed(stats, "grads-wait", inp.device):
                 intra_work[i].wait()
             with timed(stats, "grads-requantize", inp.device):
-                ops.tlq_middle(recv1[i * intra_bytes:(i + 1) * intra_bytes],
-                               send2[i * inter_bytes:(i + 1) * inter_bytes],
-                               n_in=n, numel=m * c, bits_in=config.intra_bits,
-                               group_size_in=config.intra_group_size, n_out=m,
-                               bits_out=config.inter_bits,
-                               group_size_out=config.inter_group_size,
-                               stochastic=config.stochastic,
-                               seed=derive_seed(seed, HOP_INTER, i, topo.rank),
-                               backend=config.kernel_backend)
+                if error_feedback is not None:
+                    error_feedback.requantize(
+                        recv1[i * intra_bytes:(i + 1) * intra_bytes],
+                        send2[i * inter_bytes:(i + 1) * inter_bytes], i, grad_config=config,
+                        ranks_per_node=n, nodes=m,
+                        seed=derive_seed(seed, HOP_INTER, i, topo.rank))
+                else:
+                    ops.tlq_middle(recv1[i * intra_bytes:(i + 1) * intra_bytes],
+                                   send2[i * inter_bytes:(i + 1) * inter_bytes],
+                                   n_in=n, numel=m * c, bits_in=config.intra_bits,
+                                   group_size_in=config.intra_group_size, n_out=m,
+                                   bits_out=config.inter_bits,
+                                   group_size_out=config.inter_group_size,
+                                   stochastic=config.stochastic,
+                                   seed=derive_seed(seed, HOP_INTER, i, topo.rank),
+                                   backend=config.kernel_backend)
             inter_work.append(dist.all_to_all_single(
                 recv2[i * inter_bytes:(i + 1) * inter_bytes],
                 send2[i * inter_bytes:(i + 1) * inter_bytes],

@@ -122,7 +122,7 @@ def make_start_grad_sync(bucket_group, *, bucket_ids: list[int], topology: DPTop
             works.append(two_level_reduce_scatter(
                 output, grad, topology=topology, config=state.grad_config, op=op,
                 async_op=async_op, seed=state.seed(KIND_GRAD, bucket_id, group_id),
-                stats=state.stats))
+                stats=state.stats, error_feedback=state.error_feedback.get(bucket_id)))
             state.grad_calls[bucket_id] += 1
         state.grad_syncs_since_step += 1
         if async_op:

@@ -48,6 +48,8 @@ import torch.distributed as dist
 
 from megatron.sdp4bit.comm import (
     CommStats,
+    ErrorFeedback,
+    ErrorFeedbackConfig,
     GradientQuantConfig,
     WeightQuantConfig,
     build_topology,
@@ -111,6 +113,11 @@ class SDP4BitHandle:
     def bucket_numels(self) -> dict[int, int]:
         """Bucket id -> elements in the bucket (padded), for byte accounting."""
         return {info.id: info.numel for info in self.buckets}
+
+    @property
+    def error_feedback_nbytes(self) -> int:
+        """Bytes of this rank's error-feedback state, every bucket together (0 without)."""
+        return sum(ef.nbytes for ef in self.state.error_feedback.values())
 
     @property
     def config(self) -> SDP4BitConfig:
@@ -253,6 +260,15 @@ def install_sdp4bit(model_chunks, optimizer, config: SDP4BitConfig, *,
     shards = main_shards(optimizers, buckets) if config.quantized_weights else {}
     # TP > 1: the weights TP does not split stay equal on all TP ranks (tp_duplicates.py)
     duplicates = tp_duplicates(model_chunks, buckets)
+
+    ef_config = ErrorFeedbackConfig.from_sdp4bit(config)
+    if ef_config is not None:  # one state per bucket, sized now: memory known at start-up
+        for bg in bucket_groups:
+            topo = topologies[id(bg.intra_distributed_optimizer_instance_group)]
+            for bucket in bg.buckets:
+                state.error_feedback[buckets.of(bucket).id] = ErrorFeedback(
+                    bucket.grad_data.numel(), topo.ranks_per_node, topo.nodes,
+                    state.grad_config, ef_config, device=bucket.grad_data.device)
 
     planned: list[patches.Patch] = []
     for bg in bucket_groups:

@@ -84,6 +84,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron.sdp4bit.comm.error_feedback import SAVE_REFUSAL
 from megatron.sdp4bit.config import SDP4BitConfig
 from megatron.sdp4bit.config_flags import (
     add_sdp4bit_flags,
@@ -213,6 +214,8 @@ def _validate_args(original: Callable) -> Callable:
             check_supported(config, setup_of_args(args), command_line=True)
         except ValueError as err:
             _refuse(str(err))
+        if config.gradient_error_feedback and getattr(args, "save", None):
+            _refuse(SAVE_REFUSAL)  # the error state is not in Megatron-LM's checkpoints
         _RUN.config = config
         return original(args, defaults)
     return validate_args
@@ -251,6 +254,10 @@ def _install(model: list, optimizer, config: SDP4BitConfig) -> None:
     if _rank() == 0:
         print(f"SDP4Bit installed on {len(handle.buckets)} bucket(s) of Megatron-LM's "
               f"trainer: {config.describe()}", flush=True)
+        if config.gradient_error_feedback:
+            print(f"SDP4Bit error feedback on the inter-node hop: "
+                  f"{handle.error_feedback_nbytes / 2**20:.2f} MiB of error state on this "
+                  "rank", flush=True)
 
 
 def _load_checkpoint(original: Callable) -> Callable:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from megatron.sdp4bit.comm import CollectiveWork, CommStats, GradientQuantConfig, WeightQuantConfig
+from megatron.sdp4bit.comm import (CollectiveWork, CommStats, ErrorFeedback, GradientQuantConfig,
+                                   WeightQuantConfig)
 from megatron.sdp4bit.config import SDP4BitConfig
 from megatron.sdp4bit.quantization.rng import derive_seed
 
@@ -46,6 +47,8 @@ class RunState:
     iteration without set_iteration])."""
     iteration_ever_set: bool = False
     """``set_iteration`` was called at least once (for the wording of the refusal)."""
+    error_feedback: dict[int, ErrorFeedback] = field(default_factory=dict)
+    """Per bucket id: the inter-hop error state (``--gradient-error-feedback``), else empty."""
     grad_syncs_since_step: int = 0
     """Gradient reduce-scatters (quantized or not) issued since the last optimizer step:
     a step that finds none would apply gradients that no rank reduced (install.py,

@@ -1,8 +1,8 @@
 """Public tensor-level API: ``quantize`` / ``dequantize`` and :class:`QuantizedTensor`.
 
 Inputs of any shape and size are accepted: the flattened values are padded with zeros up to a
-multiple of ``lcm(group_size, 8)`` (whole groups, and a payload that keeps the 4-byte
-alignment of the wire format); ``dequantize`` drops the padding and restores the shape. Both
+multiple of ``lcm(group_size, 32 / bits)`` (whole groups, and a payload that keeps the
+4-byte alignment of the wire format); ``dequantize`` drops the padding and restores the shape. Both
 go through the same fused operations as the collectives, so they run the Triton kernels on
 CUDA tensors.
 """
@@ -34,7 +34,7 @@ class QuantizedTensor:
 
     @property
     def padded_numel(self) -> int:
-        return _padded_numel(self.numel, self.group_size)
+        return _padded_numel(self.numel, self.group_size, self.bits)
 
     @property
     def scales(self) -> torch.Tensor:
@@ -43,7 +43,7 @@ class QuantizedTensor:
 
     @property
     def payload(self) -> torch.Tensor:
-        """1D uint8 packed codes (offset binary; 4-bit: low nibble = even element)."""
+        """1D uint8 packed codes (offset binary; the packing order of :mod:`.format`)."""
         return fmt.split_message(self.data, self.padded_numel, self.bits, self.group_size)[1]
 
     @property
@@ -52,8 +52,8 @@ class QuantizedTensor:
         return self.data.numel()
 
 
-def _padded_numel(numel: int, group_size: int) -> int:
-    unit = math.lcm(group_size, 8)
+def _padded_numel(numel: int, group_size: int, bits: int) -> int:
+    unit = math.lcm(group_size, 32 // bits)
     return -(-numel // unit) * unit
 
 
@@ -61,6 +61,9 @@ def _check(bits: int, group_size: int, hadamard_block: int) -> None:
     check_bits("bits", bits)
     if not isinstance(group_size, int) or group_size <= 0 or group_size % 2:
         raise ValueError(f"group_size={group_size} must be a positive even integer")
+    if group_size * bits % 8:
+        raise ValueError(f"group_size={group_size} must be a multiple of 4 at {bits} bits "
+                         "(a group fills whole bytes: four codes per byte)")
     if hadamard_block:
         check_hadamard_block(hadamard_block)
         if group_size % hadamard_block:
@@ -82,7 +85,7 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, *, hadamard_block: int
     if seed is None:
         seed = int(torch.randint(0, 2**62, (1,)).item())
     numel = x.numel()
-    padded = _padded_numel(numel, group_size)
+    padded = _padded_numel(numel, group_size, bits)
     flat = x.reshape(-1)
     if padded != numel:
         flat = torch.cat([flat, flat.new_zeros(padded - numel)])

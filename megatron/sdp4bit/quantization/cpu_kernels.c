@@ -12,8 +12,9 @@
  *
  * Wire format of a message of `numel` values in groups of `G` at `bits` bits (format.py):
  *     [fp32 scales x numel/G][payload: numel*bits/8 bytes]
- * codes are offset binary (q + 2^(bits-1)); 4-bit codes two per byte, even element in the
- * low nibble.
+ * codes are offset binary (q + 2^(bits-1)); packed from the least significant bits up:
+ * 4-bit codes two per byte, even element in the low nibble; 2-bit codes four per byte,
+ * element 4i+k in bits 2k..2k+1 of byte i.
  *
  * Element types of float buffers: 0 = float32, 1 = bfloat16, 2 = float16. bfloat16 and float16
  * are converted by integer operations on their bits, not by a compiler's half-precision type:
@@ -169,11 +170,21 @@ static float quantize_group(const float *restrict x, int64_t G, uint8_t *restric
     }
     const float scale = m >= 0x7F800000u ? NAN : bits_to_f32(m) / fqm;
     if (!(scale > 0.0f)) { /* zeros, or NaN/Inf in the group: every code is q = 0 */
-        const uint8_t zero = (uint8_t)(qm + 1);
-        memset(dst, bits == 8 ? zero : zero | (zero << 4), (size_t)(G * bits / 8));
+        uint8_t zero = (uint8_t)(qm + 1);
+        for (int64_t k = bits; k < 8; k += bits) zero |= (uint8_t)((qm + 1) << k);
+        memset(dst, zero, (size_t)(G * bits / 8));
         return scale;
     }
-    if (bits == 8) {
+    if (bits == 2) {
+        if (stochastic)
+            for (int64_t j = 0; j < G / 4; j++)
+                dst[j] = CODE(4 * j) | (uint8_t)(CODE(4 * j + 1) << 2) |
+                         (uint8_t)(CODE(4 * j + 2) << 4) | (uint8_t)(CODE(4 * j + 3) << 6);
+        else
+            for (int64_t j = 0; j < G / 4; j++)
+                dst[j] = CODE(4 * j) | (uint8_t)(CODE(4 * j + 1) << 2) |
+                         (uint8_t)(CODE(4 * j + 2) << 4) | (uint8_t)(CODE(4 * j + 3) << 6);
+    } else if (bits == 8) {
         if (stochastic)
             for (int64_t i = 0; i < G; i++) dst[i] = CODE(i);
         else
@@ -200,6 +211,15 @@ enum { SET = 0, SET_FROM_ZERO = 1, ADD = 2 };
                 const float v = ((float)p[j] - off) * s;                                   \
                 a[j] = EXPR;                                                               \
             }                                                                              \
+        } else if (bits == 2) {                                                            \
+            const uint8_t *p = payload + e / 4;                                            \
+            for (int64_t jj = 0; jj < run / 4; jj++) {                                     \
+                for (int64_t k = 0; k < 4; k++) {                                          \
+                    const int64_t j = 4 * jj + k;                                          \
+                    const float v = ((float)((p[jj] >> (2 * k)) & 0x03) - off) * s;        \
+                    a[j] = EXPR;                                                           \
+                }                                                                          \
+            }                                                                              \
         } else {                                                                           \
             const uint8_t *p = payload + e / 2;                                            \
             for (int64_t jj = 0; jj < run / 2; jj++) {                                     \
@@ -214,7 +234,8 @@ enum { SET = 0, SET_FROM_ZERO = 1, ADD = 2 };
     } while (0)
 
 /* acc (mode)= fp32 values of elements [e0, e0 + n) of one message whose groups are `G`
- * long: (code - offset) * scale. `scales`/`payload` are the message's; e0 and n are even. */
+ * long: (code - offset) * scale. `scales`/`payload` are the message's; e0 and n are whole
+ * bytes of codes (even at 4 bits, multiples of 4 at 2 bits). */
 static void dequantize_into(float *restrict acc, const float *scales, const uint8_t *payload,
                             int64_t e0, int64_t n, int64_t G, int bits, int mode) {
     const float off = (float)(1 << (bits - 1));

@@ -10,9 +10,14 @@ total length must stay a multiple of 4 bytes: the fused operations require ``num
 multiple of ``group_size`` and ``numel * bits / 8`` to be a multiple of 4 (the comm layer's
 padding guarantees both).
 
-Codes are offset binary: ``code = q + 2**(bits-1)``, so 4-bit codes are 1..15 and 8-bit codes
-1..255 (0 is never produced). 4-bit packing: element ``2i`` in the low nibble of byte ``i``,
-element ``2i+1`` in the high nibble.
+Codes are offset binary: ``code = q + 2**(bits-1)``, so 2-bit codes are 1..3, 4-bit codes
+1..15 and 8-bit codes 1..255 (0 is never produced). Packing, the one order every backend
+uses: the codes of a byte are its elements in order from the least significant bits up.
+4 bits: element ``2i`` in the low nibble of byte ``i``, element ``2i+1`` in the high nibble.
+2 bits: element ``4i+k`` in bits ``2k`` and ``2k+1`` of byte ``i`` (k = 0..3).
+
+At 2 bits ``qmax = 2**(2-1) - 1 = 1``: the scale is the group's absmax and the levels are
+``-s, 0, s`` (three of the four codes; code 0 is never produced, as at every width).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from megatron.sdp4bit.config import check_bits
 
 
 def qmax(bits: int) -> int:
-    """Largest quantized magnitude: 7 for 4 bits, 127 for 8 bits."""
+    """Largest quantized magnitude: 1 for 2 bits, 7 for 4 bits, 127 for 8 bits."""
     check_bits("bits", bits)
     return (1 << (bits - 1)) - 1
 
@@ -47,6 +52,9 @@ def check_message_shape(numel: int, bits: int, group_size: int) -> None:
     check_bits("bits", bits)
     if group_size <= 0 or group_size % 2:
         raise ValueError(f"group_size={group_size} must be a positive even integer")
+    if group_size * bits % 8:
+        raise ValueError(f"group_size={group_size} must be a multiple of 4 at {bits} bits "
+                         "(a group fills whole bytes: four codes per byte)")
     if numel % group_size:
         raise ValueError(
             f"a message of {numel} elements is not a whole number of groups of {group_size}: "
@@ -91,18 +99,22 @@ def split_messages(wire: torch.Tensor, count: int, numel: int, bits: int, group_
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes (last dim even for 4 bits) -> packed payload bytes along the last dim."""
+    """uint8 codes (last dim a multiple of ``8 // bits``) -> packed payload bytes along the
+    last dim, in the order of the module docstring."""
     if bits == 8:
         return codes
-    low = codes[..., 0::2]
-    high = codes[..., 1::2]
-    return low | (high << 4)
+    per_byte = 8 // bits
+    codes = codes.unflatten(-1, (-1, per_byte))
+    packed = codes[..., 0].clone()
+    for k in range(1, per_byte):
+        packed |= codes[..., k] << (bits * k)
+    return packed
 
 
 def unpack_codes(payload: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: packed bytes -> uint8 codes along the last dim."""
     if bits == 8:
         return payload
-    low = payload & 0x0F
-    high = payload >> 4
-    return torch.stack([low, high], dim=-1).flatten(-2)
+    mask = (1 << bits) - 1
+    parts = [(payload >> (bits * k)) & mask for k in range(8 // bits)]
+    return torch.stack(parts, dim=-1).flatten(-2)

@@ -104,7 +104,16 @@ def store_groups(out_ptr, msg, gl, row_valid, codes, scale, msg_nbytes, groups_p
     scale_ptr = out_ptr.to(tl.pointer_type(tl.float32))
     tl.store(scale_ptr + base // 4 + gl, scale, mask=row_valid)
     payload = base + 4 * tl.cast(groups_per_msg, tl.int64) + gl * (G * BITS // 8)
-    if BITS == 4:
+    if BITS == 2:
+        # [R, GP/4, 2, 2]: element 4i + 2a + b at [i, a, b]; split b, then a
+        even, odd = tl.split(tl.reshape(codes, [codes.shape[0], GP // 4, 2, 2]))
+        c0, c2 = tl.split(even)
+        c1, c3 = tl.split(odd)
+        t = tl.arange(0, GP // 4)
+        tl.store(out_ptr + payload[:, None] + t[None, :],
+                 c0 | (c1 << 2) | (c2 << 4) | (c3 << 6),
+                 mask=row_valid[:, None] & (t < G // 4)[None, :])
+    elif BITS == 4:
         lo, hi = tl.split(tl.reshape(codes, [codes.shape[0], GP // 2, 2]))
         t = tl.arange(0, GP // 2)
         tl.store(out_ptr + payload[:, None] + t[None, :], lo | (hi << 4),
@@ -119,8 +128,18 @@ def store_groups(out_ptr, msg, gl, row_valid, codes, scale, msg_nbytes, groups_p
 def load_codes(wire_ptr, payload, start, row_valid, G: tl.constexpr, GP: tl.constexpr,
                BITS: tl.constexpr):
     """uint8 codes [R, GP] of elements ``start[r] .. start[r] + G - 1`` of the payload that
-    begins at byte ``payload[r]`` (``start`` even); lanes ``>= G`` and invalid rows give 0."""
-    if BITS == 4:
+    begins at byte ``payload[r]`` (``start`` on a byte: even at 4 bits, a multiple of 4 at 2);
+    lanes ``>= G`` and invalid rows give 0."""
+    if BITS == 2:
+        t = tl.arange(0, GP // 4)
+        mask = row_valid[:, None] & (t < G // 4)[None, :]
+        packed = tl.load(wire_ptr + (payload + start // 4)[:, None] + t[None, :], mask=mask,
+                         other=0)
+        # [R, GP/4, 2 (a), 2 (b)] holding element 4i + 2a + b: the inverse of store_groups
+        even = tl.join(packed & 0x03, (packed >> 4) & 0x03)
+        odd = tl.join((packed >> 2) & 0x03, packed >> 6)
+        codes = tl.reshape(tl.join(even, odd), [packed.shape[0], GP])
+    elif BITS == 4:
         t = tl.arange(0, GP // 2)
         mask = row_valid[:, None] & (t < G // 2)[None, :]
         packed = tl.load(wire_ptr + (payload + start // 2)[:, None] + t[None, :], mask=mask,

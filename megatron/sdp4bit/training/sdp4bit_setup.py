@@ -29,6 +29,11 @@ def install(config: SDP4BitConfig, state: TrainState, transformer_config, *,
     if dist.get_rank() == 0:
         print(f"SDP4Bit installed on {len(handle.bucket_numels)} bucket(s): "
               f"{config.describe()}", flush=True)
+        if config.gradient_error_feedback:
+            print(f"SDP4Bit error feedback on the inter-node hop: "
+                  f"{handle.error_feedback_nbytes / 2**20:.2f} MiB of error state on this "
+                  f"rank ({config.gradient_error_feedback_storage}, 1/N of the gradient "
+                  "buckets)", flush=True)
     return handle
 
 

@@ -122,6 +122,31 @@ ERRORS = {
     "unknown-flag": ("--no-such-flag", "unrecognized arguments: --no-such-flag"),
     "bad-bits": ("--use-distributed-optimizer --weight-quantization-bits 3",
                  "--weight-quantization-bits=3 is not supported: use one of (4, 8)"),
+    "two-bit-weights": ("--use-distributed-optimizer --weight-quantization-bits 2",
+                        "--weight-quantization-bits=2 is not supported: use one of (4, 8)"),
+    "two-bit-intra": ("--use-distributed-optimizer --gradient-quantization-bits-intra 2",
+                      "--gradient-quantization-bits-intra=2 is not supported: use one of (4, 8)"),
+    "bad-inter-bits": ("--use-distributed-optimizer --gradient-quantization-bits-inter 3",
+                       "--gradient-quantization-bits-inter=3 is not supported: use one of "
+                       "(2, 4, 8)"),
+    "ef-with-save": ("--use-distributed-optimizer --quantized-gradients --gradient-error-feedback "
+                     "--save /tmp/x",
+                     "--gradient-error-feedback cannot be combined with --save yet: the error "
+                     "state is not saved in checkpoints (a resume would not be bit-exact); drop "
+                     "one"),
+    "ef-without-tlq": ("--use-distributed-optimizer --gradient-error-feedback",
+                       "--gradient-error-feedback=True needs --quantized-gradients=True: it "
+                       "compensates the quantized inter-node hop"),
+    "ef-knob-alone": ("--use-distributed-optimizer --quantized-gradients "
+                      "--gradient-error-feedback-decay 0.5",
+                      "--gradient-error-feedback-decay=0.5 needs --gradient-error-feedback=True"),
+    "ef-decay": ("--use-distributed-optimizer --quantized-gradients --gradient-error-feedback "
+                 "--gradient-error-feedback-decay 1",
+                 "--gradient-error-feedback-decay=1.0 must be in [0, 1)"),
+    "two-bit-group": ("--use-distributed-optimizer --gradient-quantization-bits-inter 2 "
+                      "--gq-group-size-inter 130",
+                      "--gq-group-size-inter=130 must be a multiple of 4 at 2 bits (four codes "
+                      "per byte)"),
     "hadamard-group": ("--use-distributed-optimizer --quantized-gradients --hadamard-transform "
                        "--gq-group-size-inter 48",
                        "--gq-group-size-inter=48 is not a multiple of --hadamard-block-size=32"),

@@ -1,0 +1,98 @@
+"""The error-feedback step between the hops, in one process, on every kernel backend.
+
+``ErrorFeedback.requantize`` takes one slice's N received intra messages and writes the M
+inter messages. Checked: with a zero error it writes the bytes of the fused ``tlq_middle``;
+the torch references, the CPU kernels and the Triton kernels (interpreted) agree bit for bit
+over several calls; and with decay 0 and fp32 storage the calls telescope (what was sent over
+T calls is the sum of the inputs minus the last error, [Note: error feedback on the
+inter-node hop]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron.sdp4bit.comm import ErrorFeedback, ErrorFeedbackConfig, GradientQuantConfig
+from megatron.sdp4bit.quantization import ops
+from megatron.sdp4bit.quantization.backend import triton_available
+from megatron.sdp4bit.quantization.format import message_nbytes
+
+N, M, SHARD = 2, 2, 128  # one slice: M * SHARD values
+CFG = GradientQuantConfig(intra_bits=8, intra_group_size=64, inter_bits=2, inter_group_size=32,
+                          kernel_backend="torch")
+BACKENDS = ["torch", "cpu"] + (["triton"] if triton_available() else [])
+
+
+def _recv(seed: int) -> torch.Tensor:
+    """N intra messages of M * SHARD values (what the rank received on the intra hop)."""
+    x = torch.randn(N * M * SHARD, generator=torch.Generator().manual_seed(seed))
+    wire = torch.empty(N * message_nbytes(M * SHARD, 8, 64), dtype=torch.uint8)
+    ops.tlq_sender(x, wire, num_dests=N, blocks_per_dest=1, slices=1, bits=8, group_size=64,
+                   hadamard_block=0, stochastic=True, seed=seed, backend="torch")
+    return wire
+
+
+def _step(ef: ErrorFeedback, cfg: GradientQuantConfig, seed: int) -> torch.Tensor:
+    send = torch.empty(M * message_nbytes(SHARD, cfg.inter_bits, cfg.inter_group_size),
+                       dtype=torch.uint8)
+    ef.start_call()
+    ef.requantize(_recv(seed), send, 0, grad_config=cfg, ranks_per_node=N, nodes=M,
+                  seed=seed + 100)
+    return send
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("stochastic", [True, False], ids=["stochastic", "nearest"])
+def test_zero_error_gives_the_fused_bytes(backend: str, stochastic: bool) -> None:
+    cfg = dataclasses.replace(CFG, kernel_backend=backend, stochastic=stochastic)
+    ef = ErrorFeedback(N * M * SHARD, N, M, cfg, ErrorFeedbackConfig())
+    fused = torch.empty(M * message_nbytes(SHARD, 2, 32), dtype=torch.uint8)
+    ops.tlq_middle(_recv(1), fused, n_in=N, numel=M * SHARD, bits_in=8, group_size_in=64,
+                   n_out=M, bits_out=2, group_size_out=32, stochastic=stochastic, seed=101,
+                   backend=backend)
+    assert torch.equal(_step(ef, cfg, 1), fused)
+
+
+@pytest.mark.parametrize("storage,decay", [("int8", 0.0), ("fp32", 0.5)])
+def test_backends_agree_over_several_calls(storage: str, decay: float) -> None:
+    results = []
+    for backend in BACKENDS:
+        cfg = dataclasses.replace(CFG, kernel_backend=backend)
+        ef = ErrorFeedback(N * M * SHARD, N, M, cfg, ErrorFeedbackConfig(decay=decay,
+                                                                         storage=storage))
+        sends = [_step(ef, cfg, seed) for seed in (1, 2, 3)]
+        results.append((sends, ef.state.clone()))
+    for sends, state in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(sends, results[0][0]))
+        assert torch.equal(state, results[0][1])
+
+
+def test_calls_telescope_with_decay_zero() -> None:
+    ef = ErrorFeedback(N * M * SHARD, N, M, CFG, ErrorFeedbackConfig(storage="fp32"))
+    sent_total = torch.zeros(M * SHARD, dtype=torch.float64)
+    input_total = torch.zeros(M * SHARD, dtype=torch.float64)
+    plain_total = torch.zeros(M * SHARD, dtype=torch.float64)
+    for seed in range(1, 11):
+        fused = torch.empty(M * message_nbytes(SHARD, 2, 32), dtype=torch.uint8)
+        ops.tlq_middle(_recv(seed), fused, n_in=N, numel=M * SHARD, bits_in=8,
+                       group_size_in=64, n_out=M, bits_out=2, group_size_out=32,
+                       stochastic=True, seed=seed + 100)
+        plain = torch.empty(M * SHARD)
+        ops.qwd_receiver(fused, plain, world=M, bits=2, group_size=32, accumulate=False)
+        plain_total += plain.double()
+        send = _step(ef, CFG, seed)
+        sent = torch.empty(M * SHARD)
+        ops.qwd_receiver(send, sent, world=M, bits=2, group_size=32, accumulate=False)
+        total = torch.empty(M * SHARD)
+        ops.tlq_receiver(_recv(seed), total, n_in=N, bits=8, group_size=64, hadamard_block=0)
+        sent_total += sent.double()
+        input_total += total.double()
+    residual = input_total - ef.state.double()
+    assert torch.allclose(sent_total, residual, rtol=0, atol=1e-5 * input_total.abs().max())
+    # Without feedback the ten calls' errors add up (norm ~ sqrt(10) x one call's); with it
+    # one error is left, larger than a plain call's at 2 bits (the compensated values raise
+    # the scale) but bounded: measured 0.59x the plain sum's norm here.
+    assert (sent_total - input_total).norm() < 0.7 * (plain_total - input_total).norm()
