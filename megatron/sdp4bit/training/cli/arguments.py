@@ -17,7 +17,9 @@ import os
 from collections.abc import Sequence
 
 from megatron.sdp4bit.training.cli.errors import ArgumentsError
-from megatron.sdp4bit.training.cli.megatron_flags import NO_OP_FLAGS, add_megatron_flags
+from megatron.sdp4bit.training.cli.megatron_flags import (NO_OP_FLAGS, add_megatron_flags,
+                                                          refused_flags)
+from megatron.sdp4bit.training.cli.megatron_lm_flags import refusal_message, unknown_flags
 from megatron.sdp4bit.training.cli.sdp4bit_flags import add_sdp4bit_flags, sdp4bit_config_from_args
 from megatron.sdp4bit.training.cli.validate import validate_args
 from megatron.sdp4bit.training.tokenizers import registry as tokenizer_registry
@@ -272,7 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
     """Parse and validate; ``world_size`` defaults to ``$WORLD_SIZE`` (1 if unset)."""
-    args = build_parser().parse_args(argv)
+    args, extras = build_parser().parse_known_args(argv)
+    # Every refusal at once: Megatron-LM flags this parser lacks, refused flags and values.
+    unknown_refused, unrecognized = unknown_flags(extras)
+    refused = unknown_refused + refused_flags(args)
+    if refused or unrecognized:
+        raise ArgumentsError(refusal_message(refused, unrecognized))
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.world_size = world_size

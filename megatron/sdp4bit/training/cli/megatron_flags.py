@@ -26,10 +26,11 @@ import argparse
 import time
 
 from megatron.sdp4bit.training.cli.errors import ArgumentsError
+from megatron.sdp4bit.training.cli.megatron_lm_flags import refusal_message
 from megatron.sdp4bit.training.guards.exit_signal import EXIT_SIGNALS
 
 __all__ = ["NO_OP_FLAGS", "ONLY_VALUE", "REFUSED_FLAGS", "add_megatron_flags",
-           "check_megatron_flags", "scheduler_steps",
+           "check_megatron_flags", "refused_flags", "scheduler_steps",
            "transformer_config_overrides"]
 
 # Flag -> why doing nothing is harmless here. Switches unless listed in _NO_OP_VALUES.
@@ -228,14 +229,23 @@ def _fail(message: str) -> None:
     raise ArgumentsError(message)
 
 
-def _check_refused(args: argparse.Namespace) -> None:
+def refused_flags(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(the flag as given, why) for every refused flag or refused value on ``args``."""
+    out = []
     for flag, (_, why) in REFUSED_FLAGS.items():
         if getattr(args, "refused_" + _dest(flag)) is not None:
-            _fail(f"{flag} is not supported by this trainer: {why}")
+            out.append((flag, why))
     for flag, (_, value, why) in ONLY_VALUE.items():
         given = getattr(args, _dest(flag))
         if given != value:
-            _fail(f"{flag}={given} is not supported by this trainer ({why}): only {value}")
+            out.append((f"{flag}={given}", f"only {value} ({why})"))
+    return out
+
+
+def _check_refused(args: argparse.Namespace) -> None:
+    refused = refused_flags(args)
+    if refused:
+        _fail(refusal_message(refused))
 
 
 def _resolve_training_length(args: argparse.Namespace) -> None:

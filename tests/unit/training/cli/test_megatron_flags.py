@@ -168,8 +168,24 @@ def test_only_value_flags_take_their_value_and_refuse_others(flag):
     kind, value, why = mf.ONLY_VALUE[flag]
     parse(f"{flag} {value}")  # what the trainer does: accepted
     other = 2 if kind is int else "cyclic"
-    assert error(f"{flag} {other}") == (f"{flag}={other} is not supported by this trainer "
-                                        f"({why}): only {value}")
+    assert error(f"{flag} {other}") == (f"{flag}={other} is not supported by this trainer: "
+                                        f"only {value} ({why})")
+
+
+def test_several_refusals_are_named_in_one_message():
+    """One launch names every flag to drop: a refused flag of this parser, a refused value,
+    a Megatron-LM flag this parser lacks (with its group's reason) and a misspelt flag."""
+    from megatron.sdp4bit.training.cli import megatron_lm_flags as mlm
+
+    fsdp, rl = "--use-torch-fsdp2", "--grpo-group-size"
+    assert mlm.MEGATRON_LM_FLAGS[rl] == "rl"
+    got = error(f"--async-save {rl} 4 --rerun-mode validate_results {fsdp} --no-such-flag 3")
+    assert got == (
+        "5 problems with this command line; drop or replace each: "
+        f"(1) {rl}: {mlm.GROUP_REASONS['rl']}; (2) {fsdp}: {mlm.FLAG_REASONS[fsdp]}; "
+        f"(3) --async-save: {mf.REFUSED_FLAGS['--async-save'][1]}; "
+        f"(4) --rerun-mode=validate_results: only disabled ({mf.ONLY_VALUE['--rerun-mode'][2]}); "
+        "(5) unrecognized arguments: --no-such-flag 3")
 
 
 def test_no_op_flags_change_nothing_else():
