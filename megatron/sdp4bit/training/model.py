@@ -97,9 +97,10 @@ def build_model(args: argparse.Namespace, config: TransformerConfig, vocab_size:
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        spec = get_gpt_layer_with_transformer_engine_spec()
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
     else:
-        spec = get_gpt_layer_local_spec(normalization=args.normalization)
+        spec = get_gpt_layer_local_spec(normalization=args.normalization,
+                                        qk_layernorm=args.qk_layernorm)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -111,6 +112,8 @@ def build_model(args: argparse.Namespace, config: TransformerConfig, vocab_size:
         position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
     )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())

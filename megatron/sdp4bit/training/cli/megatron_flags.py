@@ -208,6 +208,16 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-position-embedding", dest="add_position_embedding",
                    action="store_false",
                    help="no learned absolute position embedding (e.g. with rope)")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="normalize queries and keys per head before attention (megatron-core's "
+                   "qk_layernorm, with --normalization's kind)")
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="Llama 3.x's RoPE frequency scaling (megatron-core's rope_scaling: "
+                   "low/high frequency factors 1 and 4, original context 8192); needs "
+                   "--position-embedding-type rope")
+    g.add_argument("--rope-scaling-factor", type=float, default=None,
+                   help="with --use-rope-scaling: the scaling factor (default 8.0, "
+                   "Megatron-LM's)")
     for flag, (kind, value, why) in ONLY_VALUE.items():
         g.add_argument(flag, type=kind, default=value, help=f"only {value}: {why}")
 
@@ -304,6 +314,18 @@ def _check_switches(args: argparse.Namespace) -> None:
     if args.recompute_modules is not None and granularity != "selective":
         _fail("--recompute-modules needs --recompute-granularity selective "
               "(or --recompute-activations)")
+    if args.use_rope_scaling and args.position_embedding_type != "rope":
+        _fail("--use-rope-scaling scales RoPE's frequencies: it needs --position-embedding-type "
+              "rope (or --use-rotary-position-embeddings)")
+    if args.rope_scaling_factor is not None:
+        if not args.use_rope_scaling:
+            _fail("--rope-scaling-factor needs --use-rope-scaling (without it RoPE is not "
+                  "scaled)")
+        if not args.rope_scaling_factor >= 1:  # also refuses NaN
+            _fail(f"--rope-scaling-factor={args.rope_scaling_factor} must be >= 1 (Llama 3.x "
+                  "stretches the low frequencies by it)")
+    else:
+        args.rope_scaling_factor = 8.0  # Megatron-LM's default, recorded in checkpoints
     if args.log_world_size_to_tensorboard and not args.tensorboard_dir:
         _fail("--log-world-size-to-tensorboard needs --tensorboard-dir")
     if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
@@ -361,7 +383,7 @@ def transformer_config_overrides(args: argparse.Namespace) -> dict:
     if not args.bias_dropout_fusion:
         out["bias_dropout_fusion"] = False
     for name in ("apply_query_key_layer_scaling", "fp32_residual_connection",
-                 "distribute_saved_activations"):
+                 "distribute_saved_activations", "qk_layernorm"):
         if getattr(args, name):
             out[name] = True
     if not args.clone_scatter_output_in_embedding:

@@ -285,6 +285,42 @@ def test_transformer_switches_reach_the_config():
         "attention_backend": AttnBackend.local}
 
 
+def test_qk_layernorm_and_rope_scaling_reach_the_model(monkeypatch):
+    """--qk-layernorm: the config's switch and the layer spec's per-head q/k norms;
+    --use-rope-scaling: GPTModel's rope_scaling and its factor."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from megatron.sdp4bit.training import model as trainer_model
+
+    built = {}
+    monkeypatch.setattr(trainer_model, "GPTModel", lambda **kw: built.update(kw))
+    monkeypatch.setattr(trainer_model.parallel_state, "is_pipeline_first_stage", lambda: True)
+    monkeypatch.setattr(trainer_model.parallel_state, "is_pipeline_last_stage", lambda: True)
+
+    def attention_norms(extra: str):
+        args = parse(extra)
+        config = trainer_model.transformer_config_from_args(args)
+        trainer_model.build_model(args, config, 128)
+        sub = built["transformer_layer_spec"].submodules.self_attention.submodules
+        return config.qk_layernorm, sub.q_layernorm, sub.k_layernorm
+
+    assert attention_norms("") == (False, IdentityOp, IdentityOp)
+    on, q_norm, k_norm = attention_norms("--qk-layernorm --normalization RMSNorm")
+    # (the norm class builds the config's --normalization kind)
+    assert on and q_norm is k_norm and q_norm is not IdentityOp
+    assert (built["rope_scaling"], built["rope_scaling_factor"]) == (False, 8.0)
+    attention_norms("--position-embedding-type rope --use-rope-scaling --rope-scaling-factor 32")
+    assert (built["rope_scaling"], built["rope_scaling_factor"]) == (True, 32.0)
+    assert error("--use-rope-scaling") == (
+        "--use-rope-scaling scales RoPE's frequencies: it needs --position-embedding-type rope "
+        "(or --use-rotary-position-embeddings)")
+    assert error("--use-rotary-position-embeddings --rope-scaling-factor 8") == (
+        "--rope-scaling-factor needs --use-rope-scaling (without it RoPE is not scaled)")
+    assert error("--use-rotary-position-embeddings --use-rope-scaling --rope-scaling-factor "
+                 "0.5") == ("--rope-scaling-factor=0.5 must be >= 1 (Llama 3.x stretches the "
+                            "low frequencies by it)")
+
+
 def test_openai_gelu_is_the_tanh_approximation_in_the_config(monkeypatch):
     import math
 
