@@ -39,8 +39,8 @@ NO_OP_FLAGS: dict[str, str] = {
     "tensor-parallel all-reduce itself; the flag only toggled an overlap, never the math",
     "--log-throughput": "throughput (TFLOP/s/GPU) is always part of the log line",
     "--distributed-backend": "the backend follows the device: NCCL with CUDA, gloo on CPU",
-    "--accumulate-allreduce-grads-in-fp32": "gradients are always reduced in fp32 with --bf16, "
-    "as Megatron-LM forces; with --fp16 they are too, for the quantized reduce-scatter",
+    "--accumulate-allreduce-grads-in-fp32": "gradients are reduced in fp32 with --bf16 unless "
+    "--grad-reduce-in-bf16, as in Megatron-LM; with --fp16 and fp32 parameters too",
     "--use-mcore-models": "the trainer always builds megatron-core's GPTModel",
     "--num-workers": "batches are read in the training process from the memory-mapped "
     "dataset; loader workers would change only how fast, never which samples",

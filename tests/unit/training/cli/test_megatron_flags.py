@@ -321,6 +321,51 @@ def test_qk_layernorm_and_rope_scaling_reach_the_model(monkeypatch):
                             "low frequencies by it)")
 
 
+def test_cheaper_gradient_collectives_reach_megatron_cores_ddp(monkeypatch):
+    """--grad-reduce-in-bf16 (with --bf16, also with SDP4Bit's quantized gradients, whose
+    integration test runs bf16 buffers) and --ddp-reduce-scatter-with-fp32-accumulation
+    (baseline only) become DistributedDataParallelConfig's fields; misuse is one line."""
+    import torch
+
+    from megatron.sdp4bit.training import model as trainer_model
+
+    made = {}
+
+    class FakeDDP:
+        def __init__(self, config, ddp_config, module):
+            made["ddp"] = ddp_config
+
+        def broadcast_params(self):
+            pass
+
+    monkeypatch.setattr(trainer_model, "DistributedDataParallel", FakeDDP)
+
+    def ddp_config(extra: str):
+        args = parse(extra)
+        trainer_model.wrap_ddp(args, None, torch.nn.Linear(2, 2))
+        return made["ddp"].grad_reduce_in_fp32, made["ddp"].reduce_scatter_with_fp32_accumulation
+
+    monkeypatch.setattr(trainer_model, "Float16Module", lambda config, module: module)
+    dist_opt = "--bf16 --use-distributed-optimizer"
+    assert ddp_config(dist_opt) == (True, False)
+    assert ddp_config(dist_opt + " --grad-reduce-in-bf16") == (False, False)
+    assert ddp_config(dist_opt + " --grad-reduce-in-bf16 --quantized-gradients") == (False, False)
+    assert ddp_config(dist_opt + " --grad-reduce-in-bf16 "
+                      "--ddp-reduce-scatter-with-fp32-accumulation") == (False, True)
+    assert error("--grad-reduce-in-bf16 --fp16") == (
+        "--grad-reduce-in-bf16 needs --bf16: it keeps the gradients in the bf16 parameters' "
+        "dtype (with --fp16 or fp32 parameters they are reduced in fp32)")
+    rs = "--ddp-reduce-scatter-with-fp32-accumulation"
+    assert error(rs) == (f"{rs} replaces the distributed optimizer's reduce-scatter: it needs "
+                         "--use-distributed-optimizer")
+    assert error(f"{rs} {dist_opt} --overlap-grad-reduce") == (
+        f"{rs} with --overlap-grad-reduce runs in megatron-core on a single gradient bucket "
+        "only: drop --overlap-grad-reduce")
+    assert error(f"{rs} {dist_opt} --quantized-gradients") == (
+        f"{rs} replaces the reduce-scatter that SDP4Bit replaces (whose quantized gradients are "
+        "already summed in fp32): drop it")
+
+
 def test_openai_gelu_is_the_tanh_approximation_in_the_config(monkeypatch):
     import math
 
