@@ -2,6 +2,10 @@
 """Run pretrain_gpt.py's CUDA branch on a CPU-only machine, with NCCL's rules on collectives.
 
     torchrun --nproc-per-node 2 dev/cuda_dryrun.py <pretrain_gpt.py flags>
+    torchrun --nproc-per-node 4 dev/cuda_dryrun.py -m megatron.sdp4bit.megatron_lm SCRIPT <flags>
+
+The second form runs a module as ``python -m`` would (the Megatron-LM plug-in's launcher,
+whose script then runs Megatron-LM's own trainer) instead of pretrain_gpt.py.
 
 Every rank believes it has a GPU (``torch.cuda.is_available()`` is True), computes on the
 CPU for real, and talks gloo underneath; a collective that NCCL would refuse on a GPU run
@@ -35,6 +39,16 @@ def _run_trainer(argv: list[str]) -> int:
         return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
 
 
+def _run_module(module: str, argv: list[str]) -> int:
+    """``python -m module argv...`` in this process."""
+    sys.argv = [module, *argv]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as done:
+        return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    return 0
+
+
 def run(argv: list[str] | None = None, before_main: Callable[[], None] | None = None) -> int:
     """Switch this process to the dry run, then run pretrain_gpt.py. ``before_main`` runs
     in between (the tests plant bugs with it)."""
@@ -47,7 +61,10 @@ def run(argv: list[str] | None = None, before_main: Callable[[], None] | None = 
     if before_main is not None:
         before_main()
     try:
-        code = _run_trainer(argv)
+        if argv[:1] == ["-m"] and len(argv) > 1:
+            code = _run_module(argv[1], argv[2:])
+        else:
+            code = _run_trainer(argv)
     except cuda_dryrun.CudaDryRunError as err:
         if rank != "0":  # rank 0 first, as the trainer's own errors (pretrain_gpt._fail)
             time.sleep(3)

@@ -13,6 +13,8 @@
 # its multi-process tests on the other core; pass 2's output is printed when both are done.
 # SDP4BIT_SEQUENTIAL=1 runs them one after the other. Usage:
 #   bash dev/run_tests.sh [pytest arguments]
+# Tests marked megatron_lm (Megatron-LM's own trainer, megatron.training) are deselected by
+# tests/conftest.py where megatron-core has no megatron.training: pass 1 (0.16.1); pass 2 runs them.
 # Test paths among the arguments select what runs: pass 1 runs them, pass 2 those of them that
 # are integration or end-to-end tests. SDP4BIT_SKIP_MCORE019=1 skips pass 2.
 set -euo pipefail

@@ -7,20 +7,33 @@ end-to-end tests again, against the other megatron-core release) the tests marke
 they test what no megatron-core release can change (SDP4Bit's own input, file, lock, resume
 and process checks, torchrun's rendezvous, the README's commands), or cases whose
 megatron-core paths another test of that pass takes (each mark says which); the first pass
-runs them all. Tests marked ``megatron_lm_parser`` read Megatron-LM's own parser, which only
-megatron-core 0.19.2's wheel ships: the second pass runs them and the first deselects them.
+runs them all.
+
+The tests marked ``megatron_lm`` run Megatron-LM's own trainer or read its argument parser
+(``megatron.training``, which
+megatron-core's wheel ships from 0.17 on): where the installed megatron-core has none (0.16.1,
+the first pass) they are deselected, counted as such, never skipped silently.
 """
 
+import importlib.util
 import os
 
 
+def _has_megatron_training() -> bool:
+    try:
+        return importlib.util.find_spec("megatron.training") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def pytest_collection_modifyitems(config, items):
-    # Deselected in this pass: release_independent in the second, megatron_lm_parser in the first.
-    marker = ("release_independent" if os.environ.get("SDP4BIT_RELEASE_PASS") == "1"
-              else "megatron_lm_parser")
+    release_pass = os.environ.get("SDP4BIT_RELEASE_PASS") == "1"
+    training = _has_megatron_training()
     keep, drop = [], []
     for item in items:
-        (drop if item.get_closest_marker(marker) else keep).append(item)
+        deselect = (release_pass and item.get_closest_marker("release_independent")
+                    or not training and item.get_closest_marker("megatron_lm"))
+        (drop if deselect else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep

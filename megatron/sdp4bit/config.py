@@ -166,5 +166,28 @@ class SDP4BitConfig:
     def enabled(self) -> bool:
         return self.quantized_weights or self.quantized_gradients
 
+    def describe(self) -> str:
+        """One line saying what is quantized and how (the start-up line of every trainer)."""
+        parts = []
+        if self.quantized_weights:
+            name = "qW (direct)"
+            if self.weight_quantization_mode == "diff":
+                name = "qWD" + (" of the rounded main weights"
+                                if self.weight_difference_target == "rounded-main" else "")
+            parts.append(f"weights {name} {self.weight_quantization_bits}-bit, "
+                         f"group {self.wq_group_size}")
+        if self.quantized_gradients:
+            name = "TLq-HS" if self.hadamard_transform else "TLq"
+            hadamard = (f", Hadamard {self.hadamard_block_size}" if self.hadamard_transform
+                        else "")
+            parts.append(
+                f"gradients {name} intra {self.gradient_quantization_bits_intra}-bit group "
+                f"{self.gq_group_size_intra}, inter {self.gradient_quantization_bits_inter}-bit "
+                f"group {self.gq_group_size_inter}{hadamard}, pipeline "
+                f"{self.gradient_alltoall_pipeline}, from iteration "
+                f"{self.gradients_quantization_start_iteration}")
+        parts.append(f"{self.quantization_rounding} rounding, {self.kernel_backend} kernels")
+        return " | ".join(parts)
+
     def replace(self, **changes) -> "SDP4BitConfig":
         return dataclasses.replace(self, **changes)

@@ -2,7 +2,7 @@
 (it is in ``pretrain_gpt.py``'s parser) or refused with a reason (the generated list of
 ``training/cli/megatron_lm_flag_list.py``), never argparse's bare "unrecognized arguments".
 
-Marked ``megatron_lm_parser``: only the megatron-core 0.19.2 pass runs it (that wheel ships
+Marked ``megatron_lm``: only the megatron-core 0.19.2 pass runs it (that wheel ships
 ``megatron/training/arguments.py``; 0.16.1's does not), and the first pass deselects it
 (tests/conftest.py).
 """
@@ -15,7 +15,7 @@ from dev.megatron_lm_parser import megatron_lm_parser
 from megatron.sdp4bit.training.cli import megatron_lm_flags as mlm
 from megatron.sdp4bit.training.cli.arguments import ArgumentsError, build_parser, parse_args
 
-pytestmark = pytest.mark.megatron_lm_parser
+pytestmark = pytest.mark.megatron_lm
 
 BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
         "--micro-batch-size 2 --lr 1e-3 --mock-data --train-iters 10").split()

@@ -29,16 +29,20 @@ def walk(release: str) -> list[str]:
     the installed torch, a tested one): a target missing or changed, or an entry whose
     feature test disagrees with the releases it was checked on."""
     problems = []
-    for entry in patches.all_replacements():
-        applies = patches.applies(entry)
-        mine = release if patches.library(entry) == "megatron-core" else torch_version()
-        if applies != (mine in entry.checked):
-            problems.append(f"{entry.name}: applies={applies} but checked on "
-                            f"{patches.library(entry)} {', '.join(sorted(entry.checked))}")
-        elif applies:
-            found = patches.problem(entry, mine)
-            if found is not None:
-                problems.append(found)
+    entries = patches.all_replacements()
+    # A name an older Python lacks (typing.override, which Megatron-LM's trainer imports) is
+    # added first, as the plug-in adds it before it imports the trainer.
+    with patches.applied([e for e in entries if e.adds and patches.applies(e)]):
+        for entry in entries:
+            applies = patches.applies(entry)
+            mine = release if patches.library(entry) == "megatron-core" else torch_version()
+            if applies != (mine in entry.checked):
+                problems.append(f"{entry.name}: applies={applies} but checked on "
+                                f"{patches.library(entry)} {', '.join(sorted(entry.checked))}")
+            elif applies:
+                found = patches.problem(entry, mine)
+                if found is not None:
+                    problems.append(found)
     return problems
 
 

@@ -119,6 +119,24 @@ def test_untested_release_with_a_moved_target_is_refused_naming_it(untested,
     assert "start_grad_sync" not in vars(group)
 
 
+def test_a_scoped_target_decides_only_for_the_callers_of_its_scope(untested,
+                                                                   monkeypatch) -> None:
+    """A target only the Megatron-LM plug-in replaces (scope ``megatron_lm``) that moved
+    refuses the plug-in on an untested release, never a run that does not use it."""
+    from megatron.sdp4bit.integration import patches
+
+    moved = patches.Replacement(
+        "t.scoped", "megatron.core.tensor_parallel.random", "_set_cuda_rng_state",
+        patches.MODULE, None, "[Note: test]", {"0.19.2": "(somewhere, else)"},
+        (patches.MEGATRON_LM,))
+    monkeypatch.setitem(patches._REGISTRY, moved.name, moved)
+    assert check_megatron_core_version() == "0.17.0"
+    with pytest.raises(RuntimeError, match=r"_set_cuda_rng_state changed: its signature is "
+                       r"\(new_state, device, graph_safe\), checked as \(somewhere, else\)"):
+        check_megatron_core_version(
+            scopes=(patches.SEAM, patches.PADDING, patches.MEGATRON_LM))
+
+
 def test_untested_release_with_a_missing_target_stays_refused(untested, monkeypatch) -> None:
     from megatron.core.tensor_parallel import random as mcore_random
 

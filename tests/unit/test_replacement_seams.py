@@ -68,6 +68,28 @@ def test_apply_and_revert_restore_exactly(monkeypatch) -> None:
     assert vars(_Target)["method"] is before and other.method(4) == ("original", 4, 1)
 
 
+def test_an_added_name_is_added_where_missing_and_left_alone_where_present(monkeypatch) -> None:
+    """``adds=True`` (Python 3.12's ``typing.override`` for Megatron-LM's trainer on 3.11):
+    the name appears while applied and is gone after revert; a module that has it keeps its
+    own, untouched."""
+    module = _make_module(monkeypatch)
+    marker = lambda method: method  # noqa: E731
+    added = _entry("t.added", module.__name__, "override", MODULE, marker, "<absent>",
+                   adds=True)
+    assert patches.problem(added) is None
+    with patches.applied([added]):
+        assert module.override is marker
+    assert not hasattr(module, "override")
+    own = lambda method: ("own", method)  # noqa: E731
+    module.override = own
+    with patches.applied([added]) as done:
+        assert module.override is own and not done.active
+    assert module.override is own
+    with pytest.raises(ValueError, match="only a plain module attribute can be added"):
+        patches.declare("t.bad", module.__name__, "x", CLASS, marker, note="[Note: test]",
+                        checked={}, scope=patches.MEGATRON_LM, adds=True)
+
+
 def test_a_missing_or_changed_target_is_refused_before_anything_changes(monkeypatch) -> None:
     module = _make_module(monkeypatch)
     original_function = module.function

@@ -27,7 +27,9 @@ Each entry says who applies it, one or more of :data:`SCOPES`:
 * :data:`CHECKPOINT`: the trainer's ``torch_dist`` checkpoints
   (``integration/dist_checkpointing.py``);
 * :data:`CPU_MODE`: ``enable_cpu_mode`` (megatron-core on CPU);
-* :data:`DRYRUN`: the CUDA dry run (``enable_cuda_dryrun``, a development tool).
+* :data:`DRYRUN`: the CUDA dry run (``enable_cuda_dryrun``, a development tool);
+* :data:`MEGATRON_LM`: the plug-in for Megatron-LM's own trainer
+  (``integration/megatron_lm.py``: ``megatron_lm.enable()``).
 
 The untested-release check walks only the scopes its caller applies (:func:`in_scopes`): a
 library user's ``install_sdp4bit`` (seam and padding) is never refused because a target of
@@ -80,7 +82,8 @@ PADDING = "padding"
 CHECKPOINT = "checkpoint"
 CPU_MODE = "cpu_mode"
 DRYRUN = "dryrun"
-SCOPES = (SEAM, PADDING, CHECKPOINT, CPU_MODE, DRYRUN)
+MEGATRON_LM = "megatron_lm"
+SCOPES = (SEAM, PADDING, CHECKPOINT, CPU_MODE, DRYRUN, MEGATRON_LM)
 
 # The library's modules that declare entries; its table is complete once they are imported.
 # The dry run's entries are not among them: it registers them itself ([Note: scopes]).
@@ -90,6 +93,7 @@ DECLARED_IN = (
     "megatron.sdp4bit.integration.cuda_stubs",
     "megatron.sdp4bit.integration.cpu_mode",
     "megatron.sdp4bit.integration.dist_checkpointing",
+    "megatron.sdp4bit.integration.megatron_lm",
 )
 
 _MISSING = object()
@@ -128,6 +132,10 @@ class Replacement:
     applies: Callable[[], bool] | None = None
     """For an entry of some releases only: whether it applies to the installed one (a
     feature test). None: it always applies."""
+    adds: bool = False
+    """:data:`MODULE` only: a name that a newer Python has and this one may lack. Where the
+    owner lacks it, it is added (revert deletes it); where the owner has it, it is left
+    alone. Its ``checked`` fingerprint is ``<absent>``."""
 
     @property
     def target(self) -> str:
@@ -155,7 +163,7 @@ _ACCEPTED_CHANGES: set[str] = set()
 def declare(name: str, owner: str, attribute: str, kind: str, replacement: Any, *, note: str,
             checked: Mapping[str, str], scope: str | tuple[str, ...], wraps: bool = False,
             witness: str | None = None,
-            applies: Callable[[], bool] | None = None) -> Replacement:
+            applies: Callable[[], bool] | None = None, adds: bool = False) -> Replacement:
     """Add an entry to the table (at import of a module of :data:`DECLARED_IN`, or of the
     dry run's). ``scope``: who applies it, one of :data:`SCOPES` or a tuple of them."""
     if kind not in KINDS:
@@ -167,8 +175,10 @@ def declare(name: str, owner: str, attribute: str, kind: str, replacement: Any, 
     scopes = (scope,) if isinstance(scope, str) else tuple(scope)
     if not scopes or any(s not in SCOPES for s in scopes):
         raise ValueError(f"replacement {name}: scope {scope!r} is not one of {SCOPES}")
+    if adds and (kind != MODULE or wraps):
+        raise ValueError(f"replacement {name}: only a plain module attribute can be added")
     entry = Replacement(name, owner, attribute, kind, replacement, note, dict(checked), scopes,
-                        wraps, witness, applies)
+                        wraps, witness, applies, adds)
     _REGISTRY[name] = entry
     return entry
 
@@ -291,6 +301,8 @@ def problem(entry: Replacement, release: str | None = None) -> str | None:
         owner = resolve_owner(entry)
     except ReplacementError as err:
         return str(err)
+    if entry.adds:  # absent: added; present (a newer Python): left alone
+        return None
     if _lookup(owner, entry.attribute) is _MISSING:
         return f"{entry.target} is missing"
     watched = entry.witness or entry.attribute
@@ -407,6 +419,11 @@ def apply(patches: Iterable[Patch | Replacement]) -> Applied:
             if patch.obj is not None:
                 raise ValueError(f"replacement {entry.name} is set on {entry.owner}, not on "
                                  "an object")
+            if entry.adds:
+                if hasattr(owner, entry.attribute):
+                    continue  # the owner has it: nothing to add
+                planned.append((patch, owner, _MISSING, _MISSING))
+                continue
             obj = owner
             original = getattr(owner, entry.attribute)
             # A class's own entry as stored (a staticmethod stays one); an inherited one is
@@ -434,7 +451,7 @@ def applied(patches: Iterable[Patch | Replacement]) -> Iterator[Applied]:
 
 def table() -> list[dict[str, str]]:
     """The registered entries as rows of text (the ``python -m`` listing and the docs)."""
-    return [{"name": e.name, "target": e.target, "kind": e.kind, "scopes": ", ".join(e.scopes),
+    return [{"name": e.name, "target": e.target, "kind": e.kind + (" (adds)" if e.adds else ""), "scopes": ", ".join(e.scopes),
              "releases": f"{library(e)} " + ", ".join(sorted(e.checked)), "checked": " / ".join(
                  f"{library(e)} {r}: {f}" for r, f in sorted(e.checked.items())),
              "note": e.note}

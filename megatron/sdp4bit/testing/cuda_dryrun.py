@@ -30,7 +30,9 @@ one process behave, as far as Python code can tell, like a rank of a CUDA run:
    tensor, a non-contiguous tensor, mixed dtypes, or sizes that do not fit the group
    (all-gather, reduce-scatter, all-to-all) raise :class:`CudaDryRunError`
    with one line naming the collective, the group and the tensor. Object collectives
-   (``all_gather_object``...) are exempt: torch moves their bytes to the device itself.
+   (``all_gather_object``...) are exempt: torch moves their bytes to the device itself; so
+   are the groups created with ``backend="gloo"`` (megatron-core's ``*_GLOO`` groups), gloo on
+   a GPU run too.
 
 Only :func:`enable_cuda_dryrun` switches it on (``dev/cuda_dryrun.py`` calls it before
 importing the trainer); nothing else imports this module, the library included. Every
@@ -50,6 +52,7 @@ import os
 import sys
 import threading
 import types
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -251,7 +254,7 @@ class _Call:
         raise CudaDryRunError(f"CUDA dry run: {self.op} on {_group_text(self.group)}: {what}")
 
     def device(self, name: str, t: Any) -> None:
-        if not isinstance(t, torch.Tensor):
+        if not isinstance(t, torch.Tensor) or self.group in _GLOO_GROUPS:
             return
         if is_host(t):
             self.fail(f"tensor {_tensor_text(name, t)} is in host memory on a GPU run, and "
@@ -360,16 +363,27 @@ def _exempted(fn: Callable) -> Callable:
     return wrapper
 
 
+# Groups the caller asked gloo for (megatron-core's ``*_GLOO`` groups, Megatron-LM's
+# distributed-optimizer checkpoint gathers): gloo on a GPU run too, so host tensors are right
+# there and NCCL's rules do not apply to them.
+_GLOO_GROUPS: "weakref.WeakSet" = weakref.WeakSet()
+
+
 def _gloo_for_nccl(fn: Callable, position: int) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         args = list(args)
+        asked = args[position] if len(args) > position else kwargs.get("backend")
         if len(args) > position and args[position] in ("nccl", dist.Backend.NCCL):
             args[position] = "gloo"
         if kwargs.get("backend") in ("nccl", dist.Backend.NCCL):
             kwargs["backend"] = "gloo"
         kwargs.pop("pg_options", None)  # NCCL's options mean nothing to gloo
-        return fn(*args, **kwargs)
+        group = fn(*args, **kwargs)
+        # (a rank outside the group gets an int, GroupMember.NON_GROUP_MEMBER)
+        if asked in ("gloo", dist.Backend.GLOO) and isinstance(group, dist.ProcessGroup):
+            _GLOO_GROUPS.add(group)
+        return group
     return wrapper
 
 

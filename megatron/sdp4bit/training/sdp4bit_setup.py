@@ -28,32 +28,8 @@ def install(config: SDP4BitConfig, state: TrainState, transformer_config, *,
     state.sdp4bit = config
     if dist.get_rank() == 0:
         print(f"SDP4Bit installed on {len(handle.bucket_numels)} bucket(s): "
-              f"{describe(config)}", flush=True)
+              f"{config.describe()}", flush=True)
     return handle
-
-
-def describe(config: SDP4BitConfig) -> str:
-    """One line saying what is quantized and how, for the log."""
-    parts = []
-    if config.quantized_weights:
-        name = "qW (direct)"
-        if config.weight_quantization_mode == "diff":
-            name = "qWD" + (" of the rounded main weights"
-                            if config.weight_difference_target == "rounded-main" else "")
-        parts.append(f"weights {name} {config.weight_quantization_bits}-bit, "
-                     f"group {config.wq_group_size}")
-    if config.quantized_gradients:
-        name = "TLq-HS" if config.hadamard_transform else "TLq"
-        hadamard = (f", Hadamard {config.hadamard_block_size}" if config.hadamard_transform
-                    else "")
-        parts.append(
-            f"gradients {name} intra {config.gradient_quantization_bits_intra}-bit group "
-            f"{config.gq_group_size_intra}, inter {config.gradient_quantization_bits_inter}-bit "
-            f"group {config.gq_group_size_inter}{hadamard}, pipeline "
-            f"{config.gradient_alltoall_pipeline}, from iteration "
-            f"{config.gradients_quantization_start_iteration}")
-    parts.append(f"{config.quantization_rounding} rounding, {config.kernel_backend} kernels")
-    return " | ".join(parts)
 
 
 def uninstall(args: argparse.Namespace, state: TrainState, handle) -> None:

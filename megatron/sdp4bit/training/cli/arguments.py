@@ -2,7 +2,7 @@
 
 Flag names, defaults and meanings follow Megatron-LM's ``arguments.py`` so that existing
 scripts run unchanged. The SDP4Bit flags are generated from ``SDP4BitConfig``
-(:mod:`megatron.sdp4bit.training.cli.sdp4bit_flags`). Every error is a :class:`ArgumentsError`
+(:mod:`megatron.sdp4bit.config_flags`). Every error is a :class:`ArgumentsError`
 carrying one line that names the flag and the fix; ``pretrain_gpt.py`` prints it and exits 2.
 
 The rest of Megatron-LM's flags (sample-based training, exit conditions, logging and
@@ -16,11 +16,11 @@ import argparse
 import os
 from collections.abc import Sequence
 
+from megatron.sdp4bit.config_flags import add_sdp4bit_flags, sdp4bit_config_from_args
 from megatron.sdp4bit.training.cli.errors import ArgumentsError
 from megatron.sdp4bit.training.cli.megatron_flags import (NO_OP_FLAGS, add_megatron_flags,
                                                           refused_flags)
 from megatron.sdp4bit.training.cli.megatron_lm_flags import refusal_message, unknown_flags
-from megatron.sdp4bit.training.cli.sdp4bit_flags import add_sdp4bit_flags, sdp4bit_config_from_args
 from megatron.sdp4bit.training.cli.validate import validate_args
 from megatron.sdp4bit.training.tokenizers import registry as tokenizer_registry
 

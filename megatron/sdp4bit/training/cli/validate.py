@@ -7,11 +7,11 @@ import math
 import os
 import re
 
+from megatron.sdp4bit.config_flags import in_flag_words, sdp4bit_config_from_args
 from megatron.sdp4bit.training.cli.errors import ArgumentsError
 from megatron.sdp4bit.training.cli.megatron_flags import check_megatron_flags, scheduler_steps
 from megatron.sdp4bit.training.guards import faults
 from megatron.sdp4bit.training.tokenizers import registry as tokenizer_registry
-from megatron.sdp4bit.training.cli.sdp4bit_flags import sdp4bit_config_from_args
 
 FP32_TINY, FP32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38
 WEEK_SECONDS = 7 * 24 * 3600  # longest timeout accepted: beyond it a hang is never noticed
@@ -286,11 +286,7 @@ def _check_sdp4bit(args: argparse.Namespace) -> None:
     try:
         config = sdp4bit_config_from_args(args)
     except ValueError as err:
-        # The config speaks in field names (wq_group_size=...); a user typed flags.
-        message = re.sub(r"\b([a-z]+(?:_[a-z0-9]+)+)=",
-                         lambda m: "--" + m.group(1).replace("_", "-") + "=",
-                         str(err).splitlines()[0])
-        _fail(message)
+        _fail(in_flag_words(err))
         return
     # The library's own check (install_sdp4bit runs it again on the built model), worded
     # with the flags; the trainer has no flag for the other setups it refuses.

@@ -1,5 +1,8 @@
 """Command-line flags generated from :class:`SDP4BitConfig`, so each flag lives in one place.
 
+Beside ``config.py`` (no layer): the trainer's parser (``training/cli/arguments.py``) and
+Megatron-LM's, through the plug-in (``integration/megatron_lm.py``), add the same group.
+
 Field ``foo_bar`` becomes ``--foo-bar``; the field's docstring is the flag's help; a ``bool``
 field is a ``store_true`` switch, a ``Literal`` field offers its values as choices and
 ``int | None`` takes an integer (``None`` when absent). The dataclass default is the flag's
@@ -14,6 +17,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import re
 import types
 import typing
 from typing import Any
@@ -84,3 +88,10 @@ def sdp4bit_config_from_args(args: argparse.Namespace) -> SDP4BitConfig:
     if getattr(args, "rounding_seed", None) is not None:
         values["seed"] = args.rounding_seed
     return SDP4BitConfig(**values)
+
+
+def in_flag_words(err: ValueError) -> str:
+    """The first line of :class:`SDP4BitConfig`'s error with its field names as the flags a
+    user typed (``wq_group_size=3`` -> ``--wq-group-size=3``)."""
+    return re.sub(r"\b([a-z]+(?:_[a-z0-9]+)+)=",
+                  lambda m: "--" + m.group(1).replace("_", "-") + "=", str(err).splitlines()[0])

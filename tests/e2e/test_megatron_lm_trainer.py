@@ -1,0 +1,202 @@
+"""SDP4Bit inside Megatron-LM's own trainer (integration/megatron_lm.py, ``python -m
+megatron.sdp4bit.megatron_lm``): a GPT script in Megatron-LM's shape
+(tests/helpers/megatron_lm_gpt.py) runs unchanged under megatron-core 0.19.2's
+``megatron.training.pretrain`` with the SDP4Bit flags added to its command line.
+
+Megatron-LM's trainer assumes CUDA (it asserts ``torch.cuda.is_available()``, asks for
+NCCL, allocates on the device), so it runs under the CUDA dry run (``dev/cuda_dryrun.py -m``):
+its CUDA branch on the CPU, every collective checked against NCCL's rules. 4 ranks as
+2 "nodes" x 2: both hops of the gradient reduce-scatter and the qWD all-gather.
+
+Marked ``megatron_lm``: deselected (tests/conftest.py) where the installed megatron-core has
+no ``megatron.training`` (0.16.1, the first test pass).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import launch as _launch_module
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = pytest.mark.megatron_lm
+
+# Megatron-LM's flags for a tiny GPT on mock data; the local layer spec and no fused kernels
+# (no Transformer Engine or Apex here); no dataloader workers (they would see the dry run's
+# tagged tensors: docs/cuda_dryrun.md, "Other threads"). Dropout off: the dry run's "CUDA"
+# generator is the CPU one, so Megatron-LM's RNG checkpoint restores two states into one
+# generator and a resumed run's dropout masks differ (a GPU has two generators).
+MEGATRON_LM_FLAGS = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8 --lr 3e-3 "
+    "--bf16 --use-distributed-optimizer --log-interval 1 --mock-data "
+    "--tokenizer-type NullTokenizer --vocab-size 128 --seed 7 --train-iters 4 "
+    "--eval-interval 1000 --eval-iters 0 --num-workers 0 --transformer-impl local "
+    "--no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-gelu-fusion "
+    "--no-bias-dropout-fusion --no-persist-layer-norm --hidden-dropout 0 "
+    "--attention-dropout 0 --lr-decay-style constant").split()
+# Megatron-LM's overlapped collectives, several buckets per buffer.
+SDP4BIT_FLAGS = ("--quantized-weights --quantized-gradients --dp-ranks-per-node 2 "
+                 "--overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 20000").split()
+BYTES = ("sdp4bit/params bytes", "sdp4bit/params bytes unquantized", "sdp4bit/grads bytes",
+         "sdp4bit/grads bytes unquantized")
+
+# Bytes sent per element over what megatron-core's unquantized collectives send (the
+# buckets are padded to whole groups, so these are exact; comm/stats.py's accounting).
+# qWD: 4-bit values + one fp32 scale per 2048, against bf16.
+PARAMS_RATIO = (0.5 + 4 / 2048) / 2
+# TLq on 2 x 2: per shard of S elements a rank sends (N-1)*M = 2 S on the 8-bit intra hop
+# (group 512) and (M-1) = 1 S on the 4-bit inter hop (group 128), against fp32 gradients.
+GRADS_RATIO = (2 * (1 + 4 / 512) + (0.5 + 4 / 128)) / (3 * 4)
+
+
+def _launch(args: list[str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env.pop("TRITON_INTERPRET", None)
+    script = os.path.join(ROOT, "tests", "helpers", "megatron_lm_gpt.py")
+    return _launch_module.torchrun(
+        os.path.join(ROOT, "dev", "cuda_dryrun.py"),
+        ["-m", "megatron.sdp4bit.megatron_lm", script, *MEGATRON_LM_FLAGS, *args],
+        nproc=4, env=env, cwd=ROOT, timeout=400)
+
+
+def _iterations(out: str) -> dict[int, dict[str, float]]:
+    """Megatron-LM's log line, per iteration: every ``name: value`` field."""
+    found = {}
+    for line in out.splitlines():
+        match = re.search(r"\] iteration\s+(\d+)/\s*\d+ \|(.*)", line)
+        if match:
+            fields = re.findall(r" ([^|:]+): ([-0-9.E+]+) \|", match.group(2))
+            found[int(match.group(1))] = {k: float(v) for k, v in fields
+                                          if not k.startswith("elapsed")}
+    return found
+
+
+def _end_line(out: str) -> str:
+    lines = [l for l in out.splitlines() if l.startswith("SDP4Bit on this rank:")]
+    assert len(lines) == 1, out[-3000:]
+    return lines[0]
+
+
+@pytest.mark.slow  # two 4-rank launches of Megatron-LM's trainer, ~1 min
+@pytest.mark.dryrun
+@pytest.mark.distributed
+def test_megatron_lm_trainer_trains_saves_and_resumes_with_sdp4bit(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    first = _launch([*SDP4BIT_FLAGS, "--save", ckpt, "--save-interval", "2"])
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-5000:]
+    out = first.stdout
+    assert ("SDP4Bit installed on 5 bucket(s) of Megatron-LM's trainer: weights qWD 4-bit, "
+            "group 2048 | gradients TLq intra 8-bit group 512, inter 4-bit group 128") in out
+    logged = _iterations(out)
+    assert sorted(logged) == [1, 2, 3, 4]
+    assert logged[4]["lm loss"] < logged[1]["lm loss"] - 0.3, logged  # 4.85 -> 4.25
+    # Every iteration's gradients quantized at the format's ratio; the weights too, from the
+    # second iteration on (overlapped: an update's all-gather runs in the next forward pass).
+    assert logged[1]["sdp4bit/params bytes unquantized"] == 0
+    for it, fields in logged.items():
+        assert fields["sdp4bit/grads bytes"] / fields["sdp4bit/grads bytes unquantized"] \
+            == pytest.approx(GRADS_RATIO, rel=1e-5), (it, fields)
+        if it > 1:
+            assert fields["sdp4bit/params bytes"] / fields["sdp4bit/params bytes unquantized"] \
+                == pytest.approx(PARAMS_RATIO, rel=1e-5), (it, fields)
+    end = _end_line(out)
+    # 5 buckets x 4 iterations; the save after iteration 4 forces the last all-gather, which
+    # the end of training (Megatron-LM's disable_forward_pre_hook) forces again: qWD sends the
+    # residual left by the first one (fresh noise).
+    assert end.startswith("SDP4Bit on this rank: 20 quantized gradient reduce-scatters, 25 "
+                          "quantized parameter all-gathers, 0 unquantized"), end
+    assert f"params {PARAMS_RATIO:.4f}, grads {GRADS_RATIO:.4f}" in end
+    assert "model replicas on the 4 data-parallel ranks: bitwise identical" in end
+    for it in (2, 4):
+        assert f"successfully saved checkpoint from iteration {it:7d} to {ckpt}" in out
+    assert re.search(r"cuda dry run: done, \d+ collectives on rank 0 passed", out)
+    uninterrupted = re.search(r"checksum ([0-9a-f]{16})", end).group(1)
+
+    # Resume from iteration 2 (Megatron-LM's tracker file names the checkpoint to load).
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("2")
+    # It saves where the first run saved: with --overlap-param-gather each save forces the
+    # pending all-gather, part of the trajectory (see above).
+    second = _launch([*SDP4BIT_FLAGS, "--load", ckpt, "--save", str(tmp_path / "again"),
+                      "--save-interval", "2"])
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-5000:]
+    out2 = second.stdout
+    assert f"loading distributed checkpoint from {ckpt} at iteration 2" in out2
+    resumed = _iterations(out2)
+    assert sorted(resumed) == [3, 4]
+    # The first iteration after the load logs the uninterrupted run's loss, grad norm and
+    # learning rate (its bytes differ: the uninterrupted run's line also counts the all-gather
+    # its save forced). Later lines differ: Megatron-LM's log line keeps the first iteration
+    # of a run in its running sums (training_log's ``is_first_iteration``), so the resumed
+    # run's iteration 4 shows the mean of iterations 3 and 4.
+    assert {k: v for k, v in resumed[3].items() if k not in BYTES} == \
+        {k: v for k, v in logged[3].items() if k not in BYTES}, (resumed[3], logged[3])
+    end2 = _end_line(out2)
+    assert "model replicas on the 4 data-parallel ranks: bitwise identical" in end2
+    # Bit for bit: the replica checksum after iteration 4 is the uninterrupted run's (constant
+    # learning rate: iteration 4 updates the weights).
+    assert f"checksum {uninterrupted}" in end2, (end, end2)
+
+
+@pytest.mark.parametrize("change, line", [
+    (["--quantized-weights"], "--quantized-weights requires --use-distributed-optimizer"),
+    (["--use-distributed-optimizer", "--quantized-gradients", "--gq-group-size-intra", "96"],
+     "--gq-group-size-intra=96 and --gq-group-size-inter=128 must divide one another "
+     "(e.g. 128 and 128, or 512 and 128)"),
+], ids=["no-distributed-optimizer", "group-sizes"])
+def test_bad_flags_and_layouts_are_refused_in_one_line_before_anything_runs(
+        change, line, monkeypatch, capsys):
+    """Megatron-LM parses and validates before it starts torch.distributed: in this process,
+    its parser with the plug-in on, as the launcher leaves it."""
+    from megatron.sdp4bit.integration import megatron_lm
+
+    flags = [f for f in MEGATRON_LM_FLAGS if f != "--use-distributed-optimizer"]
+    monkeypatch.setattr(sys, "argv", ["megatron_lm_gpt.py", *flags, *change])
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)
+    megatron_lm.enable()
+    try:
+        from megatron.training.arguments import parse_and_validate_args
+
+        with pytest.raises(SystemExit) as stop:
+            parse_and_validate_args()
+    finally:
+        megatron_lm.disable()
+    assert stop.value.code == 2
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == [f"megatron_lm_gpt.py: error: {line}"]
+    assert "arguments" not in out  # before Megatron-LM's dump of its arguments
+
+
+def test_an_untested_release_with_a_moved_target_is_refused_in_one_line(monkeypatch, capsys):
+    """The plug-in's targets are checked as every entry of the table is: on a release no
+    entry was checked on, a moved one is refused before anything is replaced."""
+    from megatron.sdp4bit import megatron_lm as launcher
+    from megatron.sdp4bit.integration import megatron_lm, patches, version
+
+    with patches.applied([megatron_lm.PYTHON_312]):
+        from megatron.training import training
+
+        monkeypatch.setattr(training, "train_step", lambda forward_step_func, step=None: None)
+    monkeypatch.setattr(version, "megatron_core_version", lambda: "0.20.0")
+    with pytest.raises(SystemExit) as stop:
+        launcher.main(["tests/helpers/megatron_lm_gpt.py"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "megatron_lm: error: SDP4Bit was tested with megatron-core 0.16.1 and 0.19.2 but "
+        "megatron-core 0.20.0 is installed, and megatron.training.training.train_step changed: "
+        "its signature is (forward_step_func, step), checked as (forward_step_func, "
+        "data_iterator, model, optimizer, opt_param_scheduler, config, "
+        "forward_backward_func, iteration, pg_collection, p2p_communicator) on megatron-core "
+        "0.19.2: install megatron-core==0.19.2 (Python >= 3.12) or megatron-core==0.16.1 "
+        "(Python < 3.12), or pass allow_untested_version=True to try this one (then run "
+        "tests/distributed/test_integration_sdp4bit.py against it first)"]
+    assert not megatron_lm.enabled()
+    assert training.train_step.__name__ == "<lambda>"  # nothing was replaced
