@@ -1,10 +1,17 @@
-"""--cross-entropy-loss-fusion: the trainer's model computes megatron-core's fused
+"""Megatron-LM's loss flags on two ranks.
+
+--cross-entropy-loss-fusion: the trainer's model computes megatron-core's fused
 vocab-parallel cross entropy (its native implementation runs on CPU), on two tensor-parallel
 ranks: the loss is the unfused one's, and the gradient the unfused one's up to the bf16
-rounding that the fused backward applies to the logits' gradient (as on a GPU)."""
+rounding that the fused backward applies to the logits' gradient (as on a GPU).
+
+--calculate-per-token-loss: the loss function hands megatron-core's schedule the token sum and
+count, and the logged loss is all ranks' summed token losses over their summed token counts
+(not the mean of per-micro-batch means), on two data-parallel ranks with unequal masks."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.helpers.spawn import spawn
@@ -48,3 +55,35 @@ def _check(rank: int, world: int) -> None:
 
 def test_fused_cross_entropy_matches_the_unfused_one():
     spawn(_check, 2)
+
+
+def _check_per_token(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    from megatron.sdp4bit.training.cli.arguments import parse_args
+    from megatron.sdp4bit.training.model import transformer_config_from_args
+    from megatron.sdp4bit.training.step import _loss_func, mean_loss, per_token_loss
+
+    args = parse_args(FLAGS[:-2] + ["--calculate-per-token-loss"], world_size=world)
+    assert transformer_config_from_args(args).calculate_per_token_loss
+    gen = torch.Generator().manual_seed(5)
+    token_losses = [torch.rand(2, 16, generator=gen) * 5 for _ in range(4)]  # 2 ranks x 2
+    masks = [(torch.rand(2, 16, generator=gen) < p).float() for p in (0.9, 0.2, 0.5, 0.7)]
+    mine = range(2 * rank, 2 * rank + 2)
+    per_token, averaged = [], []
+    for i in mine:
+        total, count, report = _loss_func(masks[i], False, token_losses[i], per_token=True)
+        assert total.item() == pytest.approx(float((token_losses[i] * masks[i]).sum()), rel=1e-6)
+        assert count.dtype == torch.int and count.item() == int(masks[i].sum())
+        per_token.append(report)
+        averaged.append(_loss_func(masks[i], False, token_losses[i])[1])
+    group = dist.group.WORLD
+    want = float(sum((l * m).sum() for l, m in zip(token_losses, masks)) /
+                 sum(m.sum() for m in masks))
+    assert per_token_loss(per_token, group) == pytest.approx(want, rel=1e-6)
+    # the unequal masks make the default mean of means another number
+    assert abs(mean_loss(averaged, group) - want) > 1e-3
+
+
+def test_per_token_loss_is_the_token_weighted_mean_over_ranks():
+    spawn(_check_per_token, 2)

@@ -135,7 +135,6 @@ REFUSED_FLAGS: dict[str, tuple[int | str, str]] = {
     "--rotary-seq-len-interpolation-factor": (1, "not wired to the model"),
     "--no-check-for-nan-in-loss-and-grad": (0, "the NaN check stays on: SDP4Bit's quantizer "
                                             "keeps NaN visible to it on purpose"),
-    "--calculate-per-token-loss": (0, "the loss is the mean over each micro-batch's tokens"),
     "--spec": ("+", "the layer spec follows --transformer-impl"),
     "--adlr-autoresume": (0, "ADLR's autoresume service is not available"),
     "--nccl-communicator-config-path": (1, "NCCL communicators use their defaults"),
@@ -207,6 +206,10 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-position-embedding", dest="add_position_embedding",
                    action="store_false",
                    help="no learned absolute position embedding (e.g. with rope)")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="the loss is the sum of the token losses over the number of tokens of "
+                   "all micro-batches and data-parallel ranks (megatron-core's "
+                   "calculate_per_token_loss), not the mean of per-micro-batch means")
     g.add_argument("--cross-entropy-loss-fusion", action="store_true",
                    help="megatron-core's fused vocab-parallel cross entropy (its native "
                    "implementation, which runs on CPU too) instead of the unfused one; its "
@@ -386,7 +389,8 @@ def transformer_config_overrides(args: argparse.Namespace) -> dict:
     if not args.bias_dropout_fusion:
         out["bias_dropout_fusion"] = False
     for name in ("apply_query_key_layer_scaling", "fp32_residual_connection",
-                 "distribute_saved_activations", "qk_layernorm", "cross_entropy_loss_fusion"):
+                 "distribute_saved_activations", "qk_layernorm", "cross_entropy_loss_fusion",
+                 "calculate_per_token_loss"):
         if getattr(args, name):
             out[name] = True
     if not args.clone_scatter_output_in_embedding:
