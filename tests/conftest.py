@@ -9,7 +9,8 @@ and process checks, torchrun's rendezvous, the README's commands), or cases whos
 megatron-core paths another test of that pass takes (each mark says which); the first pass
 runs them all.
 
-The tests marked ``megatron_lm`` run Megatron-LM's own trainer (``megatron.training``, which
+The tests marked ``megatron_lm`` run Megatron-LM's own trainer or read its argument parser
+(``megatron.training``, which
 megatron-core's wheel ships from 0.17 on): where the installed megatron-core has none (0.16.1,
 the first pass) they are deselected, counted as such, never skipped silently.
 """

@@ -71,10 +71,13 @@ def _hf_model(kind: str, vocab: int, out: str) -> None:
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
             n_embd=64, n_layer=2, n_head=4, n_positions=SEQ, **common))
         assert model.config.activation_function == "gelu_new"
-    else:  # untied output layer, 4 query heads in 2 groups, a non-default RoPE base
+    else:  # untied output layer, 4 query heads in 2 groups, a non-default RoPE base, and
+        # Llama 3.1's RoPE scaling ("llama3", factor 8: --use-rope-scaling)
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
             hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=SEQ, rope_theta=1000.0,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
             rms_norm_eps=1e-5, tie_word_embeddings=False, **common))
     model.save_pretrained(out)
 
@@ -203,6 +206,9 @@ def test_import_matches_hugging_face_and_exports_back_bit_for_bit(imported, corp
         # GPT-2's tanh GeLU comes in as --openai-gelu (the logits below check that the model
         # computes it) and goes out as gelu_new again
         assert ("--openai-gelu" in flags) == (kind == "gpt2")
+        assert ("--use-rope-scaling" in flags) == (kind == "llama")
+        if kind == "llama":
+            assert config["rope_parameters"]["rope_type"] == "llama3"
         assert config.get("activation_function") == ("gelu_new" if kind == "gpt2" else None)
         spawn(_check_import, 1, hf, ckpt, flags, corpus[1], str(tmp_path / f"{kind}.json"))
 

@@ -24,7 +24,8 @@ DEFAULT = {"num_layers": 2, "hidden_size": 8, "ffn_hidden_size": 32, "num_attent
            "rotary_base": 10000, "rotary_percent": 1.0,
            "untie_embeddings_and_output_weights": False, "swiglu": False, "openai_gelu": False,
            "normalization": "LayerNorm", "norm_epsilon": 1e-5, "add_bias_linear": True,
-           "params_dtype": "bf16", "padded_vocab_size": 128}
+           "params_dtype": "bf16", "padded_vocab_size": 128, "qk_layernorm": False,
+           "use_rope_scaling": False, "rope_scaling_factor": 8.0}
 LLAMA = {**DEFAULT, "position_embedding_type": "rope", "normalization": "RMSNorm",
          "swiglu": True, "add_bias_linear": False, "untie_embeddings_and_output_weights": True,
          "num_attention_heads": 4, "group_query_attention": True, "num_query_groups": 2,
@@ -73,6 +74,36 @@ def test_llama_style_settings_map_to_llama():
     config = export_hf.hf_config(tied)
     assert (config["tie_word_embeddings"], config["num_key_value_heads"], config["head_dim"]) == (
         True, 4, 2)
+
+
+def test_llama3_rope_scaling_round_trips_with_transformers_frequencies():
+    """--use-rope-scaling exports as transformers' "llama3" RoPE whose inverse frequencies
+    are megatron-core's, and that config imports back to the same flags."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    model = {**LLAMA, "use_rope_scaling": True, "rope_scaling_factor": 32.0, "kv_channels": 64,
+             "hidden_size": 256, "max_position_embeddings": 16384}
+    config = LlamaConfig(**export_hf.hf_config(model))
+    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    ours = RotaryEmbedding(kv_channels=64, rotary_percent=1.0, rotary_base=500000,
+                           rope_scaling=True, rope_scaling_factor=32.0,
+                           use_cpu_initialization=True).inv_freq
+    unscaled = RotaryEmbedding(kv_channels=64, rotary_percent=1.0, rotary_base=500000,
+                               use_cpu_initialization=True).inv_freq
+    assert not torch.allclose(ours, unscaled)  # the factor changed the low frequencies
+    torch.testing.assert_close(ours, theirs.float(), rtol=1e-6, atol=0)
+    name, flags, _ = hf_arch.trainer_flags(config)
+    assert name == "LlamaForCausalLM"
+    assert flags[-3:] == ["--use-rope-scaling", "--rope-scaling-factor", "32.0"]
+
+
+def test_qk_layernorm_is_refused_by_both_architectures():
+    assert _refusal({**LLAMA, "qk_layernorm": True}).endswith(
+        "for LlamaForCausalLM, qk_layernorm is True (needs False)")
+    assert "for GPT2LMHeadModel, qk_layernorm is True (needs False); " in _refusal(
+        {**DEFAULT, "qk_layernorm": True})
 
 
 def _refusal(model: dict) -> str:

@@ -112,9 +112,15 @@ def test_what_does_not_map_is_refused_in_one_line(tmp_path, capsys):
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}
     assert _refused(tmp_path, capsys, scaled) == (
+        "the LlamaForCausalLM in config.json does not map to this trainer's model: llama3 rope "
+        "original_max_position_embeddings 64 (needs 8192: megatron-core's rope_scaling fixes "
+        "it), attention_bias True (needs False)")
+    yarn = {**LLAMA, "rope_parameters": {"rope_type": "yarn", "rope_theta": 500000.0,
+                                         "factor": 4.0}}
+    assert _refused(tmp_path, capsys, yarn) == (
         "the LlamaForCausalLM in config.json does not map to this trainer's model: rope type "
-        "'llama3' (needs 'default': megatron-core's RoPE here has no scaling), attention_bias "
-        "True (needs False)")
+        "'yarn' (needs 'default' or 'llama3': megatron-core's RoPE scaling here is Llama "
+        "3.x's)")
     assert _refused(tmp_path, capsys, None) == (
         f"--hf {tmp_path / 'nothing'} has no config.json: give a local Hugging Face model "
         "folder (save_pretrained's output)")

@@ -73,7 +73,9 @@ def check_supported(config: SDP4BitConfig, setup: Setup, *, command_line: bool =
         refuse("num_distributed_optimizer_instances > 1 is not supported by SDP4Bit: use 1")
     if setup.reduce_scatter_with_fp32_accumulation:
         refuse("reduce_scatter_with_fp32_accumulation replaces the same collective as TLq: "
-               "turn it off")
+               "turn it off",
+               "--ddp-reduce-scatter-with-fp32-accumulation replaces the reduce-scatter that "
+               "SDP4Bit replaces (whose quantized gradients are already summed in fp32): drop it")
     if setup.megatron_fsdp:
         refuse("Megatron-FSDP (use_megatron_fsdp / use_custom_fsdp) is not supported by "
                "SDP4Bit: it shards parameters with its own collectives; use "

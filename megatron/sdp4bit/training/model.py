@@ -97,9 +97,10 @@ def build_model(args: argparse.Namespace, config: TransformerConfig, vocab_size:
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        spec = get_gpt_layer_with_transformer_engine_spec()
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
     else:
-        spec = get_gpt_layer_local_spec(normalization=args.normalization)
+        spec = get_gpt_layer_local_spec(normalization=args.normalization,
+                                        qk_layernorm=args.qk_layernorm)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -111,6 +112,8 @@ def build_model(args: argparse.Namespace, config: TransformerConfig, vocab_size:
         position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
     )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
@@ -122,9 +125,11 @@ def wrap_ddp(args: argparse.Namespace, config: TransformerConfig, model: torch.n
     if args.fp16 or args.bf16:
         model = Float16Module(config, model)
     ddp_kwargs = dict(
-        # Megatron-LM forces fp32 gradient reduction with bf16; SDP4Bit accumulates in fp32
-        # in every case, so the buffers are fp32 for all precisions.
-        grad_reduce_in_fp32=True,
+        # Megatron-LM reduces gradients in fp32 with bf16 unless --grad-reduce-in-bf16 (only
+        # with --bf16, validation says); SDP4Bit sums its dequantized gradients in fp32 and
+        # writes them into buffers of either dtype.
+        grad_reduce_in_fp32=not args.grad_reduce_in_bf16,
+        reduce_scatter_with_fp32_accumulation=args.ddp_reduce_scatter_with_fp32_accumulation,
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,

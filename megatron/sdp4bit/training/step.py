@@ -26,16 +26,27 @@ from megatron.sdp4bit.training.guards import faults
 from megatron.sdp4bit.training.guards.finite import all_finite
 
 
-def _loss_func(loss_mask: torch.Tensor, nan: bool, output: torch.Tensor):
+def _loss_func(loss_mask: torch.Tensor, nan: bool, output: torch.Tensor, *,
+               per_token: bool = False):
     losses = output.float().view(-1)
     mask = loss_mask.view(-1).float()
+    if per_token:
+        # Megatron-LM's --calculate-per-token-loss: the sum over the micro-batch's tokens and
+        # their count; megatron-core's schedule divides nothing, and finalize_model_grads
+        # divides the gradients by the tokens of all micro-batches and data-parallel ranks.
+        total = torch.sum(losses * mask)
+        if nan:  # fault injection: this rank's gradients become NaN (training/guards/faults.py)
+            total = total * float("nan")
+        count = mask.sum()
+        return total, count.to(torch.int), {"lm loss": torch.stack([total.detach(), count])}
     loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
     if nan:  # fault injection: this rank's gradients become NaN (training/guards/faults.py)
         loss = loss * float("nan")
     return loss, {"lm loss": loss.detach().clone()}
 
 
-def _forward_step(data_iterator, model, timers=None, nan: bool = False):
+def _forward_step(data_iterator, model, timers=None, nan: bool = False,
+                  per_token: bool = False):
     if timers is not None:
         timers("batch-generator", log_level=2).start()
     batch = next(data_iterator)
@@ -47,7 +58,7 @@ def _forward_step(data_iterator, model, timers=None, nan: bool = False):
     loss_mask = batch["loss_mask"].to(device, non_blocking=True)
     position_ids = batch["position_ids"].to(device, non_blocking=True)
     output = model(tokens, position_ids, None, labels=labels)
-    return output, partial(_loss_func, loss_mask, nan)
+    return output, partial(_loss_func, loss_mask, nan, per_token=per_token)
 
 
 def mean_loss(losses: list[dict], group) -> float:
@@ -62,6 +73,24 @@ def mean_loss(losses: list[dict], group) -> float:
         value = torch.zeros(1, device=device)
     dist.all_reduce(value, group=group)
     return value.item() / dist.get_world_size(group)
+
+
+def per_token_loss(losses: list[dict], group) -> float:
+    """--calculate-per-token-loss: the summed token losses over the summed token counts of
+    all micro-batches of the DP group (Megatron-LM's logged value); NaN-preserving."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    if losses:
+        value = torch.stack([d["lm loss"].float() for d in losses]).sum(dim=0).to(device)
+    else:  # not the last pipeline stage: contributes nothing
+        value = torch.zeros(2, device=device)
+    dist.all_reduce(value, group=group)
+    return (value[0] / value[1].clamp(min=1.0)).item()
+
+
+def _reported_loss(args, losses: list[dict], group) -> float:
+    if args.calculate_per_token_loss:
+        return per_token_loss(losses, group)
+    return mean_loss(losses, group)
 
 
 def has_loss_scaler(optimizer) -> bool:
@@ -82,11 +111,12 @@ def train_step(args, state, data_iterator) -> tuple[float, float, bool]:
     timers = state.timers
     nan = faults.active("nan-grad", state.iteration + 1, dist.get_rank())
     losses = get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, timers=timers, nan=nan),
+        forward_step_func=partial(_forward_step, timers=timers, nan=nan,
+                                  per_token=args.calculate_per_token_loss),
         data_iterator=data_iterator, model=state.model, num_microbatches=args.num_microbatches,
         seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
         forward_only=False)
-    loss = mean_loss(losses, parallel_state.get_data_parallel_group())
+    loss = _reported_loss(args, losses, parallel_state.get_data_parallel_group())
     if not has_loss_scaler(state.optimizer) and not grads_finite(state.model):
         return loss, float("nan"), False  # see [Note: non-finite gradients]
     if timers is not None:
@@ -108,9 +138,10 @@ def evaluate(args, state, iterator) -> float | None:
     losses: list[dict] = []
     for _ in range(args.eval_iters):
         losses += get_forward_backward_func()(
-            forward_step_func=_forward_step, data_iterator=iterator, model=state.model,
+            forward_step_func=partial(_forward_step, per_token=args.calculate_per_token_loss),
+            data_iterator=iterator, model=state.model,
             num_microbatches=args.num_microbatches, seq_length=args.seq_length,
             micro_batch_size=args.micro_batch_size, forward_only=True)
     for chunk in state.model:
         chunk.train()
-    return mean_loss(losses, parallel_state.get_data_parallel_group())
+    return _reported_loss(args, losses, parallel_state.get_data_parallel_group())

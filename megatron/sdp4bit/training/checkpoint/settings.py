@@ -27,7 +27,8 @@ MODEL_KEYS = (
     "group_query_attention", "num_query_groups", "max_position_embeddings",
     "position_embedding_type", "rotary_base", "rotary_percent",
     "untie_embeddings_and_output_weights", "swiglu", "openai_gelu", "normalization",
-    "norm_epsilon", "add_bias_linear", "params_dtype")
+    "norm_epsilon", "add_bias_linear", "params_dtype", "qk_layernorm", "use_rope_scaling",
+    "rope_scaling_factor")
 
 # Model settings recorded since the Llama export (tools/checkpoint/export_hf.py), with the
 # trainer's defaults: a manifest written before lacks them, and such a checkpoint still
@@ -37,7 +38,8 @@ LATER_MODEL_SETTINGS = {"norm_epsilon": 1e-5, "rotary_base": 10000, "rotary_perc
 # Model settings recorded since they were added, with the value every run had before (the
 # trainer refused --openai-gelu until then): an older manifest is read as having that value,
 # and compared.
-LATER_MODEL_DEFAULTS = {"openai_gelu": False}
+LATER_MODEL_DEFAULTS = {"openai_gelu": False, "qk_layernorm": False, "use_rope_scaling": False,
+                        "rope_scaling_factor": 8.0}
 
 # SDP4Bit settings recorded since they were added, with the value every run had before:
 # an older manifest lacks them and is read as having that value.

@@ -18,7 +18,9 @@ from collections.abc import Sequence
 
 from megatron.sdp4bit.config_flags import add_sdp4bit_flags, sdp4bit_config_from_args
 from megatron.sdp4bit.training.cli.errors import ArgumentsError
-from megatron.sdp4bit.training.cli.megatron_flags import NO_OP_FLAGS, add_megatron_flags
+from megatron.sdp4bit.training.cli.megatron_flags import (NO_OP_FLAGS, add_megatron_flags,
+                                                          refused_flags)
+from megatron.sdp4bit.training.cli.megatron_lm_flags import refusal_message, unknown_flags
 from megatron.sdp4bit.training.cli.validate import validate_args
 from megatron.sdp4bit.training.tokenizers import registry as tokenizer_registry
 
@@ -124,6 +126,11 @@ def _add_precision(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-loss-scale", type=float, default=1.0)
     g.add_argument("--loss-scale-window", type=int, default=1000)
     g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="with --bf16: keep the gradient buffers in bf16 and reduce them in bf16 "
+                   "(megatron-core's grad_reduce_in_fp32=False) instead of fp32; with "
+                   "--quantized-gradients the wire format stays SDP4Bit's and only the buffers "
+                   "are bf16")
 
 
 def _add_parallel(p: argparse.ArgumentParser) -> None:
@@ -136,6 +143,10 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap-param-gather", action="store_true")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="elements per gradient bucket; default megatron-core's")
+    g.add_argument("--ddp-reduce-scatter-with-fp32-accumulation", action="store_true",
+                   help="with --use-distributed-optimizer: megatron-core's reduce-scatter that "
+                   "sends the gradients in their buffer's dtype (an all-to-all) and sums them in "
+                   "fp32; not with SDP4Bit's quantized gradients or --overlap-grad-reduce")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10,
                    help="timeout of the process groups' collectives")
     g.add_argument("--heartbeat-timeout-seconds", type=float, default=120.0,
@@ -272,7 +283,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
     """Parse and validate; ``world_size`` defaults to ``$WORLD_SIZE`` (1 if unset)."""
-    args = build_parser().parse_args(argv)
+    args, extras = build_parser().parse_known_args(argv)
+    # Every refusal at once: Megatron-LM flags this parser lacks, refused flags and values.
+    unknown_refused, unrecognized = unknown_flags(extras)
+    refused = unknown_refused + refused_flags(args)
+    if refused or unrecognized:
+        raise ArgumentsError(refusal_message(refused, unrecognized))
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.world_size = world_size

@@ -26,10 +26,11 @@ import argparse
 import time
 
 from megatron.sdp4bit.training.cli.errors import ArgumentsError
+from megatron.sdp4bit.training.cli.megatron_lm_flags import refusal_message
 from megatron.sdp4bit.training.guards.exit_signal import EXIT_SIGNALS
 
 __all__ = ["NO_OP_FLAGS", "ONLY_VALUE", "REFUSED_FLAGS", "add_megatron_flags",
-           "check_megatron_flags", "scheduler_steps",
+           "check_megatron_flags", "refused_flags", "scheduler_steps",
            "transformer_config_overrides"]
 
 # Flag -> why doing nothing is harmless here. Switches unless listed in _NO_OP_VALUES.
@@ -38,8 +39,8 @@ NO_OP_FLAGS: dict[str, str] = {
     "tensor-parallel all-reduce itself; the flag only toggled an overlap, never the math",
     "--log-throughput": "throughput (TFLOP/s/GPU) is always part of the log line",
     "--distributed-backend": "the backend follows the device: NCCL with CUDA, gloo on CPU",
-    "--accumulate-allreduce-grads-in-fp32": "gradients are always reduced in fp32 with --bf16, "
-    "as Megatron-LM forces; with --fp16 they are too, for the quantized reduce-scatter",
+    "--accumulate-allreduce-grads-in-fp32": "gradients are reduced in fp32 with --bf16 unless "
+    "--grad-reduce-in-bf16, as in Megatron-LM; with --fp16 and fp32 parameters too",
     "--use-mcore-models": "the trainer always builds megatron-core's GPTModel",
     "--num-workers": "batches are read in the training process from the memory-mapped "
     "dataset; loader workers would change only how fast, never which samples",
@@ -134,8 +135,6 @@ REFUSED_FLAGS: dict[str, tuple[int | str, str]] = {
     "--rotary-seq-len-interpolation-factor": (1, "not wired to the model"),
     "--no-check-for-nan-in-loss-and-grad": (0, "the NaN check stays on: SDP4Bit's quantizer "
                                             "keeps NaN visible to it on purpose"),
-    "--calculate-per-token-loss": (0, "the loss is the mean over each micro-batch's tokens"),
-    "--cross-entropy-loss-fusion": (0, "not wired to the model"),
     "--spec": ("+", "the layer spec follows --transformer-impl"),
     "--adlr-autoresume": (0, "ADLR's autoresume service is not available"),
     "--nccl-communicator-config-path": (1, "NCCL communicators use their defaults"),
@@ -207,6 +206,24 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-position-embedding", dest="add_position_embedding",
                    action="store_false",
                    help="no learned absolute position embedding (e.g. with rope)")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="the loss is the sum of the token losses over the number of tokens of "
+                   "all micro-batches and data-parallel ranks (megatron-core's "
+                   "calculate_per_token_loss), not the mean of per-micro-batch means")
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="megatron-core's fused vocab-parallel cross entropy (its native "
+                   "implementation, which runs on CPU too) instead of the unfused one; its "
+                   "backward rounds the logits' gradient to bf16, as in Megatron-LM")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="normalize queries and keys per head before attention (megatron-core's "
+                   "qk_layernorm, with --normalization's kind)")
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="Llama 3.x's RoPE frequency scaling (megatron-core's rope_scaling: "
+                   "low/high frequency factors 1 and 4, original context 8192); needs "
+                   "--position-embedding-type rope")
+    g.add_argument("--rope-scaling-factor", type=float, default=None,
+                   help="with --use-rope-scaling: the scaling factor (default 8.0, "
+                   "Megatron-LM's)")
     for flag, (kind, value, why) in ONLY_VALUE.items():
         g.add_argument(flag, type=kind, default=value, help=f"only {value}: {why}")
 
@@ -228,14 +245,23 @@ def _fail(message: str) -> None:
     raise ArgumentsError(message)
 
 
-def _check_refused(args: argparse.Namespace) -> None:
+def refused_flags(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(the flag as given, why) for every refused flag or refused value on ``args``."""
+    out = []
     for flag, (_, why) in REFUSED_FLAGS.items():
         if getattr(args, "refused_" + _dest(flag)) is not None:
-            _fail(f"{flag} is not supported by this trainer: {why}")
+            out.append((flag, why))
     for flag, (_, value, why) in ONLY_VALUE.items():
         given = getattr(args, _dest(flag))
         if given != value:
-            _fail(f"{flag}={given} is not supported by this trainer ({why}): only {value}")
+            out.append((f"{flag}={given}", f"only {value} ({why})"))
+    return out
+
+
+def _check_refused(args: argparse.Namespace) -> None:
+    refused = refused_flags(args)
+    if refused:
+        _fail(refusal_message(refused))
 
 
 def _resolve_training_length(args: argparse.Namespace) -> None:
@@ -294,6 +320,18 @@ def _check_switches(args: argparse.Namespace) -> None:
     if args.recompute_modules is not None and granularity != "selective":
         _fail("--recompute-modules needs --recompute-granularity selective "
               "(or --recompute-activations)")
+    if args.use_rope_scaling and args.position_embedding_type != "rope":
+        _fail("--use-rope-scaling scales RoPE's frequencies: it needs --position-embedding-type "
+              "rope (or --use-rotary-position-embeddings)")
+    if args.rope_scaling_factor is not None:
+        if not args.use_rope_scaling:
+            _fail("--rope-scaling-factor needs --use-rope-scaling (without it RoPE is not "
+                  "scaled)")
+        if not args.rope_scaling_factor >= 1:  # also refuses NaN
+            _fail(f"--rope-scaling-factor={args.rope_scaling_factor} must be >= 1 (Llama 3.x "
+                  "stretches the low frequencies by it)")
+    else:
+        args.rope_scaling_factor = 8.0  # Megatron-LM's default, recorded in checkpoints
     if args.log_world_size_to_tensorboard and not args.tensorboard_dir:
         _fail("--log-world-size-to-tensorboard needs --tensorboard-dir")
     if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
@@ -351,7 +389,8 @@ def transformer_config_overrides(args: argparse.Namespace) -> dict:
     if not args.bias_dropout_fusion:
         out["bias_dropout_fusion"] = False
     for name in ("apply_query_key_layer_scaling", "fp32_residual_connection",
-                 "distribute_saved_activations"):
+                 "distribute_saved_activations", "qk_layernorm", "cross_entropy_loss_fusion",
+                 "calculate_per_token_loss"):
         if getattr(args, name):
             out[name] = True
     if not args.clone_scatter_output_in_embedding:

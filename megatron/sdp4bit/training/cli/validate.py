@@ -130,6 +130,13 @@ def _check_parallel(args: argparse.Namespace) -> None:
               f"--micro-batch-size x data-parallel size = {args.micro_batch_size} x "
               f"{args.data_parallel_size} = {per_step}")
     args.num_microbatches = args.global_batch_size // per_step
+    if args.ddp_reduce_scatter_with_fp32_accumulation:
+        if not args.use_distributed_optimizer:
+            _fail("--ddp-reduce-scatter-with-fp32-accumulation replaces the distributed "
+                  "optimizer's reduce-scatter: it needs --use-distributed-optimizer")
+        if args.overlap_grad_reduce:
+            _fail("--ddp-reduce-scatter-with-fp32-accumulation with --overlap-grad-reduce runs "
+                  "in megatron-core on a single gradient bucket only: drop --overlap-grad-reduce")
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         _fail("--overlap-param-gather requires --use-distributed-optimizer")
     if args.overlap_param_gather and not args.overlap_grad_reduce:
@@ -162,6 +169,9 @@ def _check_optimizer(args: argparse.Namespace) -> None:
         _fail("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
               "contradict each other: pass one")
     args.params_dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    if args.grad_reduce_in_bf16 and not args.bf16:
+        _fail("--grad-reduce-in-bf16 needs --bf16: it keeps the gradients in the bf16 "
+              "parameters' dtype (with --fp16 or fp32 parameters they are reduced in fp32)")
     if args.finetune and not (args.load or args.pretrained_checkpoint):
         _fail("--finetune needs --load (the checkpoint whose weights to start from) or "
               "--pretrained-checkpoint")
@@ -284,8 +294,10 @@ def _check_sdp4bit(args: argparse.Namespace) -> None:
 
     problem = None
     try:
-        check_supported(config, Setup(distributed_optimizer=args.use_distributed_optimizer,
-                                      fp32_params=not (args.bf16 or args.fp16)),
+        check_supported(config, Setup(
+            distributed_optimizer=args.use_distributed_optimizer,
+            fp32_params=not (args.bf16 or args.fp16),
+            reduce_scatter_with_fp32_accumulation=args.ddp_reduce_scatter_with_fp32_accumulation),
                         command_line=True)
     except ValueError as err:
         problem = str(err)

@@ -168,8 +168,24 @@ def test_only_value_flags_take_their_value_and_refuse_others(flag):
     kind, value, why = mf.ONLY_VALUE[flag]
     parse(f"{flag} {value}")  # what the trainer does: accepted
     other = 2 if kind is int else "cyclic"
-    assert error(f"{flag} {other}") == (f"{flag}={other} is not supported by this trainer "
-                                        f"({why}): only {value}")
+    assert error(f"{flag} {other}") == (f"{flag}={other} is not supported by this trainer: "
+                                        f"only {value} ({why})")
+
+
+def test_several_refusals_are_named_in_one_message():
+    """One launch names every flag to drop: a refused flag of this parser, a refused value,
+    a Megatron-LM flag this parser lacks (with its group's reason) and a misspelt flag."""
+    from megatron.sdp4bit.training.cli import megatron_lm_flags as mlm
+
+    fsdp, rl = "--use-torch-fsdp2", "--grpo-group-size"
+    assert mlm.MEGATRON_LM_FLAGS[rl] == "rl"
+    got = error(f"--async-save {rl} 4 --rerun-mode validate_results {fsdp} --no-such-flag 3")
+    assert got == (
+        "5 problems with this command line; drop or replace each: "
+        f"(1) {rl}: {mlm.GROUP_REASONS['rl']}; (2) {fsdp}: {mlm.FLAG_REASONS[fsdp]}; "
+        f"(3) --async-save: {mf.REFUSED_FLAGS['--async-save'][1]}; "
+        f"(4) --rerun-mode=validate_results: only disabled ({mf.ONLY_VALUE['--rerun-mode'][2]}); "
+        "(5) unrecognized arguments: --no-such-flag 3")
 
 
 def test_no_op_flags_change_nothing_else():
@@ -267,6 +283,87 @@ def test_transformer_switches_reach_the_config():
     assert config.recompute_modules == ["core_attn", "mlp"]
     assert mf.transformer_config_overrides(parse("--attention-backend local")) == {
         "attention_backend": AttnBackend.local}
+
+
+def test_qk_layernorm_and_rope_scaling_reach_the_model(monkeypatch):
+    """--qk-layernorm: the config's switch and the layer spec's per-head q/k norms;
+    --use-rope-scaling: GPTModel's rope_scaling and its factor."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from megatron.sdp4bit.training import model as trainer_model
+
+    built = {}
+    monkeypatch.setattr(trainer_model, "GPTModel", lambda **kw: built.update(kw))
+    monkeypatch.setattr(trainer_model.parallel_state, "is_pipeline_first_stage", lambda: True)
+    monkeypatch.setattr(trainer_model.parallel_state, "is_pipeline_last_stage", lambda: True)
+
+    def attention_norms(extra: str):
+        args = parse(extra)
+        config = trainer_model.transformer_config_from_args(args)
+        trainer_model.build_model(args, config, 128)
+        sub = built["transformer_layer_spec"].submodules.self_attention.submodules
+        return config.qk_layernorm, sub.q_layernorm, sub.k_layernorm
+
+    assert attention_norms("") == (False, IdentityOp, IdentityOp)
+    on, q_norm, k_norm = attention_norms("--qk-layernorm --normalization RMSNorm")
+    # (the norm class builds the config's --normalization kind)
+    assert on and q_norm is k_norm and q_norm is not IdentityOp
+    assert (built["rope_scaling"], built["rope_scaling_factor"]) == (False, 8.0)
+    attention_norms("--position-embedding-type rope --use-rope-scaling --rope-scaling-factor 32")
+    assert (built["rope_scaling"], built["rope_scaling_factor"]) == (True, 32.0)
+    assert error("--use-rope-scaling") == (
+        "--use-rope-scaling scales RoPE's frequencies: it needs --position-embedding-type rope "
+        "(or --use-rotary-position-embeddings)")
+    assert error("--use-rotary-position-embeddings --rope-scaling-factor 8") == (
+        "--rope-scaling-factor needs --use-rope-scaling (without it RoPE is not scaled)")
+    assert error("--use-rotary-position-embeddings --use-rope-scaling --rope-scaling-factor "
+                 "0.5") == ("--rope-scaling-factor=0.5 must be >= 1 (Llama 3.x stretches the "
+                            "low frequencies by it)")
+
+
+def test_cheaper_gradient_collectives_reach_megatron_cores_ddp(monkeypatch):
+    """--grad-reduce-in-bf16 (with --bf16, also with SDP4Bit's quantized gradients, whose
+    integration test runs bf16 buffers) and --ddp-reduce-scatter-with-fp32-accumulation
+    (baseline only) become DistributedDataParallelConfig's fields; misuse is one line."""
+    import torch
+
+    from megatron.sdp4bit.training import model as trainer_model
+
+    made = {}
+
+    class FakeDDP:
+        def __init__(self, config, ddp_config, module):
+            made["ddp"] = ddp_config
+
+        def broadcast_params(self):
+            pass
+
+    monkeypatch.setattr(trainer_model, "DistributedDataParallel", FakeDDP)
+
+    def ddp_config(extra: str):
+        args = parse(extra)
+        trainer_model.wrap_ddp(args, None, torch.nn.Linear(2, 2))
+        return made["ddp"].grad_reduce_in_fp32, made["ddp"].reduce_scatter_with_fp32_accumulation
+
+    monkeypatch.setattr(trainer_model, "Float16Module", lambda config, module: module)
+    dist_opt = "--bf16 --use-distributed-optimizer"
+    assert ddp_config(dist_opt) == (True, False)
+    assert ddp_config(dist_opt + " --grad-reduce-in-bf16") == (False, False)
+    assert ddp_config(dist_opt + " --grad-reduce-in-bf16 --quantized-gradients") == (False, False)
+    assert ddp_config(dist_opt + " --grad-reduce-in-bf16 "
+                      "--ddp-reduce-scatter-with-fp32-accumulation") == (False, True)
+    assert error("--grad-reduce-in-bf16 --fp16") == (
+        "--grad-reduce-in-bf16 needs --bf16: it keeps the gradients in the bf16 parameters' "
+        "dtype (with --fp16 or fp32 parameters they are reduced in fp32)")
+    rs = "--ddp-reduce-scatter-with-fp32-accumulation"
+    assert error(rs) == (f"{rs} replaces the distributed optimizer's reduce-scatter: it needs "
+                         "--use-distributed-optimizer")
+    assert error(f"{rs} {dist_opt} --overlap-grad-reduce") == (
+        f"{rs} with --overlap-grad-reduce runs in megatron-core on a single gradient bucket "
+        "only: drop --overlap-grad-reduce")
+    assert error(f"{rs} {dist_opt} --quantized-gradients") == (
+        f"{rs} replaces the reduce-scatter that SDP4Bit replaces (whose quantized gradients are "
+        "already summed in fp32): drop it")
 
 
 def test_openai_gelu_is_the_tanh_approximation_in_the_config(monkeypatch):

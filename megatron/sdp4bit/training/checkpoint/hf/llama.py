@@ -19,16 +19,34 @@ READS = ("norm_epsilon", "rotary_base", "rotary_percent")
 def mismatches(model: dict) -> list[str]:
     """What keeps the settings from being a LlamaForCausalLM (empty: nothing)."""
     wrong = differences(model, {"position_embedding_type": "rope", "normalization": "RMSNorm",
-                                "swiglu": True, "add_bias_linear": False})
+                                "swiglu": True, "add_bias_linear": False,
+                                "qk_layernorm": False})
     # The rotary percent only acts with RoPE; transformers' Llama rotates the whole head.
     if model.get("position_embedding_type") == "rope" and model["rotary_percent"] != 1.0:
         wrong.append(f"rotary_percent is {model['rotary_percent']!r} (needs 1.0)")
     return wrong
 
 
+# Llama 3.x's RoPE scaling ("llama3") as megatron-core's rope_scaling computes it: only the
+# factor is a setting (--rope-scaling-factor); these three are fixed there.
+LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+
+
+def _rope_parameters(model: dict) -> dict:
+    theta = model["rotary_base"]
+    if not model.get("use_rope_scaling"):
+        return {"rope_type": "default", "rope_theta": theta}
+    return {"rope_type": "llama3", "rope_theta": theta,
+            "factor": float(model["rope_scaling_factor"]), **LLAMA3_FIXED}
+
+
 def hf_config(model: dict) -> dict:
     """The Llama fields of ``config.json`` (fp32 weights, dropout off)."""
-    theta = model["rotary_base"]
+    theta, rope = model["rotary_base"], _rope_parameters(model)
+    # transformers < 5 reads rope_scaling for a scaled RoPE, 5 reads rope_parameters.
+    scaling = {"rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"}} \
+        if rope["rope_type"] != "default" else {}
     return {"model_type": "llama", "hidden_size": model["hidden_size"],
             "intermediate_size": model["ffn_hidden_size"], "num_hidden_layers":
             model["num_layers"], "num_attention_heads": model["num_attention_heads"],
@@ -37,19 +55,38 @@ def hf_config(model: dict) -> dict:
             "rms_norm_eps": model["norm_epsilon"],
             # transformers < 5 reads rope_theta, 5 reads rope_parameters (and converts the
             # former when the latter is absent): both, equal.
-            "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+            "rope_theta": theta, "rope_parameters": rope, **scaling,
             "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
             "tie_word_embeddings": not model["untie_embeddings_and_output_weights"]}
 
 
-def _rope(config) -> tuple[str, float]:
-    """(RoPE type, theta) of a transformers config: transformers 5 keeps them in
-    ``rope_parameters``, 4 in ``rope_theta`` and ``rope_scaling``."""
+def _rope(config) -> tuple[str, float, dict]:
+    """(RoPE type, theta, scaling parameters) of a transformers config: transformers 5 keeps
+    them in ``rope_parameters``, 4 in ``rope_theta`` and ``rope_scaling``."""
     params = getattr(config, "rope_parameters", None) or {}
     scaling = getattr(config, "rope_scaling", None) or {}
     kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     theta = params.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
-    return kind, float(theta)
+    return kind, float(theta), {**scaling, **params}
+
+
+def _rope_scaling_flags(kind: str, params: dict, wrong: list[str]) -> list[str]:
+    """--use-rope-scaling for a "llama3" RoPE with megatron-core's fixed parameters."""
+    if kind == "default":
+        return []
+    if kind != "llama3":
+        wrong.append(f"rope type {kind!r} (needs 'default' or 'llama3': megatron-core's RoPE "
+                     "scaling here is Llama 3.x's)")
+        return []
+    for key, value in LLAMA3_FIXED.items():
+        if params.get(key) != value:
+            wrong.append(f"llama3 rope {key} {params.get(key)!r} (needs {value:g}: "
+                         "megatron-core's rope_scaling fixes it)")
+    factor = params.get("factor")
+    if not isinstance(factor, (int, float)) or not factor >= 1:
+        wrong.append(f"llama3 rope factor {factor!r} (needs a number >= 1)")
+        return []
+    return as_flags("--use-rope-scaling", "--rope-scaling-factor", repr(float(factor)))
 
 
 def trainer_flags(config) -> tuple[list[str], list[str]]:
@@ -58,10 +95,8 @@ def trainer_flags(config) -> tuple[list[str], list[str]]:
     hidden, heads = config.hidden_size, config.num_attention_heads
     groups = getattr(config, "num_key_value_heads", None) or heads
     head = getattr(config, "head_dim", None) or hidden // heads
-    kind, theta = _rope(config)
-    if kind != "default":
-        wrong.append(f"rope type {kind!r} (needs 'default': megatron-core's RoPE here has "
-                     "no scaling)")
+    kind, theta, rope_params = _rope(config)
+    scaling_flags = _rope_scaling_flags(kind, rope_params, wrong)
     partial = getattr(config, "partial_rotary_factor", 1.0)
     if partial != 1.0:
         wrong.append(f"partial_rotary_factor {partial!r} (needs 1.0)")
@@ -85,7 +120,7 @@ def trainer_flags(config) -> tuple[list[str], list[str]]:
                       repr(float(config.rms_norm_eps)), "--swiglu", "--disable-bias-linear")
     if not config.tie_word_embeddings:
         flags.append("--untie-embeddings-and-output-weights")
-    return flags, wrong
+    return flags + scaling_flags, wrong
 
 
 def normalize(tensors: Tensors) -> Tensors:

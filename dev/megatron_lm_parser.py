@@ -1,0 +1,42 @@
+"""Megatron-LM's own ``pretrain_gpt.py`` parser, built from the installed megatron-core wheel.
+
+megatron-core 0.19.2's wheel ships ``megatron/training/arguments.py`` (0.16.1's does not).
+Only the flag comparison of the 0.19.2 test pass and ``python -m dev.gen_flag_docs
+--megatron-lm`` read it; nothing at run time does.
+
+[Note: typing.override on Python 3.11]
+``megatron.training`` imports ``typing.override`` (Python >= 3.12). The 0.19.2 wheel runs on
+3.11 in the test environment (dev/run_tests.sh), so :func:`megatron_lm_flags` puts an identity
+function there in its own process, when it is missing, before the import: the decorator only
+marks methods for type checkers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import typing
+import warnings
+
+
+def megatron_lm_parser() -> argparse.ArgumentParser:
+    """Megatron-LM's argument parser (``add_megatron_arguments``), as ``pretrain_gpt.py``
+    builds it; ImportError where the wheel has no ``megatron.training``."""
+    if not hasattr(typing, "override"):
+        typing.override = lambda method: method  # type: ignore[attr-defined]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed"
+        from megatron.training.arguments import add_megatron_arguments
+
+        parser = argparse.ArgumentParser(allow_abbrev=False)
+        return add_megatron_arguments(parser)
+
+
+def megatron_lm_flags() -> dict[str, str]:
+    """Every option string of Megatron-LM's parser -> the title of its argument group."""
+    out: dict[str, str] = {}
+    for group in megatron_lm_parser()._action_groups:
+        for action in group._group_actions:
+            for flag in action.option_strings:
+                if flag.startswith("--"):
+                    out[flag] = group.title
+    return out

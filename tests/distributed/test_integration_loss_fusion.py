@@ -1,0 +1,89 @@
+"""Megatron-LM's loss flags on two ranks.
+
+--cross-entropy-loss-fusion: the trainer's model computes megatron-core's fused
+vocab-parallel cross entropy (its native implementation runs on CPU), on two tensor-parallel
+ranks: the loss is the unfused one's, and the gradient the unfused one's up to the bf16
+rounding that the fused backward applies to the logits' gradient (as on a GPU).
+
+--calculate-per-token-loss: the loss function hands megatron-core's schedule the token sum and
+count, and the logged loss is all ranks' summed token losses over their summed token counts
+(not the mean of per-micro-batch means), on two data-parallel ranks with unequal masks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.spawn import spawn
+
+FLAGS = ("--num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+         "--micro-batch-size 2 --train-iters 1 --lr 1e-3 --mock-data --hidden-dropout 0 "
+         "--attention-dropout 0 --tensor-model-parallel-size 2").split()
+
+
+def _check(rank: int, world: int) -> None:
+    from megatron.core import tensor_parallel
+
+    from megatron.sdp4bit.training.cli.arguments import parse_args
+    from megatron.sdp4bit.training.model import build_model, transformer_config_from_args
+    from tests.helpers.tiny_gpt import init_parallel
+
+    init_parallel(tp=2)
+    out = []
+    for extra in ([], ["--cross-entropy-loss-fusion"]):
+        tensor_parallel.model_parallel_cuda_manual_seed(1)
+        torch.manual_seed(1)
+        args = parse_args(FLAGS + extra, world_size=world)
+        config = transformer_config_from_args(args)
+        assert config.cross_entropy_loss_fusion == bool(extra)
+        model = build_model(args, config, 128)
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, 128, (2, 16), generator=gen)
+        labels = torch.randint(0, 128, (2, 16), generator=gen)
+        loss = model(tokens, torch.arange(16).expand(2, -1), None, labels=labels)
+        loss.sum().backward()
+        grad = model.shared_embedding_or_output_weight().grad  # this rank's vocabulary shard
+        out.append((loss.detach(), grad.clone()))
+    (plain, plain_grad), (fused, fused_grad) = out
+    # the same fp32 operations up to their order: a few ulps of ln(128) ~ 4.9
+    torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-5)
+    # the logits' gradient rounded to bf16 (relative 2**-8 each), summed over 32 tokens
+    bound = 2 ** -8 * plain_grad.abs().max().item() * 4
+    assert (fused_grad - plain_grad).abs().max().item() <= bound
+    assert not torch.equal(fused_grad, plain_grad)  # the fused kernel did run
+
+
+def test_fused_cross_entropy_matches_the_unfused_one():
+    spawn(_check, 2)
+
+
+def _check_per_token(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    from megatron.sdp4bit.training.cli.arguments import parse_args
+    from megatron.sdp4bit.training.model import transformer_config_from_args
+    from megatron.sdp4bit.training.step import _loss_func, mean_loss, per_token_loss
+
+    args = parse_args(FLAGS[:-2] + ["--calculate-per-token-loss"], world_size=world)
+    assert transformer_config_from_args(args).calculate_per_token_loss
+    gen = torch.Generator().manual_seed(5)
+    token_losses = [torch.rand(2, 16, generator=gen) * 5 for _ in range(4)]  # 2 ranks x 2
+    masks = [(torch.rand(2, 16, generator=gen) < p).float() for p in (0.9, 0.2, 0.5, 0.7)]
+    mine = range(2 * rank, 2 * rank + 2)
+    per_token, averaged = [], []
+    for i in mine:
+        total, count, report = _loss_func(masks[i], False, token_losses[i], per_token=True)
+        assert total.item() == pytest.approx(float((token_losses[i] * masks[i]).sum()), rel=1e-6)
+        assert count.dtype == torch.int and count.item() == int(masks[i].sum())
+        per_token.append(report)
+        averaged.append(_loss_func(masks[i], False, token_losses[i])[1])
+    group = dist.group.WORLD
+    want = float(sum((l * m).sum() for l, m in zip(token_losses, masks)) /
+                 sum(m.sum() for m in masks))
+    assert per_token_loss(per_token, group) == pytest.approx(want, rel=1e-6)
+    # the unequal masks make the default mean of means another number
+    assert abs(mean_loss(averaged, group) - want) > 1e-3
+
+
+def test_per_token_loss_is_the_token_weighted_mean_over_ranks():
+    spawn(_check_per_token, 2)
