@@ -258,13 +258,6 @@ def _check_refusals(ddp, optimizer, cfg) -> None:
                     cfg, quantized_weights=False)).uninstall()
         finally:
             ddp.ddp_config = real
-    real_groups, ddp.expert_parallel_bucket_groups = ddp.expert_parallel_bucket_groups, \
-        ddp.bucket_groups[:1]
-    try:
-        with pytest.raises(ValueError, match=r"expert-parallel \(MoE\) buffers are not supported"):
-            install_sdp4bit([ddp], optimizer, cfg)
-    finally:
-        ddp.expert_parallel_bucket_groups = real_groups
     opt = optimizer.chained_optimizers[0]
     real_config, opt.config = opt.config, copy.copy(opt.config)
     opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True

@@ -46,7 +46,7 @@ from collections.abc import Sequence
 import torch
 from torch.distributed import ReduceOp
 
-from megatron.sdp4bit.comm import CollectiveWork, DPTopology, two_level_reduce_scatter
+from megatron.sdp4bit.comm import CollectiveWork, CommStats, DPTopology, two_level_reduce_scatter
 from megatron.sdp4bit.integration.releases import prepare_grads_for_sync
 from megatron.sdp4bit.integration.state import KIND_GRAD, RunState
 from megatron.sdp4bit.integration.work import BucketGroupWork
@@ -78,8 +78,9 @@ def advance_pending_grad_works(state: RunState) -> None:
 
 
 def make_start_grad_sync(bucket_group, *, bucket_ids: list[int], topology: DPTopology,
-                         group_id: int, state: RunState):
-    """A ``start_grad_sync`` for ``bucket_group`` (the engine binds it on the instance)."""
+                         group_id: int, state: RunState, stats: CommStats):
+    """A ``start_grad_sync`` for ``bucket_group`` (the engine binds it on the instance);
+    ``stats``: the counters its bytes go to (the install's, or their expert part)."""
     original = type(bucket_group).start_grad_sync  # megatron-core's, for the warm-up iterations
 
     def start_grad_sync(self, force_all_reduce: bool | None = False) -> None:
@@ -88,12 +89,15 @@ def make_start_grad_sync(bucket_group, *, bucket_ids: list[int], topology: DPTop
                 "force_all_reduce asks megatron-core for an all-reduce of the gradients; "
                 "SDP4Bit quantizes the distributed optimizer's reduce-scatter only: uninstall "
                 "SDP4Bit (handle.uninstall()) for this call")
-        if not state.quantize_gradients_now:
+        if topology.world == 1 or not state.quantize_gradients_now:
             # gradients_quantization_start_iteration not reached: megatron-core's collective,
-            # as configured (counted apart so the trainer can report it).
+            # as configured (counted apart so the trainer can report it). A DP group of one
+            # rank (an expert DP group with EP = DP) sends nothing: megatron-core's call,
+            # counted for the step's check only.
             for bucket_id in bucket_ids:
-                state.unquantized_grad_calls[bucket_id] += 1
-            state.grad_syncs_since_step += 1
+                if topology.world > 1:
+                    state.unquantized_grad_calls[bucket_id] += 1
+                state.grad_syncs_since_step[bucket_id] += 1
             return original(self, force_all_reduce=force_all_reduce)
         if self.is_first_batch and self.grad_reduce_handle is not None:
             return  # already dispatched in this first batch (megatron-core's rule)
@@ -120,9 +124,9 @@ def make_start_grad_sync(bucket_group, *, bucket_ids: list[int], topology: DPTop
             works.append(two_level_reduce_scatter(
                 output, grad, topology=topology, config=state.grad_config, op=op,
                 async_op=async_op, seed=state.seed(KIND_GRAD, bucket_id, group_id),
-                stats=state.stats))
+                stats=stats))
             state.grad_calls[bucket_id] += 1
-        state.grad_syncs_since_step += 1
+            state.grad_syncs_since_step[bucket_id] += 1
         if async_op:
             state.pending_grad_works.extend(zip(bucket_ids, works))
             self.grad_reduce_handle = _QueuedGroupWork(works, state)
