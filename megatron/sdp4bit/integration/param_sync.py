@@ -44,8 +44,9 @@ once per optimizer: the first gather of a bucket whose optimizer has not stepped
 an all-zero difference, and the second gather of a bucket already gathered sends the
 rounding error of the first again; both cost a whole quantized all-gather and add noise.
 So :attr:`RunState.stepped` holds the buckets whose main weights changed since their last
-gather (every bucket at install: the first gather after an install or a resume runs as it
-always did); an optimizer's copy adds its own buckets, a gather removes its buckets, and a
+gather (every bucket from the install to the first optimizer step, so that a gather before
+any step, e.g. the forward pre-hooks of a resumed run's first iteration, runs as it always
+did; the first step's copy drops them); an optimizer's copy adds its own buckets, a gather removes its buckets, and a
 *non-forced* ``start_param_sync`` of a bucket group none of whose buckets are in it sends
 nothing. With ``overlap_param_gather`` such a skipped group stays not dispatched, so the
 forward pre-hook dispatches it once its optimizer has stepped. Forced gathers (evaluation,
@@ -194,6 +195,9 @@ def make_copy_main_params_to_model_params(optimizer, *, state: RunState, bucket_
     """
     def _copy_main_params_to_model_params(self) -> None:
         assert not any(self.model_fp32_groups), "qWD installed with fp32 model params"
+        if not state.stepped_since_install:  # the install's "every bucket" ends here
+            state.stepped.clear()
+            state.stepped_since_install = True
         state.stepped.update(bucket_ids)
 
     return _copy_main_params_to_model_params

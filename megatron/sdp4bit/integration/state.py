@@ -51,6 +51,9 @@ class RunState:
     stepped: set[int] = field(default_factory=set)
     """Bucket ids whose main weights changed (an optimizer step, or the install) since their
     last qWD all-gather (param_sync.py, [Note: one all-gather per bucket and step])."""
+    stepped_since_install: bool = False
+    """Whether an optimizer has stepped since the install (until then :attr:`stepped` holds
+    every bucket)."""
 
     def seed(self, kind: int, bucket_id: int, group_id: int, call: int = 0) -> int:
         """Rounding-noise seed of one collective: (user seed, iteration, bucket, kind, group,
