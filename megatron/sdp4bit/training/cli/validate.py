@@ -8,7 +8,9 @@ import os
 import re
 
 from megatron.sdp4bit.training.cli.errors import ArgumentsError
+from megatron.sdp4bit.training.cli.installed import uses_transformer_engine
 from megatron.sdp4bit.training.cli.megatron_flags import check_megatron_flags, scheduler_steps
+from megatron.sdp4bit.training.cli.moe_flags import check_moe_flags
 from megatron.sdp4bit.training.guards import faults
 from megatron.sdp4bit.training.cli.sdp4bit_flags import sdp4bit_config_from_args
 
@@ -290,7 +292,9 @@ def _check_sdp4bit(args: argparse.Namespace) -> None:
     problem = None
     try:
         check_supported(config, Setup(distributed_optimizer=args.use_distributed_optimizer,
-                                      fp32_params=not (args.bf16 or args.fp16)),
+                                      fp32_params=not (args.bf16 or args.fp16),
+                                      expert_tensor_parallel=args.num_experts is not None
+                                      and args.expert_tensor_parallel_size > 1),
                         command_line=True)
     except ValueError as err:
         problem = str(err)
@@ -358,6 +362,7 @@ def validate_args(args: argparse.Namespace) -> None:
     _check_required(args)
     _check_model(args)
     _check_parallel(args)
+    check_moe_flags(args, transformer_engine=uses_transformer_engine(args.transformer_impl))
     _check_optimizer(args)
     _check_data(args)
     _check_memory(args)
