@@ -263,6 +263,18 @@ def install_sdp4bit(model_chunks, optimizer, config: SDP4BitConfig, *,
                                               for b in bg.buckets))
 
 
+def expert_node(dp_ranks_per_node: int | None) -> str | None:
+    """Where this rank runs, as the expert data-parallel group's topology sees it ([Note:
+    expert-parallel buckets]): with ``dp_ranks_per_node`` N, the simulated node of the
+    dense DP layout (its dense DP rank // N, on its real node); None: the real node."""
+    if dp_ranks_per_node is None:
+        return None
+    from megatron.core import parallel_state
+
+    dense_rank = parallel_state.get_data_parallel_rank()
+    return f"{node_id()}/dp-node{dense_rank // dp_ranks_per_node}"
+
+
 def _topologies(dense_groups, expert_groups, config: SDP4BitConfig) -> dict:
     """``id(DP group) -> DPTopology`` for every bucket group's DP group ([Note:
     expert-parallel buckets]). ``build_topology`` is collective over the world: every rank
@@ -272,12 +284,7 @@ def _topologies(dense_groups, expert_groups, config: SDP4BitConfig) -> dict:
         group = bg.intra_distributed_optimizer_instance_group
         if id(group) not in topologies:
             topologies[id(group)] = build_topology(group, config.dp_ranks_per_node)
-    node = None
-    if expert_groups and config.dp_ranks_per_node is not None:
-        from megatron.core import parallel_state
-
-        dense_rank = parallel_state.get_data_parallel_rank()
-        node = f"{node_id()}/dp-node{dense_rank // config.dp_ranks_per_node}"
+    node = expert_node(config.dp_ranks_per_node) if expert_groups else None
     for bg in expert_groups:
         group = bg.intra_distributed_optimizer_instance_group
         if id(group) not in topologies:
