@@ -29,6 +29,7 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-
 SAVED_AT = 4
 
 
+@pytest.mark.slow
 def test_moe_trains_checks_replicas_and_resumes_bit_exact(tmp_path, data_prefix) -> None:
     full = tmp_path / "full"
     res = torchrun(BASE + data_prefix + MOE + ["--check-replicas-interval", "1", "--save",

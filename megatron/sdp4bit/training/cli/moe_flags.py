@@ -65,6 +65,9 @@ def parse_moe_layer_freq(text: str) -> int | list[int]:
     return pattern
 
 
+parse_moe_layer_freq.__name__ = "int or pattern"  # what docs/flags.md says the flag takes
+
+
 def add_moe_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("Megatron-LM: mixture of experts")
     g.add_argument("--num-experts", type=int, default=None,
@@ -84,18 +87,25 @@ def add_moe_flags(parser: argparse.ArgumentParser) -> None:
                    "(default: none)")
     g.add_argument("--moe-router-topk", type=int, default=2, help="experts per token")
     g.add_argument("--moe-router-score-function", default="softmax",
-                   choices=["softmax", "sigmoid"])
+                   choices=["softmax", "sigmoid"], help="how the router scores the experts")
     g.add_argument("--moe-router-pre-softmax", action="store_true",
                    help="softmax over all experts before the top-k (default: after)")
     g.add_argument("--moe-router-load-balancing-type", default="aux_loss",
-                   choices=list(LOAD_BALANCING))
+                   choices=list(LOAD_BALANCING),
+                   help="aux_loss: GShard/Switch loss per micro-batch; seq_aux_loss: per "
+                   "sequence (DeepSeek-V2); global_aux_loss: over the global batch; sinkhorn: "
+                   "S-BASE balancing (top-1); none")
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,
                    help="scale of the load-balancing loss (1e-2 is a usual start)")
     g.add_argument("--moe-z-loss-coeff", type=float, default=None,
                    help="scale of the router z-loss (default: none)")
-    g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=list(DISPATCHERS))
-    for dest, (flag, _) in _TE_ONLY.items():
-        g.add_argument(flag, dest=dest, action="store_true")
+    g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=list(DISPATCHERS),
+                   help="how tokens reach their experts' ranks: all-gather, or all-to-all; "
+                   "flex is refused (DeepEP / HybridEP kernels)")
+    for dest, (flag, kernel) in _TE_ONLY.items():
+        g.add_argument(flag, dest=dest, action="store_true",
+                       help=f"use {kernel}: CUDA and Transformer Engine only (refused "
+                       "elsewhere)")
 
 
 def check_moe_flags(args: argparse.Namespace, *, transformer_engine: bool) -> None:
