@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.test_integration_sdp4bit import _expected_bytes
+from tests.helpers.wire_bytes import expected_bytes as _expected_bytes
 from tests.helpers.spawn import spawn
 
 pytestmark = pytest.mark.distributed

@@ -78,9 +78,10 @@ def advance_pending_grad_works(state: RunState) -> None:
 
 
 def make_start_grad_sync(bucket_group, *, bucket_ids: list[int], topology: DPTopology,
-                         group_id: int, state: RunState, stats: CommStats):
+                         group_id: int, state: RunState, stats: CommStats | None = None):
     """A ``start_grad_sync`` for ``bucket_group`` (the engine binds it on the instance);
-    ``stats``: the counters its bytes go to (the install's, or their expert part)."""
+    ``stats``: the counters its bytes go to (default the install's; the expert buckets'
+    go to their expert part)."""
     original = type(bucket_group).start_grad_sync  # megatron-core's, for the warm-up iterations
 
     def start_grad_sync(self, force_all_reduce: bool | None = False) -> None:
@@ -124,7 +125,7 @@ def make_start_grad_sync(bucket_group, *, bucket_ids: list[int], topology: DPTop
             works.append(two_level_reduce_scatter(
                 output, grad, topology=topology, config=state.grad_config, op=op,
                 async_op=async_op, seed=state.seed(KIND_GRAD, bucket_id, group_id),
-                stats=stats))
+                stats=state.stats if stats is None else stats))
             state.grad_calls[bucket_id] += 1
             state.grad_syncs_since_step[bucket_id] += 1
         if async_op:

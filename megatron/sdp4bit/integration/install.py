@@ -77,14 +77,12 @@ START_PARAM_SYNC = declare(
 COPY_MAIN_PARAMS = declare(
     "install.copy_main_params_to_model_params", _DIST_OPT, "_copy_main_params_to_model_params",
     INSTANCE, make_copy_main_params_to_model_params,
-    note="[Note: qWD keeps the replica until the all-gather], [Note: one all-gather per "
-         "bucket and step] (integration/param_sync.py)",
+    note="[Note: one all-gather per bucket and step] (integration/param_sync.py)",
     checked=both("(self)"))
 COPY_MODEL_GRADS = declare(
     "install.copy_model_grads_to_main_grads", _DIST_OPT, "_copy_model_grads_to_main_grads",
     INSTANCE, make_copy_model_grads_to_main_grads,
-    note="[Note: a loop that never reduces its gradients] (integration/step_checks.py), "
-         "[Note: TP-duplicated weights] (integration/tp_duplicates.py)",
+    note="[Note: a loop that never reduces its gradients] (integration/step_checks.py)",
     checked=both("(self)"))
 
 # The DDP modules SDP4Bit is installed on (weakly: a dropped model leaves the set).

@@ -51,7 +51,8 @@ did; the first step's copy drops them); an optimizer's copy adds its own buckets
 nothing. With ``overlap_param_gather`` such a skipped group stays not dispatched, so the
 forward pre-hook dispatches it once its optimizer has stepped. Forced gathers (evaluation,
 checkpoints, the end of training) always run. A single optimizer (no chain) steps every
-bucket before its gathers, so nothing changes there.
+bucket before its gathers, so nothing changes there. The optimizer's copy itself does
+nothing else with qWD ([Note: qWD keeps the replica until the all-gather]).
 """
 
 from __future__ import annotations
@@ -130,12 +131,14 @@ def _tied_embedding_key(bucket) -> int | None:
 
 def make_start_param_sync(bucket_group, *, bucket_ids: list[int], shards: dict[int, MainShard],
                           group_id: int, ranks_per_node: int, state: RunState,
-                          stats: CommStats, duplicates: TPDuplicates | None = None):
+                          stats: CommStats | None = None,
+                          duplicates: TPDuplicates | None = None):
     """A ``start_param_sync`` for ``bucket_group`` (megatron-core's contract, qWD inside;
     ``post_param_sync`` where 0.19.2 runs its post-all-gather processing). With
     ``duplicates`` (TP > 1) the TP-duplicated weights take TP rank 0's values once a
     bucket's all-gather has landed ([Note: TP-duplicated weights] in tp_duplicates.py)."""
     tied_keys = [_tied_embedding_key(bucket) for bucket in bucket_group.buckets]
+    stats = state.stats if stats is None else stats  # the install's, or its expert part
 
     def sync_duplicates() -> None:
         for bucket, bucket_id in zip(bucket_group.buckets, bucket_ids):

@@ -19,7 +19,8 @@ the expert-parallel buffers; ``overlap_param_gather_with_optimizer_step``: one p
 model chunks) steps one optimizer after the other, each over its own buffers, and a hook
 that reduced only some buckets is caught at the first step, before any weight changes.
 With quantized weights only, SDP4Bit does not see megatron-core's own reduce-scatter, so
-there the install-time refusal is the guard.
+there the install-time refusal is the guard. With TP > 1 the same replacement then makes the
+TP-duplicated gradients agree ([Note: TP-duplicated weights] in tp_duplicates.py).
 """
 
 from __future__ import annotations
