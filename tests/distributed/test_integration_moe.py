@@ -8,7 +8,9 @@ the DP group and expert weights on the expert DP group after every step; megatro
 chain of two distributed optimizers steps without a false "never reduced" error and gathers
 every bucket exactly once per step; bytes per hop and per group equal the wire formula; then
 a gradient hook that reduces only the dense buckets is refused at the first step with no
-weight (replica or fp32 main) changed. 8 ranks as 2 nodes x 4: the expert DP group of 4 spans
+weight (replica or fp32 main) changed, as is one that reduces only the first of a dense
+model's bucket groups; and the chain ``overlap_param_gather_with_optimizer_step`` builds
+(two model chunks) reduces and gathers every bucket once per step. 8 ranks as 2 nodes x 4: the expert DP group of 4 spans
 both nodes with 2 ranks on each, so expert gradients take both hops, the inter one at 4 bits.
 """
 
@@ -109,6 +111,76 @@ def _check_partial_hook_refused(ddp, optimizer, setup) -> None:
         "the replica changed"
 
 
+def _check_first_bucket_only_hook_refused(cfg) -> None:
+    """A dense model with several bucket groups (``overlap_grad_reduce``: the backward hooks
+    start every group's reduce-scatter) and a hook that waits for the first only: the step
+    stops, counting the others, before any weight changes."""
+    from megatron.core.utils import get_model_config
+
+    from tests.helpers import tiny_gpt as T
+    from megatron.sdp4bit.integration import install_sdp4bit
+
+    T.init_parallel()
+    setup = T.Setup(overlap_grad_reduce=True, bucket_size=12_000)
+    ddp, optimizer = T.build(setup, padding_for=cfg)
+    groups = len(ddp.bucket_groups)
+    assert groups >= 3, groups
+    handle = install_sdp4bit([ddp], optimizer, cfg)
+    handle.set_iteration(0)
+    get_model_config(ddp).finalize_model_grads_func = (
+        lambda *args, **kwargs: ddp.bucket_groups[0].finish_grad_sync())
+    replica = T.replica_snapshot(ddp)
+    with pytest.raises(RuntimeError, match=rf"optimizer step at iteration 0 found {groups - 1} "
+                                           rf"of its {groups} gradient bucket\(s\)"):
+        T.train_step(ddp, optimizer, setup, 0)
+    assert all(torch.equal(a, b) for a, b in zip(replica, T.replica_snapshot(ddp)))
+
+
+def _check_chain_overlapping_gather_with_step(cfg) -> None:
+    """``overlap_param_gather_with_optimizer_step``: megatron-core chains one distributed
+    optimizer per group of model chunks (here two chunks, two optimizers) and dispatches the
+    first chunk's all-gathers right after the first optimizer's step. Each optimizer checks
+    its own buckets (no false "never reduced"), and each bucket is gathered once per step:
+    chunk 0's after the step, chunk 1's in the next forward pre-hook (one gather more each at
+    iteration 0, before any step)."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from tests.helpers import tiny_gpt as T
+    from megatron.sdp4bit.integration import install_sdp4bit
+
+    T.init_parallel()
+    setup = T.Setup(overlap_grad_reduce=True, overlap_param_gather=True)
+    chunks = [T.build(setup, seed=seed, padding_for=cfg)[0] for seed in (1, 2)]
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=3e-3, bf16=True, params_dtype=torch.bfloat16, clip_grad=1.0,
+        use_distributed_optimizer=True, overlap_param_gather_with_optimizer_step=True), chunks)
+    assert len(optimizer.chained_optimizers) == 2
+    handle = install_sdp4bit(chunks, optimizer, cfg)
+    first = {info.id for info in handle.buckets if info.bucket in
+             [b for bg in chunks[0].bucket_groups for b in bg.buckets]}
+    dp_rank = parallel_state.get_data_parallel_rank()
+    for step in range(STEPS):
+        handle.set_iteration(step)
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        data = T.batch(step, 0, dp_rank)
+        loss = sum(chunk(data["tokens"], data["position_ids"], attention_mask=None,
+                         labels=data["labels"]).float().mean() for chunk in chunks)
+        loss.backward()
+        finalize_model_grads(chunks)
+        ok, _, _ = optimizer.step()
+        assert ok
+        for chunk in chunks:
+            T.assert_replicas_identical(chunk)
+        s = handle.state
+        assert all(s.grad_calls[info.id] == step + 1 for info in handle.buckets)
+        assert all(s.param_calls[info.id] == step + (2 if info.id in first else 1)
+                   for info in handle.buckets), dict(s.param_calls)
+
+
 def _four_rank_worker(rank: int, world_size: int) -> None:
     cfg = _config(dp_ranks_per_node=2)
     for dispatcher in ("alltoall", "allgather"):
@@ -120,6 +192,8 @@ def _four_rank_worker(rank: int, world_size: int) -> None:
         if dispatcher == "allgather":
             _check_partial_hook_refused(ddp, optimizer, setup)
         handle.uninstall()
+    _check_first_bucket_only_hook_refused(cfg)
+    _check_chain_overlapping_gather_with_step(cfg)
 
 
 def _eight_rank_worker(rank: int, world_size: int) -> None:

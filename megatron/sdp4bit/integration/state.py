@@ -44,7 +44,7 @@ class RunState:
     expert_stats: CommStats | None = None
     """The part of :attr:`stats` sent for the expert-parallel buckets (set at install)."""
     grad_syncs_since_step: Counter = field(default_factory=Counter)
-    """Per bucket id: gradient reduce-scatters (quantized or not) issued since the optimizer
+    """Per bucket id: gradient reduce-scatters (quantized or not) completed since the optimizer
     that owns the bucket last stepped; a step that finds a bucket of its own at zero would
     apply gradients that no rank reduced (step_checks.py, [Note: a loop that never reduces
     its gradients])."""

@@ -13,7 +13,10 @@ weights), so no replica check sees it. So ``install_sdp4bit`` refuses a model wh
 has no ``finalize_model_grads_func``, and every distributed optimizer, in
 ``_copy_model_grads_to_main_grads`` (the first thing its ``prepare_grads`` does, before the
 gradient norm, the clipping and any update), raises if one of *its own* buckets saw no
-gradient reduce-scatter since it last stepped. The count is per bucket, not per install:
+gradient reduce-scatter *completed* since it last stepped (counted when the collective
+returns, or, with ``overlap_grad_reduce``, when its handle is waited: the backward hooks start
+every bucket's reduce-scatter, and a hook that waits only for some leaves the others'
+gradients unreduced when the optimizer reads them). The count is per bucket, not per install:
 megatron-core's chain of distributed optimizers (MoE: one over the dense buffers, one over
 the expert-parallel buffers; ``overlap_param_gather_with_optimizer_step``: one per group of
 model chunks) steps one optimizer after the other, each over its own buffers, and a hook
