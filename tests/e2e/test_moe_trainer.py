@@ -75,6 +75,8 @@ BAD = [
     (["--num-experts", "4", "--moe-router-topk", "5"], "--moe-router-topk=5 exceeds"),
     (["--num-experts", "4", "--moe-router-load-balancing-type", "sinkhorn"],
      "pass --moe-router-topk 1"),
+    (["--num-experts", "4", "--moe-shared-expert-intermediate-size", "64"],
+     "--moe-shared-expert-intermediate-size needs --disable-bias-linear"),
     (["--num-experts", "4", "--moe-layer-freq", "[1]*3"],
      "--moe-layer-freq gives 3 layers, but --num-layers is 2"),
     (["--num-experts", "4", "--tensor-model-parallel-size", "2", "--quantized-gradients"],

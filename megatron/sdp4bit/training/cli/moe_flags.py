@@ -156,6 +156,9 @@ def check_moe_flags(args: argparse.Namespace, *, transformer_engine: bool) -> No
     if isinstance(args.moe_layer_freq, list) and len(args.moe_layer_freq) != args.num_layers:
         _fail(f"--moe-layer-freq gives {len(args.moe_layer_freq)} layers, but --num-layers is "
               f"{args.num_layers}")
+    if args.moe_shared_expert_intermediate_size is not None and args.add_bias_linear:
+        _fail("--moe-shared-expert-intermediate-size needs --disable-bias-linear "
+              "(megatron-core's shared experts have no biases)")
     if args.moe_token_dispatcher_type == "flex":
         _fail("--moe-token-dispatcher-type flex runs DeepEP or HybridEP kernels (CUDA, "
               "separate packages) that this trainer does not drive: use alltoall or allgather")
