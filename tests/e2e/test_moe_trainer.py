@@ -79,10 +79,10 @@ BAD = [
      "--moe-shared-expert-intermediate-size needs --disable-bias-linear"),
     (["--num-experts", "4", "--moe-layer-freq", "[1]*3"],
      "--moe-layer-freq gives 3 layers, but --num-layers is 2"),
-    (["--num-experts", "4", "--tensor-model-parallel-size", "2", "--quantized-gradients"],
-     "SDP4Bit does not support --expert-tensor-parallel-size > 1: use 1"),
     (["--num-experts", "4", "--tensor-model-parallel-size", "2",
       "--expert-model-parallel-size", "2"], "needs --sequence-parallel"),
+    (["--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+     "SDP4Bit does not support --expert-tensor-parallel-size > 1: use 1"),
 ]
 
 

@@ -150,9 +150,9 @@ def check_moe_flags(args: argparse.Namespace, *, transformer_engine: bool) -> No
         _fail(f"world size {args.world_size} is not divisible by --expert-tensor-parallel-size "
               f"x --expert-model-parallel-size x --pipeline-model-parallel-size = "
               f"{etp} x {ep} x {pp}")
-    if ep > 1 and tp > 1 and not args.sequence_parallel:
-        _fail("--expert-model-parallel-size > 1 with --tensor-model-parallel-size > 1 needs "
-              "--sequence-parallel (megatron-core's rule)")
+    if tp > 1 and not args.sequence_parallel:
+        _fail("--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel "
+              "(megatron-core's rule for MoE layers)")
     if isinstance(args.moe_layer_freq, list) and len(args.moe_layer_freq) != args.num_layers:
         _fail(f"--moe-layer-freq gives {len(args.moe_layer_freq)} layers, but --num-layers is "
               f"{args.num_layers}")
