@@ -181,6 +181,49 @@ def _check_chain_overlapping_gather_with_step(cfg) -> None:
                    for info in handle.buckets), dict(s.param_calls)
 
 
+def _check_replica_guard_sees_expert_weights(ddp, iteration: int) -> None:
+    """The trainer's --check-replicas-interval check compares the expert buckets on the
+    expert DP group: one changed expert weight on one rank stops it, naming an expert
+    bucket."""
+    import torch.distributed as dist
+
+    from megatron.sdp4bit.training.guards.replicas import ReplicaMismatch, check_replicas
+
+    check_replicas([ddp], iteration)  # identical: passes
+    expert = ddp.expert_parallel_buffers[0].param_data
+    saved = expert[0].clone()
+    if dist.get_rank() == 2:  # expert DP group {0, 2}
+        expert[0] += 1.0
+    try:
+        if dist.get_rank() in (0, 2):
+            with pytest.raises(ReplicaMismatch, match=r"differ across expert data-parallel "
+                                                      r"ranks .* expert bucket 0 "):
+                check_replicas([ddp], iteration)
+        else:
+            check_replicas([ddp], iteration)
+    finally:
+        expert[0] = saved
+
+
+def _check_expert_group_of_one(cfg) -> None:
+    """EP = DP (4): every rank holds its own experts, the expert DP group has one rank:
+    nothing is sent or quantized for them, and the step check still counts them."""
+    from tests.helpers import tiny_gpt as T
+    from megatron.sdp4bit.integration import install_sdp4bit
+
+    T.init_parallel(ep=4)
+    setup = T.Setup(moe_dispatcher="alltoall")
+    ddp, optimizer = T.build(setup, padding_for=cfg)
+    handle = install_sdp4bit([ddp], optimizer, cfg)
+    assert handle.expert_data_parallel_size == 1
+    losses = T.train_checking_replicas(ddp, optimizer, setup, 2, before_step=handle.set_iteration)
+    assert all(loss == loss for loss in losses)
+    assert all(value == 0 for value in _snapshot(handle.expert_stats).values())
+    experts = {info.id for info in handle.expert_buckets}
+    assert experts and not experts & (set(handle.state.grad_calls) | set(handle.state.param_calls))
+    handle.uninstall()
+
+
 def _four_rank_worker(rank: int, world_size: int) -> None:
     cfg = _config(dp_ranks_per_node=2)
     for dispatcher in ("alltoall", "allgather"):
@@ -190,9 +233,11 @@ def _four_rank_worker(rank: int, world_size: int) -> None:
         got = _snapshot(handle.expert_stats)
         assert got["grad_intra_bytes"] == 0 < got["grad_inter_bytes"], got  # inter hop alone
         if dispatcher == "allgather":
+            _check_replica_guard_sees_expert_weights(ddp, STEPS)
             _check_partial_hook_refused(ddp, optimizer, setup)
         handle.uninstall()
     _check_first_bucket_only_hook_refused(cfg)
+    _check_expert_group_of_one(cfg)
     _check_chain_overlapping_gather_with_step(cfg)
 
 

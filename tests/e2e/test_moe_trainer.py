@@ -97,3 +97,20 @@ def test_moe_flag_refusals_are_one_line(data_prefix) -> None:
     assert args.moe_layer_freq == [1, 0] and args.moe_ffn_hidden_size == args.ffn_hidden_size
     assert args.moe_router_topk == 2 and args.moe_token_dispatcher_type == "allgather"
     assert args.expert_tensor_parallel_size == 1 and args.moe_aux_loss_coeff == 0.0
+
+
+@pytest.mark.release_independent
+def test_start_up_line_names_the_expert_group() -> None:
+    from types import SimpleNamespace
+
+    from megatron.sdp4bit.training.sdp4bit_setup import describe_experts
+
+    def handle(size, buckets):
+        return SimpleNamespace(expert_data_parallel_size=size, expert_buckets=(None,) * buckets)
+
+    assert describe_experts(handle(None, 0)) == ""
+    assert describe_experts(handle(1, 2)) == (
+        " | 2 expert bucket(s) on an expert data-parallel group of 1 rank (expert parallelism "
+        "= data parallelism): nothing to send, nothing quantized there")
+    assert describe_experts(handle(4, 1)) == (
+        " | 1 of them expert bucket(s), on the expert data-parallel group of 4")
