@@ -28,6 +28,22 @@ nothing: megatron-core's collectives stay (no quantization error for nothing), c
 the step check only. Bucket ids run over the dense buckets, then the expert ones, the same
 on every rank; the bytes of the expert buckets are counted in ``handle.expert_stats`` as
 well as in ``handle.stats``.
+
+[Note: an iteration without set_iteration]
+``handle.set_iteration(it)`` seeds the iteration's rounding noise and starts the counters of
+``step_stats()``. A loop that forgets it, for one iteration or for all, would still train: the
+noise of the last iteration repeats (or iteration 0's forever) and ``step_stats()`` becomes
+cumulative, with nothing said. So an iteration is *opened* by ``set_iteration`` and *closed*
+by the optimizer step (the replaced ``_copy_main_params_to_model_params``, which every
+successful step calls after its update and before its all-gather; in a chain of distributed
+optimizers, the last one's), and both the gradient
+reduce-scatter (``start_grad_sync``, quantized or not yet) and the step itself raise one line
+when the iteration is not open. The first of them is the iteration's first collective that
+SDP4Bit issues: with quantized gradients the reduce-scatter, with qWD alone the step's
+all-gather (behind the step). Parameter all-gathers are not checked themselves: an evaluation
+or a checkpoint save forces them between iterations, legitimately without a new
+``set_iteration``, and each forced gather draws fresh noise anyway (``RunState.next_param_call``).
+A step skipped for non-finite gradients never reaches the copy and leaves the iteration open.
 """
 
 from __future__ import annotations
@@ -77,7 +93,7 @@ START_PARAM_SYNC = declare(
 COPY_MAIN_PARAMS = declare(
     "install.copy_main_params_to_model_params", _DIST_OPT, "_copy_main_params_to_model_params",
     INSTANCE, make_copy_main_params_to_model_params,
-    note="[Note: one all-gather per bucket and step] (integration/param_sync.py)",
+    note="[Note: an iteration without set_iteration] (integration/install.py)",
     checked=both("(self)"))
 COPY_MODEL_GRADS = declare(
     "install.copy_model_grads_to_main_grads", _DIST_OPT, "_copy_model_grads_to_main_grads",
@@ -135,6 +151,7 @@ class SDP4BitHandle:
         if iteration < 0:
             raise ValueError(f"iteration={iteration} must be >= 0")
         self.state.iteration = iteration
+        self.state.iteration_open = self.state.iteration_ever_set = True
         self._step_start = self.stats.snapshot()
 
     def step_stats(self) -> dict[str, int]:
@@ -186,6 +203,25 @@ def _check_gradients_are_reduced(model_chunks) -> None:
                 "megatron-core's schedule never reduces the gradients across data-parallel "
                 "ranks (quantized or not): set config.finalize_model_grads_func = "
                 "megatron.core.distributed.finalize_model_grads before install_sdp4bit")
+
+
+def _step_check(state: RunState, *, optimizers: int = 1):
+    """What every optimizer step's copy runs first ([Note: an iteration without
+    set_iteration]): a step of a chain of ``optimizers`` copies once per optimizer; the first
+    copy checks that the iteration is open, the last closes it. (Whether the gradients were
+    reduced, each optimizer checks for its own buckets before its update: step_checks.py.)"""
+    copies = 0
+
+    def check_step() -> None:
+        nonlocal copies
+        if copies == 0:
+            state.require_iteration("an optimizer step")
+        copies += 1
+        if copies == optimizers:
+            copies = 0
+            state.iteration_open = False
+
+    return check_step
 
 
 def install_sdp4bit(model_chunks, optimizer, config: SDP4BitConfig, *,
@@ -244,14 +280,19 @@ def install_sdp4bit(model_chunks, optimizer, config: SDP4BitConfig, *,
                 ranks_per_node=topology.ranks_per_node, state=state, stats=stats,
                 duplicates=duplicates))
     state.stepped.update(info.id for info in buckets)
+    # Every optimizer that steps (not megatron-core's stubs, which have no parameters and
+    # never copy) closes the iteration at its copy once they all have.
+    check = _step_check(state, optimizers=sum(
+        1 for opt in optimizers if not getattr(opt, "is_stub_optimizer", False)))
     for opt in optimizers:
         if config.quantized_gradients:
             planned.append(COPY_MODEL_GRADS.on(opt, state=state, buckets=buckets, check=True,
                                                duplicates=duplicates))
         ids = optimizer_bucket_ids(opt, buckets)
         # qWD leaves the copy to the all-gather; a group of one rank keeps megatron-core's.
-        if config.quantized_weights and all(buckets.by_id(i).world > 1 for i in ids):
-            planned.append(COPY_MAIN_PARAMS.on(opt, state=state, bucket_ids=ids))
+        qwd = config.quantized_weights and all(buckets.by_id(i).world > 1 for i in ids)
+        planned.append(COPY_MAIN_PARAMS.on(opt, state=state, bucket_ids=ids, qwd=qwd,
+                                           check_step=check))
     applied = patches.apply(planned)
     for chunk in model_chunks:
         _INSTALLED_ON.add(chunk)

@@ -57,6 +57,7 @@ nothing else with qWD ([Note: qWD keeps the replica until the all-gather]).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -186,17 +187,24 @@ def make_start_param_sync(bucket_group, *, bucket_ids: list[int], shards: dict[i
     return start_param_sync
 
 
-def make_copy_main_params_to_model_params(optimizer, *, state: RunState, bucket_ids: list[int]):
+def make_copy_main_params_to_model_params(optimizer, *, state: RunState, bucket_ids: list[int],
+                                          qwd: bool, check_step: Callable[[], None]):
     """The optimizer's copy of the updated main weights into the model, which every step
-    makes after its update: the 16-bit groups are left to the qWD all-gather, which the
-    optimizer's buckets (``bucket_ids``) are now due ([Note: one all-gather per bucket and
-    step]).
+    makes after its update. First ``check_step`` (install.py, [Note: an iteration without
+    set_iteration]). With qWD (``qwd``) the 16-bit groups are left to the qWD all-gather,
+    which the optimizer's buckets (``bucket_ids``) are now due ([Note: one all-gather per
+    bucket and step]); without, megatron-core's own copy.
 
     fp32 model parameters (``model_fp32_groups``) are views of the replica that the inner
     optimizer updated in place; install refuses qWD when there are any, so the copy has
     nothing left to do.
     """
+    original = type(optimizer)._copy_main_params_to_model_params
+
     def _copy_main_params_to_model_params(self) -> None:
+        check_step()
+        if not qwd:
+            return original(self)
         assert not any(self.model_fp32_groups), "qWD installed with fp32 model params"
         if not state.stepped_since_install:  # the install's "every bucket" ends here
             state.stepped.clear()
