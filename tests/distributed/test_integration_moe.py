@@ -84,7 +84,7 @@ def _check_counts_and_bytes(handle, cfg, dense_nm, expert_nm) -> None:
     assert got_dense == {k: STEPS * v for k, v in want_dense.items()}, (got_dense, want_dense)
 
 
-def _check_partial_hook_refused(ddp, optimizer, setup) -> None:
+def _check_partial_hook_refused(ddp, optimizer, setup, handle) -> None:
     """A finalize hook that reduces the dense buckets only: the expert optimizer's check
     stops the step before anything is updated."""
     from tests.helpers import tiny_gpt as T
@@ -101,6 +101,7 @@ def _check_partial_hook_refused(ddp, optimizer, setup) -> None:
     replica = T.replica_snapshot(ddp)
     main = [m.detach().clone() for opt in optimizer.chained_optimizers
             for group in opt.shard_fp32_from_float16_groups for m in group]
+    handle.set_iteration(STEPS)
     with pytest.raises(RuntimeError, match=r"found 1 of its 1 gradient bucket\(s\) \(id \d+\) "
                                            r"with no reduce-scatter since the previous step"):
         T.train_step(ddp, optimizer, setup, STEPS)
@@ -234,7 +235,7 @@ def _four_rank_worker(rank: int, world_size: int) -> None:
         assert got["grad_intra_bytes"] == 0 < got["grad_inter_bytes"], got  # inter hop alone
         if dispatcher == "allgather":
             _check_replica_guard_sees_expert_weights(ddp, STEPS)
-            _check_partial_hook_refused(ddp, optimizer, setup)
+            _check_partial_hook_refused(ddp, optimizer, setup, handle)
         handle.uninstall()
     _check_first_bucket_only_hook_refused(cfg)
     _check_expert_group_of_one(cfg)
