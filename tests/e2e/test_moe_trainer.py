@@ -21,7 +21,6 @@ from megatron.sdp4bit.training.cli.errors import ArgumentsError
 from tests.helpers.resume_layouts import BASE
 from tests.helpers.trainer import torchrun, train_lines
 
-pytestmark = pytest.mark.e2e
 
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
        "--moe-token-dispatcher-type", "alltoall", "--moe-aux-loss-coeff", "1e-2",
