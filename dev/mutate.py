@@ -68,6 +68,8 @@ def _m(name: str, what: str, edits: list[Edit], targets: list[str]) -> Mutation:
 RS, AG = f"{PKG}/comm/reduce_scatter.py", f"{PKG}/comm/all_gather.py"
 STATE, PSYNC = f"{PKG}/integration/state.py", f"{PKG}/integration/param_sync.py"
 TPDUP = f"{PKG}/integration/tp_duplicates.py"
+STEPCHK, INSTALL = f"{PKG}/integration/step_checks.py", f"{PKG}/integration/install.py"
+MOE4 = D + "test_integration_moe.py::test_moe_four_ranks_both_dispatchers"
 TP2 = D + "test_integration_sdp4bit.py::test_sdp4bit_methods_train_close_to_baseline[tp2xdp2]"
 REF, TC, CK = (f"{PKG}/quantization/reference.py", f"{PKG}/quantization/triton_common.py",
                f"{PKG}/quantization/cpu_kernels.c")
@@ -199,7 +201,20 @@ MUTATIONS = [
        [U + "test_cpu_kernels.py", D + "test_rounding_noise.py"]),
     _m("tp-duplicate-gradients-not-synced",
        "the TP ranks' duplicated gradients are left as each DP group reduced them",
-       [Edit(TPDUP, "        duplicates.sync_gradients(shards)\n", "")], [TP2]),
+       [Edit(STEPCHK, "            duplicates.sync_gradients(shards)\n", "            pass\n")],
+       [TP2]),
+    _m("step-check-blind-to-unreduced-buckets",
+       "the optimizer step finds every bucket reduced, whatever the hook did",
+       [Edit(STEPCHK, "if state.grad_syncs_since_step[bucket_id] == 0]",
+             "if state.grad_syncs_since_step[bucket_id] < 0]")], [MOE4]),
+    _m("chain-gathers-every-bucket-per-optimizer",
+       "each optimizer of a chain gathers every bucket (twice per step with MoE)",
+       [Edit(PSYNC, "                return  # [Note: one all-gather per bucket and step]",
+             "                pass")], [MOE4]),
+    _m("expert-bytes-counted-as-dense",
+       "the expert buckets' bytes go to the dense counters only",
+       [Edit(INSTALL, "stats = state.expert_stats if bg in expert_groups else state.stats",
+             "stats = state.stats")], [MOE4]),
     _m("tp-duplicate-weights-not-synced",
        "the TP ranks' duplicated weights are left as each all-gather wrote them",
        [Edit(TPDUP, "            _broadcast_elements(param_data, offsets, self.src, self.group)",

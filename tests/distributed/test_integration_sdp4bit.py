@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.helpers.spawn import spawn
+from tests.helpers.wire_bytes import expected_bytes as _expected_bytes
 
 pytestmark = pytest.mark.distributed
 
@@ -41,41 +42,6 @@ METHODS = {
     "SDP4Bit-EF": dict(quantized_weights=True, quantized_gradients=True,
                        hadamard_transform=True, gradient_error_feedback=True),
 }
-
-
-def _wire(numel: int, bits: int, group: int) -> int:
-    """Bytes of one quantized message: packed payload + one fp32 scale per group."""
-    assert numel % group == 0
-    return numel * bits // 8 + 4 * (numel // group)
-
-
-def _expected_bytes(cfg, numel: int, n: int, m: int) -> dict[str, int]:
-    """What one bucket's collectives send from one rank (docs/comm.md accounting)."""
-    w = n * m
-    s = numel // w
-    out = dict.fromkeys(("param_intra_bytes", "param_inter_bytes", "param_intra_bytes_baseline",
-                         "param_inter_bytes_baseline", "grad_intra_bytes",
-                         "grad_inter_bytes", "grad_intra_bytes_baseline",
-                         "grad_inter_bytes_baseline"), 0)
-    if cfg.quantized_weights:
-        # to the n - 1 ranks of this node and the w - n ranks of the other nodes
-        msg = _wire(s, cfg.weight_quantization_bits, cfg.wq_group_size)
-        out["param_intra_bytes"], out["param_inter_bytes"] = (n - 1) * msg, (w - n) * msg
-        out["param_intra_bytes_baseline"] = (n - 1) * s * 2  # bf16 replica
-        out["param_inter_bytes_baseline"] = (w - n) * s * 2
-    if cfg.quantized_gradients:
-        bi, gi = cfg.gradient_quantization_bits_intra, cfg.gq_group_size_intra
-        be, ge = cfg.gradient_quantization_bits_inter, cfg.gq_group_size_inter
-        if n > 1 and m > 1:
-            out["grad_intra_bytes"] = (n - 1) * _wire(m * s, bi, gi)
-            out["grad_inter_bytes"] = (m - 1) * _wire(s, be, ge)
-        elif n > 1:
-            out["grad_intra_bytes"] = (n - 1) * _wire(s, bi, gi)
-        else:
-            out["grad_inter_bytes"] = (m - 1) * _wire(s, be, ge)
-        out["grad_intra_bytes_baseline"] = (n - 1) * m * s * 4  # fp32 grads
-        out["grad_inter_bytes_baseline"] = (m - 1) * s * 4
-    return out
 
 
 def _dp_ranks_per_node() -> int:
@@ -261,13 +227,6 @@ def _check_refusals(ddp, optimizer, cfg) -> None:
                     cfg, quantized_weights=False)).uninstall()
         finally:
             ddp.ddp_config = real
-    real_groups, ddp.expert_parallel_bucket_groups = ddp.expert_parallel_bucket_groups, \
-        ddp.bucket_groups[:1]
-    try:
-        with pytest.raises(ValueError, match=r"expert-parallel \(MoE\) buffers are not supported"):
-            install_sdp4bit([ddp], optimizer, cfg)
-    finally:
-        ddp.expert_parallel_bucket_groups = real_groups
     opt = optimizer.chained_optimizers[0]
     real_config, opt.config = opt.config, copy.copy(opt.config)
     opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True

@@ -90,18 +90,20 @@ def test_a_loop_without_the_finalize_hook_is_refused_at_install(tmp_path):
 
 def test_a_hook_that_does_not_reduce_stops_the_first_step(tmp_path):
     """The hook set to something that reduces nothing: install accepts it, and the first
-    optimizer step, finding no gradient reduce-scatter, raises on every rank."""
+    optimizer step, finding its buckets not reduce-scattered, raises on every rank."""
     res = _run(_variant(tmp_path, "config.finalize_model_grads_func = lambda *a, **k: None\n"),
                1)
     assert res.returncode != 0
-    said = [line for line in res.stderr.splitlines() if "found no gradient reduce-scatter" in line]
-    assert said and all(line.endswith(
-        "RuntimeError: SDP4Bit: an optimizer step at iteration 1 found no gradient "
-        "reduce-scatter since the previous step: its gradients were never reduced across "
-        "data-parallel ranks. megatron-core's schedule reduces them through "
-        "config.finalize_model_grads_func (set it to "
-        "megatron.core.distributed.finalize_model_grads); a loop without the schedule calls "
-        "ddp.finish_grad_sync() before optimizer.step()") for line in said), res.stderr[-3000:]
+    said = [line for line in res.stderr.splitlines() if "with no reduce-scatter since" in line]
+    assert said and all(re.search(
+        r"RuntimeError: SDP4Bit: the optimizer step at iteration 1 found (\d+) of its \1 "
+        r"gradient bucket\(s\) \(id [\d, ]+\) with no reduce-scatter since the previous step: "
+        r"their gradients were never reduced across data-parallel ranks, and no weight was "
+        r"updated\. megatron-core's schedule reduces every bucket through "
+        r"config\.finalize_model_grads_func \(set it to "
+        r"megatron\.core\.distributed\.finalize_model_grads\); a loop without the schedule "
+        r"calls ddp\.finish_grad_sync\(\) before optimizer\.step\(\)$", line)
+        for line in said), res.stderr[-3000:]
     assert "iteration 1 |" not in res.stdout
 
 

@@ -34,10 +34,12 @@ class Setup:
     average_in_collective: bool = False  # AVG in the reduce-scatter instead of scaling by 1/DP
     grad_reduce_in_fp32: bool = True  # False: gradient buffers in the parameters' dtype
     ddp_options: tuple[tuple[str, object], ...] = ()  # more DistributedDataParallelConfig fields
+    moe_dispatcher: str | None = None  # a MoE GPT (4 experts, top-2) with this token dispatcher
 
 
-def init_parallel(tp: int = 1, pp: int = 1) -> None:
-    """CPU mode (no CUDA here) and megatron's TP/PP/DP groups on the default gloo group."""
+def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1) -> None:
+    """CPU mode (no CUDA here) and megatron's TP/PP/DP (and expert-parallel ``ep``) groups on
+    the default gloo group."""
     from megatron.core import parallel_state
 
     if not torch.cuda.is_available():
@@ -45,7 +47,8 @@ def init_parallel(tp: int = 1, pp: int = 1) -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
     )
 
 
@@ -88,6 +91,7 @@ def build(setup: Setup, seed: int = 1, padding_for=None):
         params_dtype=torch.float32,
         bf16=setup.bf16,
         batch_p2p_sync=False,  # its torch.cuda.synchronize() guards an old-PyTorch race only
+        **(_moe_options(setup) if setup.moe_dispatcher else {}),
     )
     # Seeds the RNG tracker as Megatron-LM does; same init on every DP rank (megatron-core
     # relies on that and does not broadcast), distinct per PP stage.
@@ -97,7 +101,8 @@ def build(setup: Setup, seed: int = 1, padding_for=None):
     )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=get_gpt_layer_local_spec(
+            num_experts=config.num_moe_experts, moe_grouped_gemm=False),
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -135,6 +140,16 @@ def build(setup: Setup, seed: int = 1, padding_for=None):
     if setup.overlap_grad_reduce:
         config.no_sync_func = ddp.no_sync
     return ddp, optimizer
+
+
+def _moe_options(setup: Setup) -> dict:
+    """4 sequential experts (FFN 128), top-2, over the expert-parallel group."""
+    from megatron.core import parallel_state
+
+    return dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=128,
+                ffn_hidden_size=128, moe_token_dispatcher_type=setup.moe_dispatcher,
+                moe_aux_loss_coeff=0.01,
+                expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size())
 
 
 def batch(step: int, micro: int, dp_rank: int) -> dict[str, torch.Tensor]:
@@ -212,11 +227,14 @@ def _gathered_bytes(tensor: torch.Tensor, group) -> list[torch.Tensor]:
 
 
 def assert_replicas_identical(ddp) -> None:
-    """Every DP rank holds bitwise the same parameter buffers (compared as raw bits)."""
+    """Every DP rank holds bitwise the same parameter buffers (compared as raw bits); the
+    expert-parallel buffers (MoE) on their expert data-parallel group."""
     from megatron.core import parallel_state
 
-    group = parallel_state.get_data_parallel_group()
-    for i, buf in enumerate(param_buffers(ddp)):
+    dense = parallel_state.get_data_parallel_group()
+    groups = [dense] * len(ddp.buffers) + [parallel_state.get_expert_data_parallel_group()] * len(
+        ddp.expert_parallel_buffers)
+    for i, (buf, group) in enumerate(zip(param_buffers(ddp), groups)):
         gathered = _gathered_bytes(buf, group)
         for r, other in enumerate(gathered):
             if not torch.equal(other, gathered[0]):

@@ -28,10 +28,9 @@ def _open(state: RunState, iteration: int) -> None:  # what handle.set_iteration
     state.iteration_open = state.iteration_ever_set = True
 
 
-@pytest.mark.parametrize("gradients", [True, False], ids=["TLq", "qWD-only"])
-def test_set_iteration_opens_and_the_step_closes(gradients):
+def test_set_iteration_opens_and_the_step_closes():
     state = _state()
-    step = _step_check(state, gradients=gradients)
+    step = _step_check(state)
     with pytest.raises(RuntimeError) as err:
         state.require_iteration("a gradient reduce-scatter")
     assert str(err.value) == ("SDP4Bit: a gradient reduce-scatter came before the first "
@@ -40,7 +39,6 @@ def test_set_iteration_opens_and_the_step_closes(gradients):
         _open(state, iteration)
         state.require_iteration("a gradient reduce-scatter")  # any number per iteration
         state.require_iteration("a gradient reduce-scatter")
-        state.grad_syncs_since_step += 1
         step()
     with pytest.raises(RuntimeError) as err:
         step()  # a second step in iteration 3
@@ -52,16 +50,28 @@ def test_a_chain_of_optimizers_steps_once_per_iteration():
     """A chained optimizer's step copies once per distributed optimizer: the first copy
     checks, the last closes the iteration."""
     state = _state()
-    step = _step_check(state, gradients=True, optimizers=2)
+    step = _step_check(state, optimizers=2)
     for iteration in (1, 2):
         _open(state, iteration)
-        state.grad_syncs_since_step += 1
         step()
         assert state.iteration_open  # the second optimizer of the same step still to copy
         step()
-        assert not state.iteration_open and state.grad_syncs_since_step == 0
+        assert not state.iteration_open
     with pytest.raises(RuntimeError, match="an optimizer step came after iteration 2's"):
         step()
-    _open(state, 3)  # an iteration whose gradients were never reduced
-    with pytest.raises(RuntimeError, match="found no gradient reduce-scatter"):
-        step()
+
+
+def test_each_optimizer_checks_its_own_buckets():
+    """Whether the gradients were reduced is counted per bucket (step_checks.py): each
+    optimizer of a chain checks the buckets of its own buffers, and starts counting them
+    again."""
+    from megatron.sdp4bit.integration.step_checks import check_reduced
+
+    state = _state()
+    state.grad_syncs_since_step.update({0: 1, 1: 1})
+    check_reduced(state, [0, 1])  # the dense optimizer
+    state.grad_syncs_since_step.update({0: 1})
+    with pytest.raises(RuntimeError, match=r"found 1 of its 2 gradient bucket\(s\) \(id 1\)"):
+        check_reduced(state, [0, 1])
+    with pytest.raises(RuntimeError, match=r"found 1 of its 1 gradient bucket\(s\) \(id 2\)"):
+        check_reduced(state, [2])  # the expert optimizer: its bucket never reduced

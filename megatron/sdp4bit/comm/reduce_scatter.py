@@ -130,13 +130,11 @@ def _record(stats: CommStats | None, topo: DPTopology, config: GradientQuantConf
     if stats is None:
         return
     n, m = topo.ranks_per_node, topo.nodes
+    sent = {"intra": 0, "inter": 0}
     for hop in hops(n, m, shard, config):
-        if hop.name == "intra":
-            stats.grad_intra_bytes += hop.sent_nbytes
-        else:
-            stats.grad_inter_bytes += hop.sent_nbytes
-    stats.grad_intra_bytes_baseline += (n - 1) * m * shard * elem
-    stats.grad_inter_bytes_baseline += (m - 1) * shard * elem
+        sent["intra" if hop.name == "intra" else "inter"] += hop.sent_nbytes
+    stats.add_grad_bytes(sent["intra"], sent["inter"], (n - 1) * m * shard * elem,
+                         (m - 1) * shard * elem)
 
 
 def two_level_reduce_scatter(output: torch.Tensor, input: torch.Tensor, *,

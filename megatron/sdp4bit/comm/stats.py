@@ -82,6 +82,17 @@ class CommStats:
     default: on CUDA it synchronizes the device around each phase."""
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     """Wall seconds per phase since the last :meth:`take_seconds`."""
+    parent: "CommStats | None" = field(default=None, repr=False, compare=False)
+    """A part's whole (:meth:`part`): every byte counted here is counted there too."""
+
+    def part(self) -> "CommStats":
+        """Counters for a part of this record's traffic (e.g. the expert-parallel buckets'):
+        the bytes a collective adds to the part also go to this whole, and its phase times
+        go to this whole's :attr:`seconds` (timing follows this whole's :attr:`timing`)."""
+        return CommStats(seconds=self.seconds, parent=self)
+
+    def _timing(self) -> bool:
+        return self.timing if self.parent is None else self.parent._timing()
 
     def reset(self) -> None:
         """Zero the byte counters."""
@@ -108,6 +119,18 @@ class CommStats:
         self.param_inter_bytes += inter * message_bytes
         self.param_intra_bytes_baseline += intra * baseline_bytes
         self.param_inter_bytes_baseline += inter * baseline_bytes
+        if self.parent is not None:
+            self.parent.add_param_bytes(message_bytes, baseline_bytes, world, ranks_per_node)
+
+    def add_grad_bytes(self, intra: int, inter: int, intra_baseline: int,
+                       inter_baseline: int) -> None:
+        """Count one reduce-scatter: bytes sent on each hop, and its unquantized baseline."""
+        self.grad_intra_bytes += intra
+        self.grad_inter_bytes += inter
+        self.grad_intra_bytes_baseline += intra_baseline
+        self.grad_inter_bytes_baseline += inter_baseline
+        if self.parent is not None:
+            self.parent.add_grad_bytes(intra, inter, intra_baseline, inter_baseline)
 
     @property
     def param_bytes(self) -> int:
@@ -130,7 +153,7 @@ class CommStats:
 def timed(stats: CommStats | None, phase: str, device: torch.device) -> Iterator[None]:
     """Add the wall time of the ``with`` block to ``stats.seconds[phase]`` when timing is
     on (a CUDA device is synchronized at both ends, so that the kernels are inside)."""
-    if stats is None or not stats.timing:
+    if stats is None or not stats._timing():
         yield
         return
     cuda = device.type == "cuda"

@@ -52,7 +52,7 @@ class DPTopology:
 
 # (this rank's DP group as global ranks, override) -> (N, intra group, inter group). Only this
 # rank's own key is stored: a call is collective-free exactly when this rank made it before.
-_CACHE: dict[tuple[tuple[int, ...], int | None],
+_CACHE: dict[tuple[tuple[int, ...], int | None, str | None],
              tuple[int, ProcessGroup | None, ProcessGroup | None]] = {}
 
 
@@ -122,7 +122,7 @@ def _resolve_n(ranks: tuple[int, ...], hosts: list[str], override: int | None) -
 
 
 def build_topology(group: ProcessGroup | None = None,
-                   ranks_per_node: int | None = None) -> DPTopology:
+                   ranks_per_node: int | None = None, *, node: str | None = None) -> DPTopology:
     """The :class:`DPTopology` of DP group ``group`` (None = the default group).
 
     Collective over the *default* group (see [Note: creating subgroups collectively]): every
@@ -133,12 +133,17 @@ def build_topology(group: ProcessGroup | None = None,
     one node (an override may split a real node, never join two). A repeated
     call with the same arguments returns the cached subgroups without any collective, so
     either every rank repeats an earlier call or none does.
+
+    ``node``: where this rank runs, in place of :func:`node_id` (ranks with the same
+    string share a node); for a group whose nodes follow from another group's simulated
+    layout (the expert data-parallel group under ``--dp-ranks-per-node``). Pass it on every
+    rank or on none.
     """
     if not dist.is_initialized():
         raise ValueError("build_topology needs an initialized torch.distributed process group")
     pg = group if group is not None else dist.group.WORLD
     my_ranks = tuple(dist.get_process_group_ranks(pg))
-    key = (my_ranks, ranks_per_node)
+    key = (my_ranks, ranks_per_node, node)
     if key not in _CACHE:
         _create(key)
     n_per_node, intra, inter = _CACHE[key]
@@ -153,11 +158,11 @@ def build_topology(group: ProcessGroup | None = None,
     return topo
 
 
-def _create(key: tuple[tuple[int, ...], int | None]) -> None:
+def _create(key: tuple[tuple[int, ...], int | None, str | None]) -> None:
     """Gather every rank's DP group, validate all of them, create all subgroups in order."""
-    my_ranks, override = key
+    my_ranks, override, node = key
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (my_ranks, override, node_id()))
+    dist.all_gather_object(gathered, (my_ranks, override, node or node_id()))
     host_of = {g: entry[2] for g, entry in enumerate(gathered)}
     overrides = {entry[1] for entry in gathered}
     if len(overrides) != 1:

@@ -66,6 +66,9 @@ class Buckets:
     def __len__(self) -> int:
         return len(self._infos)
 
+    def by_id(self, bucket_id: int) -> BucketInfo:
+        return self._infos[bucket_id]
+
     def of(self, bucket: object) -> BucketInfo:
         """The record of megatron-core's ``bucket``."""
         return self._by_object[id(bucket)]

@@ -46,7 +46,7 @@ from collections.abc import Sequence
 import torch
 from torch.distributed import ReduceOp
 
-from megatron.sdp4bit.comm import CollectiveWork, DPTopology, two_level_reduce_scatter
+from megatron.sdp4bit.comm import CollectiveWork, CommStats, DPTopology, two_level_reduce_scatter
 from megatron.sdp4bit.integration.releases import prepare_grads_for_sync
 from megatron.sdp4bit.integration.state import KIND_GRAD, RunState
 from megatron.sdp4bit.integration.work import BucketGroupWork
@@ -56,8 +56,9 @@ class _QueuedGroupWork(BucketGroupWork):
     """A bucket group's ``grad_reduce_handle`` that takes its works off the advance queue
     when waited (see [Note: advancing earlier buckets])."""
 
-    def __init__(self, works: Sequence[CollectiveWork], state: RunState) -> None:
-        super().__init__(works)
+    def __init__(self, works: Sequence[CollectiveWork], state: RunState,
+                 bucket_ids: list[int]) -> None:
+        super().__init__(works, then=lambda: _count_reduced(state, bucket_ids))
         self._ids = {id(work) for work in works}
         self._state = state
 
@@ -66,6 +67,26 @@ class _QueuedGroupWork(BucketGroupWork):
             entry for entry in self._state.pending_grad_works if id(entry[1]) not in self._ids]
         self._ids = set()
         return super().wait(timeout)
+
+
+class _CountedHandle:
+    """megatron-core's own async ``grad_reduce_handle``, counted for the step check when
+    waited."""
+
+    def __init__(self, handle, state: RunState, bucket_ids: list[int]) -> None:
+        self._handle, self._state, self._ids = handle, state, bucket_ids
+
+    def wait(self, *args, **kwargs):
+        result = self._handle.wait(*args, **kwargs)
+        _count_reduced(self._state, self._ids)
+        return result
+
+
+def _count_reduced(state: RunState, bucket_ids: list[int]) -> None:
+    """The reduce-scatters of ``bucket_ids`` have completed: the step check counts them
+    (step_checks.py, [Note: a loop that never reduces its gradients])."""
+    for bucket_id in bucket_ids:
+        state.grad_syncs_since_step[bucket_id] += 1
 
 
 def advance_pending_grad_works(state: RunState) -> None:
@@ -78,8 +99,10 @@ def advance_pending_grad_works(state: RunState) -> None:
 
 
 def make_start_grad_sync(bucket_group, *, bucket_ids: list[int], topology: DPTopology,
-                         group_id: int, state: RunState):
-    """A ``start_grad_sync`` for ``bucket_group`` (the engine binds it on the instance)."""
+                         group_id: int, state: RunState, stats: CommStats | None = None):
+    """A ``start_grad_sync`` for ``bucket_group`` (the engine binds it on the instance);
+    ``stats``: the counters its bytes go to (default the install's; the expert buckets'
+    go to their expert part)."""
     original = type(bucket_group).start_grad_sync  # megatron-core's, for the warm-up iterations
 
     def start_grad_sync(self, force_all_reduce: bool | None = False) -> None:
@@ -90,13 +113,21 @@ def make_start_grad_sync(bucket_group, *, bucket_ids: list[int], topology: DPTop
                 "SDP4Bit (handle.uninstall()) for this call")
         # [Note: an iteration without set_iteration] (install.py)
         state.require_iteration("a gradient reduce-scatter")
-        if not state.quantize_gradients_now:
+        if topology.world == 1 or not state.quantize_gradients_now:
             # gradients_quantization_start_iteration not reached: megatron-core's collective,
-            # as configured (counted apart so the trainer can report it).
+            # as configured (counted apart so the trainer can report it). A DP group of one
+            # rank (an expert DP group with EP = DP) sends nothing: megatron-core's call,
+            # counted for the step's check only.
             for bucket_id in bucket_ids:
-                state.unquantized_grad_calls[bucket_id] += 1
-            state.grad_syncs_since_step += 1
-            return original(self, force_all_reduce=force_all_reduce)
+                if topology.world > 1:
+                    state.unquantized_grad_calls[bucket_id] += 1
+            original(self, force_all_reduce=force_all_reduce)
+            if self.grad_reduce_handle is None:  # synchronous: done
+                _count_reduced(state, bucket_ids)
+            elif not isinstance(self.grad_reduce_handle, _CountedHandle):
+                self.grad_reduce_handle = _CountedHandle(self.grad_reduce_handle, state,
+                                                         bucket_ids)
+            return None
         if self.is_first_batch and self.grad_reduce_handle is not None:
             return  # already dispatched in this first batch (megatron-core's rule)
         assert self.grad_reduce_handle is None, "grad sync issued twice without a wait"
@@ -122,14 +153,15 @@ def make_start_grad_sync(bucket_group, *, bucket_ids: list[int], topology: DPTop
             works.append(two_level_reduce_scatter(
                 output, grad, topology=topology, config=state.grad_config, op=op,
                 async_op=async_op, seed=state.seed(KIND_GRAD, bucket_id, group_id),
-                stats=state.stats, error_feedback=state.error_feedback.get(bucket_id)))
+                stats=state.stats if stats is None else stats,
+                error_feedback=state.error_feedback.get(bucket_id)))
             state.grad_calls[bucket_id] += 1
-        state.grad_syncs_since_step += 1
         if async_op:
             state.pending_grad_works.extend(zip(bucket_ids, works))
-            self.grad_reduce_handle = _QueuedGroupWork(works, state)
+            self.grad_reduce_handle = _QueuedGroupWork(works, state, bucket_ids)
         else:
             self.grad_reduce_handle = None
+            _count_reduced(state, bucket_ids)
 
     return start_grad_sync
 

@@ -8,20 +8,26 @@ megatron-core's behaviour exactly (the instance attributes are deleted; the clas
 were never changed). The four are entries of the replacement table (``patches.py``),
 declared below. See docs/integration.md.
 
-[Note: a loop that never reduces its gradients]
-megatron-core's DDP reduces the gradients when something calls its ``finish_grad_sync``:
-megatron-core's pipeline schedules do, through ``config.finalize_model_grads_func`` (both
-tested releases call it after the last micro-batch's backward when it is set, and skip it
-when it is ``None``), and with ``overlap_grad_reduce`` the backward hooks only *start* the
-reduce-scatters that it waits for. A loop of one's own that leaves the hook unset trains
-with every rank stepping on its own unreduced gradients: the loss falls, nothing fails, and
-no collective of SDP4Bit's (or megatron-core's) ever runs. So the loop cannot skip it
-silently: ``install_sdp4bit`` refuses a model whose config has no
-``finalize_model_grads_func``, and every optimizer step (megatron-core's
-``_copy_main_params_to_model_params``, which each successful step calls after its update)
-raises if no gradient reduce-scatter was issued since the previous step, which also catches
-a hook set to something that does not reduce. With quantized weights only, SDP4Bit does not
-see megatron-core's own reduce-scatter, so there the install-time refusal is the guard.
+Every optimizer step checks first that each of its buckets was reduced: step_checks.py,
+[Note: a loop that never reduces its gradients]. Expert-parallel buffers (MoE) are
+quantized on their own data-parallel group: [Note: expert-parallel buckets].
+
+[Note: expert-parallel buckets]
+megatron-core keeps the expert parameters of a MoE model in buffers of their own
+(``expert_parallel_buffers``), whose bucket groups (``expert_parallel_bucket_groups``) run
+their reduce-scatter and all-gather on the expert data-parallel group
+(``intra_expt_dp_group``: the ranks holding the same experts, world / (expert TP x EP x PP)
+of them), and builds a second distributed optimizer over them (a ``ChainedOptimizer``).
+SDP4Bit installs on both kinds of bucket group alike, each on its own group with that
+group's own two-level topology: which of the group's ranks share a node follows from the
+node layout the dense group sees (``--dp-ranks-per-node`` cuts nodes out of the dense data-
+parallel ranks; a rank's node is then its dense DP rank // N), so with the experts spread
+inside a node (EP <= ranks per node) the expert group has one rank per node and its
+gradients take the 4-bit inter-node hop alone. An expert group of one rank (EP = DP) sends
+nothing: megatron-core's collectives stay (no quantization error for nothing), counted for
+the step check only. Bucket ids run over the dense buckets, then the expert ones, the same
+on every rank; the bytes of the expert buckets are counted in ``handle.expert_stats`` as
+well as in ``handle.stats``.
 
 [Note: an iteration without set_iteration]
 ``handle.set_iteration(it)`` seeds the iteration's rounding noise and starts the counters of
@@ -29,7 +35,8 @@ see megatron-core's own reduce-scatter, so there the install-time refusal is the
 noise of the last iteration repeats (or iteration 0's forever) and ``step_stats()`` becomes
 cumulative, with nothing said. So an iteration is *opened* by ``set_iteration`` and *closed*
 by the optimizer step (the replaced ``_copy_main_params_to_model_params``, which every
-successful step calls after its update and before its all-gather), and both the gradient
+successful step calls after its update and before its all-gather; in a chain of distributed
+optimizers, the last one's), and both the gradient
 reduce-scatter (``start_grad_sync``, quantized or not yet) and the step itself raise one line
 when the iteration is not open. The first of them is the iteration's first collective that
 SDP4Bit issues: with quantized gradients the reduce-scatter, with qWD alone the step's
@@ -54,6 +61,7 @@ from megatron.sdp4bit.comm import (
     WeightQuantConfig,
     build_topology,
 )
+from megatron.sdp4bit.comm.topology import node_id
 from megatron.sdp4bit.config import SDP4BitConfig
 from megatron.sdp4bit.integration import patches
 from megatron.sdp4bit.integration.buckets import BucketInfo, bucket_infos
@@ -66,10 +74,11 @@ from megatron.sdp4bit.integration.param_sync import (
 from megatron.sdp4bit.integration.patches import INSTANCE, PADDING, SEAM, both, declare
 from megatron.sdp4bit.integration.state import RunState
 from megatron.sdp4bit.integration.support import check_supported, setup_of
-from megatron.sdp4bit.integration.tp_duplicates import (
+from megatron.sdp4bit.integration.step_checks import (
     make_copy_model_grads_to_main_grads,
-    tp_duplicates,
+    optimizer_bucket_ids,
 )
+from megatron.sdp4bit.integration.tp_duplicates import tp_duplicates
 from megatron.sdp4bit.integration.version import check_megatron_core_version
 
 _BUCKET_GROUP = "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup"
@@ -86,12 +95,12 @@ START_PARAM_SYNC = declare(
 COPY_MAIN_PARAMS = declare(
     "install.copy_main_params_to_model_params", _DIST_OPT, "_copy_main_params_to_model_params",
     INSTANCE, make_copy_main_params_to_model_params,
-    note="[Note: qWD keeps the replica until the all-gather] (integration/param_sync.py)",
+    note="[Note: an iteration without set_iteration] (integration/install.py)",
     checked=both("(self)"), scope=SEAM)
 COPY_MODEL_GRADS = declare(
     "install.copy_model_grads_to_main_grads", _DIST_OPT, "_copy_model_grads_to_main_grads",
     INSTANCE, make_copy_model_grads_to_main_grads,
-    note="[Note: TP-duplicated weights] (integration/tp_duplicates.py)",
+    note="[Note: a loop that never reduces its gradients] (integration/step_checks.py)",
     checked=both("(self)"), scope=SEAM)
 
 # The DDP modules SDP4Bit is installed on (weakly: a dropped model leaves the set).
@@ -108,6 +117,9 @@ class SDP4BitHandle:
     """Every bucket of the install, in id order."""
     _model_chunks: list = dataclasses.field(default_factory=list)
     _step_start: dict = dataclasses.field(default_factory=dict)
+    expert_buckets: tuple[BucketInfo, ...] = ()
+    """The buckets of the expert-parallel buffers (MoE), on their expert data-parallel
+    group; also in :attr:`buckets`."""
 
     @property
     def bucket_numels(self) -> dict[int, int]:
@@ -127,6 +139,17 @@ class SDP4BitHandle:
     def stats(self) -> CommStats:
         """Bytes sent by the quantized collectives and their unquantized equivalents."""
         return self.state.stats
+
+    @property
+    def expert_stats(self) -> CommStats:
+        """The part of :attr:`stats` sent for the expert-parallel buckets (MoE)."""
+        return self.state.expert_stats
+
+    @property
+    def expert_data_parallel_size(self) -> int | None:
+        """The expert data-parallel group's size; None without expert-parallel buckets.
+        At 1 nothing is sent for the experts, and nothing there is quantized."""
+        return self.expert_buckets[0].world if self.expert_buckets else None
 
     def set_iteration(self, iteration: int) -> None:
         """Call at the start of every iteration: it seeds the rounding noise (reproducible,
@@ -189,30 +212,21 @@ def _check_gradients_are_reduced(model_chunks) -> None:
                 "megatron.core.distributed.finalize_model_grads before install_sdp4bit")
 
 
-def _step_check(state: RunState, *, gradients: bool, optimizers: int = 1):
-    """The checks every optimizer step runs before its copy ([Note: an iteration without
-    set_iteration]; with quantized ``gradients``, [Note: a loop that never reduces its
-    gradients]). A step of a chain of ``optimizers`` copies once per optimizer: the first
-    copy checks, the last closes the iteration."""
+def _step_check(state: RunState, *, optimizers: int = 1):
+    """What every optimizer step's copy runs first ([Note: an iteration without
+    set_iteration]): a step of a chain of ``optimizers`` copies once per optimizer; the first
+    copy checks that the iteration is open, the last closes it. (Whether the gradients were
+    reduced, each optimizer checks for its own buckets before its update: step_checks.py.)"""
     copies = 0
 
     def check_step() -> None:
         nonlocal copies
         if copies == 0:
             state.require_iteration("an optimizer step")
-            if gradients and state.grad_syncs_since_step == 0:
-                raise RuntimeError(
-                    f"SDP4Bit: an optimizer step at iteration {state.iteration} found no "
-                    "gradient reduce-scatter since the previous step: its gradients were never "
-                    "reduced across data-parallel ranks. megatron-core's schedule reduces them "
-                    "through config.finalize_model_grads_func (set it to "
-                    "megatron.core.distributed.finalize_model_grads); a loop without the "
-                    "schedule calls ddp.finish_grad_sync() before optimizer.step()")
         copies += 1
         if copies == optimizers:
             copies = 0
             state.iteration_open = False
-            state.grad_syncs_since_step = 0
 
     return check_step
 
@@ -245,17 +259,13 @@ def install_sdp4bit(model_chunks, optimizer, config: SDP4BitConfig, *,
 
     state = RunState(config=config, grad_config=GradientQuantConfig.from_sdp4bit(config),
                      weight_config=WeightQuantConfig.from_sdp4bit(config))
-    bucket_groups = [bg for chunk in model_chunks for bg in chunk.bucket_groups]
+    state.expert_stats = state.stats.part()
+    dense_groups = [bg for chunk in model_chunks for bg in chunk.bucket_groups]
+    expert_groups = [bg for chunk in model_chunks
+                     for bg in getattr(chunk, "expert_parallel_bucket_groups", [])]
+    bucket_groups = dense_groups + expert_groups
     buckets = bucket_infos(bucket_groups, config)  # checks the padding of every bucket
-
-    # One topology per DP group; build_topology is collective over the world, and every
-    # rank has the same number of (dense) bucket-group DP groups, met in the same order.
-    groups = {}
-    for bg in bucket_groups:
-        groups.setdefault(id(bg.intra_distributed_optimizer_instance_group),
-                          bg.intra_distributed_optimizer_instance_group)
-    topologies = {key: build_topology(group, config.dp_ranks_per_node)
-                  for key, group in groups.items()}
+    topologies = _topologies(dense_groups, expert_groups, config)
 
     shards = main_shards(optimizers, buckets) if config.quantized_weights else {}
     # TP > 1: the weights TP does not split stay equal on all TP ranks (tp_duplicates.py)
@@ -273,28 +283,66 @@ def install_sdp4bit(model_chunks, optimizer, config: SDP4BitConfig, *,
     planned: list[patches.Patch] = []
     for bg in bucket_groups:
         group = bg.intra_distributed_optimizer_instance_group
+        topology = topologies[id(group)]
         group_id = min(dist.get_process_group_ranks(group))
         ids = [buckets.of(b).id for b in bg.buckets]
+        stats = state.expert_stats if bg in expert_groups else state.stats
         if config.quantized_gradients:
             planned.append(START_GRAD_SYNC.on(
-                bg, bucket_ids=ids, topology=topologies[id(group)], group_id=group_id,
-                state=state))
-        if config.quantized_weights:
+                bg, bucket_ids=ids, topology=topology, group_id=group_id, state=state,
+                stats=stats))
+        if config.quantized_weights and topology.world > 1:
             planned.append(START_PARAM_SYNC.on(
                 bg, bucket_ids=ids, shards=shards, group_id=group_id,
-                ranks_per_node=topologies[id(group)].ranks_per_node, state=state,
+                ranks_per_node=topology.ranks_per_node, state=state, stats=stats,
                 duplicates=duplicates))
-    if config.quantized_gradients and duplicates is not None:
-        planned += [COPY_MODEL_GRADS.on(opt, duplicates=duplicates, buckets=buckets)
-                    for opt in optimizers]
-    # Every step's copy: qWD leaves it to the all-gather; the step checks that its iteration
-    # called set_iteration and, with quantized gradients, that they were reduced.
-    check = _step_check(state, gradients=config.quantized_gradients,
-                        optimizers=len(optimizers))
-    planned += [COPY_MAIN_PARAMS.on(opt, qwd=config.quantized_weights, check_step=check)
-                for opt in optimizers]
+    state.stepped.update(info.id for info in buckets)
+    # Every optimizer that steps (not megatron-core's stubs, which have no parameters and
+    # never copy) closes the iteration at its copy once they all have.
+    check = _step_check(state, optimizers=sum(
+        1 for opt in optimizers if not getattr(opt, "is_stub_optimizer", False)))
+    for opt in optimizers:
+        if config.quantized_gradients:
+            planned.append(COPY_MODEL_GRADS.on(opt, state=state, buckets=buckets, check=True,
+                                               duplicates=duplicates))
+        ids = optimizer_bucket_ids(opt, buckets)
+        # qWD leaves the copy to the all-gather; a group of one rank keeps megatron-core's.
+        qwd = config.quantized_weights and all(buckets.by_id(i).world > 1 for i in ids)
+        planned.append(COPY_MAIN_PARAMS.on(opt, state=state, bucket_ids=ids, qwd=qwd,
+                                           check_step=check))
     applied = patches.apply(planned)
     for chunk in model_chunks:
         _INSTALLED_ON.add(chunk)
     return SDP4BitHandle(state=state, _applied=applied, buckets=tuple(buckets),
-                         _model_chunks=list(model_chunks))
+                         _model_chunks=list(model_chunks),
+                         expert_buckets=tuple(buckets.of(b) for bg in expert_groups
+                                              for b in bg.buckets))
+
+
+def expert_node(dp_ranks_per_node: int | None) -> str | None:
+    """Where this rank runs, as the expert data-parallel group's topology sees it ([Note:
+    expert-parallel buckets]): with ``dp_ranks_per_node`` N, the simulated node of the
+    dense DP layout (its dense DP rank // N, on its real node); None: the real node."""
+    if dp_ranks_per_node is None:
+        return None
+    from megatron.core import parallel_state
+
+    dense_rank = parallel_state.get_data_parallel_rank()
+    return f"{node_id()}/dp-node{dense_rank // dp_ranks_per_node}"
+
+
+def _topologies(dense_groups, expert_groups, config: SDP4BitConfig) -> dict:
+    """``id(DP group) -> DPTopology`` for every bucket group's DP group ([Note:
+    expert-parallel buckets]). ``build_topology`` is collective over the world: every rank
+    has the same number of bucket groups of each kind, met in the same order."""
+    topologies = {}
+    for bg in dense_groups:
+        group = bg.intra_distributed_optimizer_instance_group
+        if id(group) not in topologies:
+            topologies[id(group)] = build_topology(group, config.dp_ranks_per_node)
+    node = expert_node(config.dp_ranks_per_node) if expert_groups else None
+    for bg in expert_groups:
+        group = bg.intra_distributed_optimizer_instance_group
+        if id(group) not in topologies:
+            topologies[id(group)] = build_topology(group, node=node)
+    return topologies

@@ -33,6 +33,26 @@ noise they give the same replica updates, and the copies stay bitwise tied. So t
 bucket's seed depends neither on the stage's bucket numbering nor on its DP group but on the
 rank's embedding group (the same for the pair of stages, distinct across TP ranks); the comm
 layer still folds in the DP rank.
+
+[Note: one all-gather per bucket and step]
+megatron-core builds a chain of distributed optimizers (``ChainedOptimizer``) for a MoE
+model (one over the dense buffers, one over the expert-parallel buffers) and with
+``overlap_param_gather_with_optimizer_step`` (one per group of model chunks). Without
+``overlap_param_gather`` every optimizer of the chain ends its step with
+``model_chunk.start_param_sync()`` on *all* model chunks, so every bucket would be gathered
+once per optimizer: the first gather of a bucket whose optimizer has not stepped yet sends
+an all-zero difference, and the second gather of a bucket already gathered sends the
+rounding error of the first again; both cost a whole quantized all-gather and add noise.
+So :attr:`RunState.stepped` holds the buckets whose main weights changed since their last
+gather (every bucket from the install to the first optimizer step, so that a gather before
+any step, e.g. the forward pre-hooks of a resumed run's first iteration, runs as it always
+did; the first step's copy drops them); an optimizer's copy adds its own buckets, a gather removes its buckets, and a
+*non-forced* ``start_param_sync`` of a bucket group none of whose buckets are in it sends
+nothing. With ``overlap_param_gather`` such a skipped group stays not dispatched, so the
+forward pre-hook dispatches it once its optimizer has stepped. Forced gathers (evaluation,
+checkpoints, the end of training) always run. A single optimizer (no chain) steps every
+bucket before its gathers, so nothing changes there. The optimizer's copy itself does
+nothing else with qWD ([Note: qWD keeps the replica until the all-gather]).
 """
 
 from __future__ import annotations
@@ -42,7 +62,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron.sdp4bit.comm import weight_difference_all_gather
+from megatron.sdp4bit.comm import CommStats, weight_difference_all_gather
 from megatron.sdp4bit.comm.stats import timed
 from megatron.sdp4bit.integration.buckets import Buckets
 from megatron.sdp4bit.integration.releases import post_param_sync
@@ -112,12 +132,14 @@ def _tied_embedding_key(bucket) -> int | None:
 
 def make_start_param_sync(bucket_group, *, bucket_ids: list[int], shards: dict[int, MainShard],
                           group_id: int, ranks_per_node: int, state: RunState,
+                          stats: CommStats | None = None,
                           duplicates: TPDuplicates | None = None):
     """A ``start_param_sync`` for ``bucket_group`` (megatron-core's contract, qWD inside;
     ``post_param_sync`` where 0.19.2 runs its post-all-gather processing). With
     ``duplicates`` (TP > 1) the TP-duplicated weights take TP rank 0's values once a
     bucket's all-gather has landed ([Note: TP-duplicated weights] in tp_duplicates.py)."""
     tied_keys = [_tied_embedding_key(bucket) for bucket in bucket_group.buckets]
+    stats = state.stats if stats is None else stats  # the install's, or its expert part
 
     def sync_duplicates() -> None:
         for bucket, bucket_id in zip(bucket_group.buckets, bucket_ids):
@@ -133,19 +155,22 @@ def make_start_param_sync(bucket_group, *, bucket_ids: list[int], shards: dict[i
                 return
         else:
             assert self.param_gather_handle is None
+            if not any(bucket_id in state.stepped for bucket_id in bucket_ids):
+                return  # [Note: one all-gather per bucket and step]
+        state.stepped.difference_update(bucket_ids)
         async_op = self.ddp_config.overlap_param_gather and not force_sync
         group = self.intra_distributed_optimizer_instance_group
         works = []
         for bucket, bucket_id, tied_key in zip(self.buckets, bucket_ids, tied_keys):
             shard = shards[bucket_id]
-            with timed(state.stats, "params-quantize", bucket.param_data.device):
+            with timed(stats, "params-quantize", bucket.param_data.device):
                 main = shard.gather()
             call = state.next_param_call(bucket_id)  # fresh noise for extra gathers
             seed = (state.seed(KIND_PARAM, bucket_id, group_id, call) if tied_key is None
                     else state.seed(KIND_TIED_PARAM, 0, tied_key, call))
             works.append(weight_difference_all_gather(
                 bucket.param_data, main, group=group, config=state.weight_config,
-                seed=seed, stats=state.stats, ranks_per_node=ranks_per_node,
+                seed=seed, stats=stats, ranks_per_node=ranks_per_node,
                 async_op=async_op))
             state.param_calls[bucket_id] += 1
         then = sync_duplicates if duplicates is not None else None
@@ -162,13 +187,13 @@ def make_start_param_sync(bucket_group, *, bucket_ids: list[int], shards: dict[i
     return start_param_sync
 
 
-def make_copy_main_params_to_model_params(optimizer, *, qwd: bool,
-                                          check_step: Callable[[], None] | None = None):
+def make_copy_main_params_to_model_params(optimizer, *, state: RunState, bucket_ids: list[int],
+                                          qwd: bool, check_step: Callable[[], None]):
     """The optimizer's copy of the updated main weights into the model, which every step
-    makes after its update: with qWD (``qwd``) the 16-bit groups are left to the qWD
-    all-gather; without, megatron-core's own copy. First, ``check_step`` (install.py,
-    [Note: an iteration without set_iteration], [Note: a loop that never reduces its
-    gradients]).
+    makes after its update. First ``check_step`` (install.py, [Note: an iteration without
+    set_iteration]). With qWD (``qwd``) the 16-bit groups are left to the qWD all-gather,
+    which the optimizer's buckets (``bucket_ids``) are now due ([Note: one all-gather per
+    bucket and step]); without, megatron-core's own copy.
 
     fp32 model parameters (``model_fp32_groups``) are views of the replica that the inner
     optimizer updated in place; install refuses qWD when there are any, so the copy has
@@ -177,10 +202,13 @@ def make_copy_main_params_to_model_params(optimizer, *, qwd: bool,
     original = type(optimizer)._copy_main_params_to_model_params
 
     def _copy_main_params_to_model_params(self) -> None:
-        if check_step is not None:
-            check_step()
+        check_step()
         if not qwd:
             return original(self)
         assert not any(self.model_fp32_groups), "qWD installed with fp32 model params"
+        if not state.stepped_since_install:  # the install's "every bucket" ends here
+            state.stepped.clear()
+            state.stepped_since_install = True
+        state.stepped.update(bucket_ids)
 
     return _copy_main_params_to_model_params

@@ -49,10 +49,19 @@ class RunState:
     """``set_iteration`` was called at least once (for the wording of the refusal)."""
     error_feedback: dict[int, ErrorFeedback] = field(default_factory=dict)
     """Per bucket id: the inter-hop error state (``--gradient-error-feedback``), else empty."""
-    grad_syncs_since_step: int = 0
-    """Gradient reduce-scatters (quantized or not) issued since the last optimizer step:
-    a step that finds none would apply gradients that no rank reduced (install.py,
-    [Note: a loop that never reduces its gradients])."""
+    expert_stats: CommStats | None = None
+    """The part of :attr:`stats` sent for the expert-parallel buckets (set at install)."""
+    grad_syncs_since_step: Counter = field(default_factory=Counter)
+    """Per bucket id: gradient reduce-scatters (quantized or not) completed since the optimizer
+    that owns the bucket last stepped; a step that finds a bucket of its own at zero would
+    apply gradients that no rank reduced (step_checks.py, [Note: a loop that never reduces
+    its gradients])."""
+    stepped: set[int] = field(default_factory=set)
+    """Bucket ids whose main weights changed (an optimizer step, or the install) since their
+    last qWD all-gather (param_sync.py, [Note: one all-gather per bucket and step])."""
+    stepped_since_install: bool = False
+    """Whether an optimizer has stepped since the install (until then :attr:`stepped` holds
+    every bucket)."""
 
     def seed(self, kind: int, bucket_id: int, group_id: int, call: int = 0) -> int:
         """Rounding-noise seed of one collective: (user seed, iteration, bucket, kind, group,

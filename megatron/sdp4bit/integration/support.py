@@ -26,7 +26,8 @@ class Setup:
     reduce_scatter_with_fp32_accumulation: bool = False
     megatron_fsdp: bool = False
     reuse_grad_buf_for_mxfp8_param_ag: bool = False
-    expert_parallel_buffers: bool = False
+    expert_tensor_parallel: bool = False
+    """Expert tensor parallelism (expert TP > 1) in the expert-parallel buffers."""
     fp8_param_gather: bool = False
     fp4_param_gather: bool = False  # 0.19.2 only
     precision_aware_optimizer: bool = False
@@ -45,13 +46,20 @@ def setup_of(model_chunks: Sequence, optimizers: Sequence) -> Setup:
         megatron_fsdp=any(c.use_megatron_fsdp or c.use_custom_fsdp for c in configs),
         reuse_grad_buf_for_mxfp8_param_ag=any(c.reuse_grad_buf_for_mxfp8_param_ag
                                               for c in configs),
-        expert_parallel_buffers=any(bool(chunk.expert_parallel_bucket_groups)
-                                    for chunk in model_chunks),
+        expert_tensor_parallel=_expert_tensor_parallel(model_chunks),
         fp8_param_gather=any(getattr(c, "fp8_param_gather", False) for c in configs),
         fp4_param_gather=any(getattr(c, "fp4_param_gather", False) for c in configs),
         precision_aware_optimizer=any(opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
                                       for opt in optimizers),
     )
+
+
+def _expert_tensor_parallel(model_chunks: Sequence) -> bool:
+    if not any(getattr(chunk, "expert_parallel_bucket_groups", None) for chunk in model_chunks):
+        return False
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_tensor_parallel_world_size() > 1
 
 
 def check_supported(config: SDP4BitConfig, setup: Setup, *, command_line: bool = False) -> None:
@@ -82,8 +90,11 @@ def check_supported(config: SDP4BitConfig, setup: Setup, *, command_line: bool =
                "DistributedDataParallel with the distributed optimizer")
     if setup.reuse_grad_buf_for_mxfp8_param_ag:
         refuse("reuse_grad_buf_for_mxfp8_param_ag is not supported by SDP4Bit: turn it off")
-    if setup.expert_parallel_buffers:
-        refuse("expert-parallel (MoE) buffers are not supported by SDP4Bit yet")
+    if setup.expert_tensor_parallel:
+        refuse("expert tensor parallelism (expert_tensor_parallel_size > 1) is not supported "
+               "by SDP4Bit: the weights expert TP does not split would drift apart across the "
+               "expert-TP ranks; use expert_tensor_parallel_size=1",
+               "SDP4Bit does not support --expert-tensor-parallel-size > 1: use 1")
     if not config.quantized_weights:
         return
     for flag, on in (("fp8_param_gather", setup.fp8_param_gather),

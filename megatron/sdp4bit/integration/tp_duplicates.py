@@ -119,20 +119,3 @@ def tp_duplicates(model_chunks, buckets: Buckets) -> TPDuplicates | None:
                 if mine.numel():
                     found.shard_offsets[info.id] = mine.to(device)
     return found
-
-
-def make_copy_model_grads_to_main_grads(optimizer, duplicates: TPDuplicates, buckets: Buckets):
-    """The optimizer's copy of the reduced gradients, after the TP sync of the duplicated
-    ones (see [Note: TP-duplicated weights])."""
-    original = type(optimizer)._copy_model_grads_to_main_grads
-    shards = []
-    for buffer in optimizer.buffers:
-        for bucket in buffer.buckets:
-            info = buckets.of(bucket)
-            shards.append((info.id, bucket.grad_data[info.shard_start:info.shard_end]))
-
-    def _copy_model_grads_to_main_grads(self) -> None:
-        duplicates.sync_gradients(shards)
-        original(self)
-
-    return _copy_model_grads_to_main_grads

@@ -17,7 +17,12 @@ from megatron.sdp4bit.training.checkpoint import formats as checkpoint_formats
 from megatron.sdp4bit.training.guards import faults
 from megatron.sdp4bit.training.guards.exit_conditions import exit_duration_reached
 from megatron.sdp4bit.training.guards.exit_signal import ExitSignal
-from megatron.sdp4bit.training.observe.comm_counters import add_unquantized_iteration, snapshot_fields
+from megatron.sdp4bit.training.observe.moe_metrics import MoELosses
+from megatron.sdp4bit.training.observe.comm_counters import (
+    ExpertLayout,
+    add_unquantized_iteration,
+    snapshot_fields,
+)
 from megatron.sdp4bit.training.data import batch_iterator
 from megatron.sdp4bit.training.observe.logging import (
     format_eval_lines,
@@ -46,6 +51,8 @@ class TrainState:
     sdp4bit: SDP4BitConfig = field(default_factory=SDP4BitConfig)
     """What SDP4Bit replaces; its collectives count their own bytes, the rest is added here."""
     ranks_per_node: int = 1
+    expert_layout: ExpertLayout | None = None
+    """MoE: the expert data-parallel group, for the byte accounting of the expert buckets."""
     first_loss: float | None = None
     first_loss_iteration: int | None = None
     last_loss: float | None = None
@@ -191,6 +198,7 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None,
     skipped = nan_iters = 0
     start_iteration = state.iteration
     window_loss, window_iters, window_start = 0.0, 0, time.time()
+    moe_losses = MoELosses(args)
     try:
         while state.iteration < args.train_iters:
             if on_iteration is not None:
@@ -203,8 +211,10 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None,
                 distributed_optimizer=args.use_distributed_optimizer,
                 params=not q.quantized_weights,
                 grads=not q.quantized_gradients
-                or state.iteration < q.gradients_quantization_start_iteration)
+                or state.iteration < q.gradients_quantization_start_iteration,
+                expert=state.expert_layout)
             state.iteration += 1
+            moe_losses.after_iteration(state.iteration)
             state.consumed_samples += gbs
             skipped += 0 if ok else 1
             nan_iters += 0 if loss == loss else 1
@@ -221,7 +231,8 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None,
                                   state.optimizer.get_loss_scale().item(), float(grad_norm))
             if state.iteration % args.log_interval == 0:
                 elapsed = (time.time() - window_start) / window_iters
-                comm = snapshot_fields(state.comm_stats, window_iters)
+                comm = snapshot_fields(state.comm_stats, window_iters, expert=None if
+                                       state.expert_layout is None else state.expert_layout.stats)
                 record = {
                     "iteration": state.iteration, "train_iters": args.train_iters,
                     "time": round(time.time(), 3),
@@ -231,7 +242,7 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None,
                     "global_batch_size": gbs, "lm_loss": window_loss / window_iters,
                     "loss_scale": state.optimizer.get_loss_scale().item(),
                     "grad_norm": float(grad_norm), "skipped_iterations": skipped,
-                    "nan_iterations": nan_iters, **comm,
+                    "nan_iterations": nan_iters, **comm, **moe_losses.take(window_iters),
                 }
                 timer_block = None
                 if state.timers is not None:  # collective: every rank takes part

@@ -23,6 +23,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.sdp4bit.training.cli.installed import uses_transformer_engine
 from megatron.sdp4bit.training.cli.megatron_flags import transformer_config_overrides
+from megatron.sdp4bit.training.cli.moe_flags import moe_config_overrides
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -85,6 +86,7 @@ def transformer_config_from_args(args: argparse.Namespace, timers=None) -> Trans
     elif args.openai_gelu:
         kwargs["activation_func"] = openai_gelu
     kwargs.update(transformer_config_overrides(args))  # Megatron-LM's switches, when given
+    kwargs.update(moe_config_overrides(args))  # mixture of experts, with --num-experts
     return TransformerConfig(**kwargs)
 
 
@@ -101,6 +103,14 @@ def build_model(args: argparse.Namespace, config: TransformerConfig, vocab_size:
     else:
         spec = get_gpt_layer_local_spec(normalization=args.normalization,
                                         qk_layernorm=args.qk_layernorm)
+    if args.num_experts is not None:
+        # megatron-core's MoE block: per layer, --moe-layer-freq picks a MoE or a dense MLP
+        # (local spec: sequential experts, one MLP each; TE: grouped GEMM with the flag)
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        spec = get_gpt_decoder_block_spec(
+            config, use_transformer_engine=uses_transformer_engine(args.transformer_impl),
+            normalization=args.normalization)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,

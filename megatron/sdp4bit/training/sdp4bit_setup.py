@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable
 
 import torch.distributed as dist
 
 from megatron.sdp4bit.config import SDP4BitConfig
 from megatron.sdp4bit.training.loop import TrainState
+from megatron.sdp4bit.training.observe.comm_counters import expert_layout
 
 
 def install(config: SDP4BitConfig, state: TrainState, transformer_config, *,
@@ -17,6 +19,8 @@ def install(config: SDP4BitConfig, state: TrainState, transformer_config, *,
     (the run then uses megatron-core's collectives unchanged). ``allow_untested_version``:
     ``--allow-untested-megatron-core`` (refused or warned about before the run started,
     training/cli/installed.py)."""
+    # MoE: the expert buckets' bytes are counted apart too (collective: every rank)
+    state.expert_layout = expert_layout(state.comm_stats, state.model, state.ranks_per_node)
     if not config.enabled:
         return None
     from megatron.sdp4bit.integration import install_sdp4bit
@@ -25,16 +29,31 @@ def install(config: SDP4BitConfig, state: TrainState, transformer_config, *,
                              allow_untested_version=allow_untested_version)
     handle.stats.timing = state.timers is not None  # quantize / wait / dequantize phases
     state.comm_stats = handle.stats
+    if state.expert_layout is not None:
+        state.expert_layout = dataclasses.replace(state.expert_layout, stats=handle.expert_stats)
     state.sdp4bit = config
     if dist.get_rank() == 0:
         print(f"SDP4Bit installed on {len(handle.bucket_numels)} bucket(s): "
-              f"{config.describe()}", flush=True)
+              f"{config.describe()}{describe_experts(handle)}", flush=True)
         if config.gradient_error_feedback:
             print(f"SDP4Bit error feedback on the inter-node hop: "
                   f"{handle.error_feedback_nbytes / 2**20:.2f} MiB of error state on this "
                   f"rank ({config.gradient_error_feedback_storage}, 1/N of the gradient "
                   "buckets)", flush=True)
     return handle
+
+
+def describe_experts(handle) -> str:
+    """The start-up line's words on the expert-parallel buckets (MoE), or nothing."""
+    size = handle.expert_data_parallel_size
+    if size is None:
+        return ""
+    count = len(handle.expert_buckets)
+    if size == 1:
+        return (f" | {count} expert bucket(s) on an expert data-parallel group of 1 rank "
+                "(expert parallelism = data parallelism): nothing to send, nothing quantized "
+                "there")
+    return f" | {count} of them expert bucket(s), on the expert data-parallel group of {size}"
 
 
 def uninstall(args: argparse.Namespace, state: TrainState, handle) -> None:

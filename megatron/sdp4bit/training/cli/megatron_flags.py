@@ -117,8 +117,6 @@ REFUSED_FLAGS: dict[str, tuple[int | str, str]] = {
     "--pipeline-model-parallel-split-rank": (1, "encoder-decoder pipelines are not supported"),
     "--standalone-embedding-stage": (0, "the embedding lives in the first pipeline stage"),
     "--use-ring-exchange-p2p": (0, "pipeline stages talk with torch.distributed send/recv"),
-    "--num-experts": (1, "mixture-of-experts models are not supported (SDP4Bit refuses "
-                      "expert-parallel buffers)"),
     "--vocab-extra-ids": (1, "it is for T5 models"),
     "--tiktoken-pattern": (1, "TikTokenizer is not supported (it needs the tiktoken package)"),
     "--tiktoken-num-special-tokens": (1, "see --tiktoken-pattern"),
@@ -145,7 +143,6 @@ ONLY_VALUE: dict[str, tuple[type, object, str]] = {
     "--dataloader-type": (str, "single", "the training data is read once, in order"),
     "--empty-unused-memory-level": (int, 0, "the CUDA caching allocator is never emptied"),
     "--context-parallel-size": (int, 1, "context parallelism is not supported"),
-    "--expert-model-parallel-size": (int, 1, "mixture-of-experts models are not supported"),
     "--rerun-mode": (str, "disabled", "the rerun state machine is not used"),
 }
 

@@ -9,7 +9,9 @@ import re
 
 from megatron.sdp4bit.config_flags import in_flag_words, sdp4bit_config_from_args
 from megatron.sdp4bit.training.cli.errors import ArgumentsError
+from megatron.sdp4bit.training.cli.installed import uses_transformer_engine
 from megatron.sdp4bit.training.cli.megatron_flags import check_megatron_flags, scheduler_steps
+from megatron.sdp4bit.training.cli.moe_flags import check_moe_flags
 from megatron.sdp4bit.training.guards import faults
 from megatron.sdp4bit.training.tokenizers import registry as tokenizer_registry
 
@@ -297,7 +299,9 @@ def _check_sdp4bit(args: argparse.Namespace) -> None:
         check_supported(config, Setup(
             distributed_optimizer=args.use_distributed_optimizer,
             fp32_params=not (args.bf16 or args.fp16),
-            reduce_scatter_with_fp32_accumulation=args.ddp_reduce_scatter_with_fp32_accumulation),
+            reduce_scatter_with_fp32_accumulation=args.ddp_reduce_scatter_with_fp32_accumulation,
+            expert_tensor_parallel=args.num_experts is not None
+            and args.expert_tensor_parallel_size > 1),
                         command_line=True)
     except ValueError as err:
         problem = str(err)
@@ -371,6 +375,7 @@ def validate_args(args: argparse.Namespace) -> None:
     _check_required(args)
     _check_model(args)
     _check_parallel(args)
+    check_moe_flags(args, transformer_engine=uses_transformer_engine(args.transformer_impl))
     _check_optimizer(args)
     _check_data(args)
     _check_memory(args)

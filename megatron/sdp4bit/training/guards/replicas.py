@@ -2,7 +2,8 @@
 
 Every data-parallel rank holds the same model replica (bitwise, by construction of the
 weight all-gather). Every N iterations each rank computes a 64-bit checksum of every DDP
-bucket's parameter buffer, the DP ranks compare them (one all-gather of a few integers), and
+bucket's parameter buffer, the DP ranks compare them (one all-gather of a few integers; the
+expert-parallel buckets of a MoE model on their expert data-parallel group), and
 the first bucket whose checksums differ stops the run with one line naming the bucket, its
 first parameters and two ranks that disagree. With TP > 1 the tensor-parallel ranks also
 compare their copies of the weights TP does not split (layer norms, row-parallel biases,
@@ -46,11 +47,13 @@ def _short(name: str) -> str:
     return name
 
 
-def _buckets(model_chunks) -> list[tuple[object, str]]:
+def _buckets(model_chunks, expert: bool = False) -> list[tuple[object, str]]:
+    """The dense buckets, or (``expert``) those of the expert-parallel buffers (MoE)."""
     out = []
     for chunk in model_chunks:
         names = {p: _short(n) for n, p in chunk.named_parameters()}
-        for buffer in chunk.buffers:
+        buffers = getattr(chunk, "expert_parallel_buffers", []) if expert else chunk.buffers
+        for buffer in buffers:
             for bucket in buffer.buckets:
                 first = sorted(names.get(p, "?") for p in bucket.params)[:2]
                 out.append((bucket, ", ".join(first)))
@@ -78,17 +81,29 @@ def check_replicas(model_chunks, iteration: int, *, finish_gather: bool = False)
     if not buckets:
         return
     device = buckets[0][0].param_data.device
-    found = _first_disagreement([checksum(b.param_data) for b, _ in buckets],
-                                parallel_state.get_data_parallel_group(), device)
+    _check_group(buckets, parallel_state.get_data_parallel_group(), iteration, device,
+                 "data-parallel ranks", "DP")
+    experts = _buckets(model_chunks, expert=True)
+    if experts:  # each expert's replicas live on the expert data-parallel group
+        _check_group(experts, parallel_state.get_expert_data_parallel_group(), iteration,
+                     device, "expert data-parallel ranks", "expert DP")
+    _check_tp_copies(model_chunks, iteration, device)
+
+
+def _check_group(buckets, group, iteration: int, device: torch.device, ranks: str,
+                 short: str) -> None:
+    if dist.get_world_size(group) == 1:
+        return
+    found = _first_disagreement([checksum(b.param_data) for b, _ in buckets], group, device)
     if found is not None:
         b, other = found
         bucket, names = buckets[b]
+        what = "expert bucket" if short == "expert DP" else "bucket"
         raise ReplicaMismatch(
-            f"model replicas differ across data-parallel ranks at iteration {iteration}: "
-            f"bucket {b} ({bucket.param_data.numel()} elements: {names}, ...) differs "
-            f"between DP ranks 0 and {other}; the run stops (a bug or a hardware fault: "
+            f"model replicas differ across {ranks} at iteration {iteration}: "
+            f"{what} {b} ({bucket.param_data.numel()} elements: {names}, ...) differs "
+            f"between {short} ranks 0 and {other}; the run stops (a bug or a hardware fault: "
             "resume from the last checkpoint)")
-    _check_tp_copies(model_chunks, iteration, device)
 
 
 def _first_disagreement(checksums: list[int], group, device: torch.device):
@@ -110,9 +125,11 @@ def _check_tp_copies(model_chunks, iteration: int, device: torch.device) -> None
     group = parallel_state.get_tensor_model_parallel_group()
     if dist.get_world_size(group) == 1:
         return
+    # expert weights (megatron-core marks them allreduce=False) are not TP-duplicated: with
+    # expert TP 1 the TP ranks hold different experts
     copies = [(_short(name), param) for chunk in model_chunks
               for name, param in chunk.named_parameters()
-              if is_tp_duplicate(param)]
+              if is_tp_duplicate(param) and getattr(param, "allreduce", True)]
     if not copies:
         return
     found = _first_disagreement([checksum(p.detach().reshape(-1)) for _, p in copies], group,

@@ -59,6 +59,10 @@ def format_train_line(m: dict[str, Any]) -> str:
         f" number of nan iterations: {m['nan_iterations']:3d} |"
         + "".join(f" {label} bytes: {m['comm_bytes_' + key]} (ideal unquantized "
                   f"{m['baseline_comm_bytes_' + key]}) |" for key, label in _BYTE_FIELDS)
+        + "".join(f" expert {label} bytes: {m['comm_bytes_expert_' + key]} (ideal "
+                  f"unquantized {m['baseline_comm_bytes_expert_' + key]}) |"
+                  for key, label in _BYTE_FIELDS if "comm_bytes_expert_" + key in m)
+        + "".join(f" {name}: {m[name]:.6E} |" for name in m.get("moe_losses", ()))
     )
 
 
@@ -79,6 +83,11 @@ _LINE = re.compile(
 )
 
 
+_EXPERT_BYTES = re.compile(r" expert (params intra|params inter|grads intra|grads inter) "
+                           r"bytes: (\d+) \(ideal unquantized (\d+)\) \|")
+_MOE_LOSSES = re.compile(r" ((?:seq_|global_)?load_balancing_loss|z_loss): (\S+) \|")
+
+
 def parse_log_line(line: str) -> dict[str, float] | None:
     """The fields of a training line (either generation, [Note: two generations of the
     line]) as numbers, or ``None`` if ``line`` is not one (``comm_bytes_params`` and its
@@ -87,6 +96,11 @@ def parse_log_line(line: str) -> dict[str, float] | None:
     if match is None:
         return None
     m = {k: (int(v) if v.isdigit() else float(v)) for k, v in match.groupdict().items()}
+    for key, sent, ideal in _EXPERT_BYTES.findall(line):  # MoE runs: the expert part
+        m[f"comm_bytes_expert_{key.replace(' ', '_')}"] = int(sent)
+        m[f"baseline_comm_bytes_expert_{key.replace(' ', '_')}"] = int(ideal)
+    for name, value in _MOE_LOSSES.findall(line):
+        m[name] = float(value)
     for prefix in ("comm_bytes_params", "baseline_comm_bytes_params"):
         m[prefix] = m[prefix + "_intra"] + m[prefix + "_inter"]
     return m

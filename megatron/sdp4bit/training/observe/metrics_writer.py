@@ -46,6 +46,15 @@ SDP4BIT_TAGS = {
 }
 
 
+# MoE runs: the part of those bytes sent for the expert buckets (expert data-parallel group).
+EXPERT_COMM_KEYS = ("comm_bytes_expert_params_intra", "comm_bytes_expert_params_inter",
+                    "comm_bytes_expert_grads_intra", "comm_bytes_expert_grads_inter")
+SDP4BIT_TAGS.update({key: "sdp4bit/" + key[len("comm_bytes_"):].replace("_", "-") + "-bytes"
+                     for key in EXPERT_COMM_KEYS})
+SDP4BIT_TAGS.update({"baseline_" + key: "sdp4bit/" + key[len("comm_bytes_"):].replace("_", "-")
+                     + "-bytes-unquantized" for key in EXPERT_COMM_KEYS})
+
+
 def _timer_tag(name: str) -> str:
     if name.startswith("sdp4bit-"):
         return f"sdp4bit/{name[len('sdp4bit-'):]}-time"
@@ -125,6 +134,7 @@ class MetricsWriter:
         self._write({**m, "consumed_tokens": m["consumed_samples"] * self._seq_length})
         values = {"iteration-time": m["elapsed_ms"] / 1e3, "throughput": m["tflops_per_gpu"]}
         values.update({tag: m[key] for key, tag in SDP4BIT_TAGS.items() if key in m})
+        values.update({name: m[name] for name in m.get("moe_losses", ())})  # Megatron-LM's tags
         if self._tb_timers:
             values.update({_timer_tag(name): ms / 1e3
                            for name, ms in m.get("timers_ms", {}).items()})

@@ -71,3 +71,29 @@ def test_tensorboard_switches(tmp_path):
     assert not {"learning-rate", "learning-rate vs samples", "loss-scale"} & got
     default = set(write(tmp_path / "default", "").Tags()["scalars"])
     assert {"learning-rate", "loss-scale"} <= default and "world-size" not in default
+
+
+def test_moe_record_writes_expert_bytes_and_auxiliary_losses(tmp_path):
+    """A MoE run's record: the expert part of the bytes under sdp4bit/expert-*, the routers'
+    auxiliary losses under Megatron-LM's tags; the console line carries and parses both."""
+    from megatron.sdp4bit.training.observe.logging import format_train_line, parse_log_line
+    from megatron.sdp4bit.training.observe.metrics_writer import EXPERT_COMM_KEYS
+
+    tb = tmp_path / "tb"
+    args = parse_args(BASE + ["--tensorboard-dir", str(tb)], world_size=4)
+    writer = MetricsWriter(args)
+    m = {**record(2), "train_iters": 10, "global_batch_size": 8, "skipped_iterations": 0,
+         "nan_iterations": 0, "load_balancing_loss": 1.25, "z_loss": 0.5,
+         "moe_losses": ["load_balancing_loss", "z_loss"]}
+    m.update({k: 7 for k in EXPERT_COMM_KEYS})
+    m.update({"baseline_" + k: 9 for k in EXPERT_COMM_KEYS})
+    writer.train(m)
+    writer.close()
+    scalars = events(tb).Tags()["scalars"]
+    assert {"sdp4bit/expert-grads-inter-bytes", "sdp4bit/expert-params-intra-bytes-unquantized",
+            "load_balancing_loss", "z_loss"} <= set(scalars)
+    assert events(tb).Scalars("load_balancing_loss")[0].value == 1.25
+    parsed = parse_log_line(format_train_line(m))
+    assert parsed["comm_bytes_expert_grads_inter"] == 7
+    assert parsed["baseline_comm_bytes_expert_params_intra"] == 9
+    assert parsed["load_balancing_loss"] == 1.25 and parsed["z_loss"] == 0.5

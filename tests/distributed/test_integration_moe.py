@@ -1,0 +1,263 @@
+"""SDP4Bit on a mixture-of-experts GPT: the expert-parallel buckets on their expert DP group.
+
+4 gloo ranks as 2 nodes x 2 (``dp_ranks_per_node=2``), expert parallelism 2, 4 experts,
+top-2, each token dispatcher: the dense buckets run on the DP group of 4 (2 x 2, both hops),
+the expert buckets on an expert DP group of 2 with one rank per node (the inter-node hop
+alone). Checked per dispatcher in one spawn: replicas bitwise identical for dense weights on
+the DP group and expert weights on the expert DP group after every step; megatron-core's
+chain of two distributed optimizers steps without a false "never reduced" error and gathers
+every bucket exactly once per step; bytes per hop and per group equal the wire formula; then
+a gradient hook that reduces only the dense buckets is refused at the first step with no
+weight (replica or fp32 main) changed, as is one that reduces only the first of a dense
+model's bucket groups; and the chain ``overlap_param_gather_with_optimizer_step`` builds
+(two model chunks) reduces and gathers every bucket once per step. 8 ranks as 2 nodes x 4: the expert DP group of 4 spans
+both nodes with 2 ranks on each, so expert gradients take both hops, the inter one at 4 bits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.wire_bytes import expected_bytes as _expected_bytes
+from tests.helpers.spawn import spawn
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 3
+COUNTERS = ("param_intra_bytes", "param_inter_bytes", "grad_intra_bytes", "grad_inter_bytes",
+            "grad_intra_bytes_baseline", "grad_inter_bytes_baseline")
+
+
+def _config(dp_ranks_per_node: int):
+    from megatron.sdp4bit.config import SDP4BitConfig
+
+    return SDP4BitConfig(quantized_weights=True, quantized_gradients=True,
+                         hadamard_transform=True, gq_group_size_intra=128,
+                         dp_ranks_per_node=dp_ranks_per_node)
+
+
+def _expected(cfg, buckets, n: int, m: int) -> dict[str, int]:
+    total = dict.fromkeys(COUNTERS, 0)
+    for info in buckets:
+        for name, value in _expected_bytes(cfg, info.numel, n, m).items():
+            if name in total:
+                total[name] += value
+    return total
+
+
+def _snapshot(stats) -> dict[str, int]:
+    return {name: getattr(stats, name) for name in COUNTERS}
+
+
+def _train(dispatcher: str, cfg, ep: int):
+    from tests.helpers import tiny_gpt as T
+    from megatron.sdp4bit.integration import install_sdp4bit
+
+    T.init_parallel(ep=ep)
+    setup = T.Setup(moe_dispatcher=dispatcher)
+    ddp, optimizer = T.build(setup, padding_for=cfg)
+    assert len(optimizer.chained_optimizers) == 2, "megatron-core built no chain"
+    handle = install_sdp4bit([ddp], optimizer, cfg)
+    losses = T.train_checking_replicas(ddp, optimizer, setup, STEPS,
+                                       before_step=handle.set_iteration)
+    assert all(loss == loss for loss in losses), losses
+    return ddp, optimizer, handle, setup
+
+
+def _check_counts_and_bytes(handle, cfg, dense_nm, expert_nm) -> None:
+    s = handle.state
+    every = {info.id: STEPS for info in handle.buckets}
+    # one reduce-scatter and one all-gather per bucket and step, for both optimizers' buckets
+    # (without the per-bucket step check the chain's second optimizer raises; without the
+    # one-gather rule each step gathers every bucket twice)
+    assert dict(s.grad_calls) == every, dict(s.grad_calls)
+    assert dict(s.param_calls) == every, dict(s.param_calls)
+    expert_ids = {info.id for info in handle.expert_buckets}
+    dense = [info for info in handle.buckets if info.id not in expert_ids]
+    want_expert = _expected(cfg, handle.expert_buckets, *expert_nm)
+    want_dense = _expected(cfg, dense, *dense_nm)
+    got_expert = _snapshot(handle.expert_stats)
+    got_total = _snapshot(handle.stats)
+    assert got_expert == {k: STEPS * v for k, v in want_expert.items()}, (got_expert, want_expert)
+    got_dense = {k: got_total[k] - got_expert[k] for k in COUNTERS}
+    assert got_dense == {k: STEPS * v for k, v in want_dense.items()}, (got_dense, want_dense)
+
+
+def _check_partial_hook_refused(ddp, optimizer, setup, handle) -> None:
+    """A finalize hook that reduces the dense buckets only: the expert optimizer's check
+    stops the step before anything is updated."""
+    from tests.helpers import tiny_gpt as T
+
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(ddp)
+
+    def dense_only(model, *args, **kwargs):
+        for bucket_group in ddp.bucket_groups:
+            bucket_group.finish_grad_sync()
+
+    config.finalize_model_grads_func = dense_only
+    replica = T.replica_snapshot(ddp)
+    main = [m.detach().clone() for opt in optimizer.chained_optimizers
+            for group in opt.shard_fp32_from_float16_groups for m in group]
+    handle.set_iteration(STEPS)
+    with pytest.raises(RuntimeError, match=r"found 1 of its 1 gradient bucket\(s\) \(id \d+\) "
+                                           r"with no reduce-scatter since the previous step"):
+        T.train_step(ddp, optimizer, setup, STEPS)
+    after = [m.detach() for opt in optimizer.chained_optimizers
+             for group in opt.shard_fp32_from_float16_groups for m in group]
+    assert all(torch.equal(a, b) for a, b in zip(main, after)), "a main weight changed"
+    assert all(torch.equal(a, b) for a, b in zip(replica, T.replica_snapshot(ddp))), \
+        "the replica changed"
+
+
+def _check_first_bucket_only_hook_refused(cfg) -> None:
+    """A dense model with several bucket groups (``overlap_grad_reduce``: the backward hooks
+    start every group's reduce-scatter) and a hook that waits for the first only: the step
+    stops, counting the others, before any weight changes."""
+    from megatron.core.utils import get_model_config
+
+    from tests.helpers import tiny_gpt as T
+    from megatron.sdp4bit.integration import install_sdp4bit
+
+    T.init_parallel()
+    setup = T.Setup(overlap_grad_reduce=True, bucket_size=12_000)
+    ddp, optimizer = T.build(setup, padding_for=cfg)
+    groups = len(ddp.bucket_groups)
+    assert groups >= 3, groups
+    handle = install_sdp4bit([ddp], optimizer, cfg)
+    handle.set_iteration(0)
+    get_model_config(ddp).finalize_model_grads_func = (
+        lambda *args, **kwargs: ddp.bucket_groups[0].finish_grad_sync())
+    replica = T.replica_snapshot(ddp)
+    with pytest.raises(RuntimeError, match=rf"optimizer step at iteration 0 found {groups - 1} "
+                                           rf"of its {groups} gradient bucket\(s\)"):
+        T.train_step(ddp, optimizer, setup, 0)
+    assert all(torch.equal(a, b) for a, b in zip(replica, T.replica_snapshot(ddp)))
+
+
+def _check_chain_overlapping_gather_with_step(cfg) -> None:
+    """``overlap_param_gather_with_optimizer_step``: megatron-core chains one distributed
+    optimizer per group of model chunks (here two chunks, two optimizers) and dispatches the
+    first chunk's all-gathers right after the first optimizer's step. Each optimizer checks
+    its own buckets (no false "never reduced"), and each bucket is gathered once per step:
+    chunk 0's after the step, chunk 1's in the next forward pre-hook (one gather more each at
+    iteration 0, before any step)."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from tests.helpers import tiny_gpt as T
+    from megatron.sdp4bit.integration import install_sdp4bit
+
+    T.init_parallel()
+    setup = T.Setup(overlap_grad_reduce=True, overlap_param_gather=True)
+    chunks = [T.build(setup, seed=seed, padding_for=cfg)[0] for seed in (1, 2)]
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=3e-3, bf16=True, params_dtype=torch.bfloat16, clip_grad=1.0,
+        use_distributed_optimizer=True, overlap_param_gather_with_optimizer_step=True), chunks)
+    assert len(optimizer.chained_optimizers) == 2
+    handle = install_sdp4bit(chunks, optimizer, cfg)
+    first = {info.id for info in handle.buckets if info.bucket in
+             [b for bg in chunks[0].bucket_groups for b in bg.buckets]}
+    dp_rank = parallel_state.get_data_parallel_rank()
+    for step in range(STEPS):
+        handle.set_iteration(step)
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        data = T.batch(step, 0, dp_rank)
+        loss = sum(chunk(data["tokens"], data["position_ids"], attention_mask=None,
+                         labels=data["labels"]).float().mean() for chunk in chunks)
+        loss.backward()
+        finalize_model_grads(chunks)
+        ok, _, _ = optimizer.step()
+        assert ok
+        for chunk in chunks:
+            T.assert_replicas_identical(chunk)
+        s = handle.state
+        assert all(s.grad_calls[info.id] == step + 1 for info in handle.buckets)
+        assert all(s.param_calls[info.id] == step + (2 if info.id in first else 1)
+                   for info in handle.buckets), dict(s.param_calls)
+
+
+def _check_replica_guard_sees_expert_weights(ddp, iteration: int) -> None:
+    """The trainer's --check-replicas-interval check compares the expert buckets on the
+    expert DP group: one changed expert weight on one rank stops it, naming an expert
+    bucket."""
+    import torch.distributed as dist
+
+    from megatron.sdp4bit.training.guards.replicas import ReplicaMismatch, check_replicas
+
+    check_replicas([ddp], iteration)  # identical: passes
+    expert = ddp.expert_parallel_buffers[0].param_data
+    saved = expert[0].clone()
+    if dist.get_rank() == 2:  # expert DP group {0, 2}
+        expert[0] += 1.0
+    try:
+        if dist.get_rank() in (0, 2):
+            with pytest.raises(ReplicaMismatch, match=r"differ across expert data-parallel "
+                                                      r"ranks .* expert bucket 0 "):
+                check_replicas([ddp], iteration)
+        else:
+            check_replicas([ddp], iteration)
+    finally:
+        expert[0] = saved
+
+
+def _check_expert_group_of_one(cfg) -> None:
+    """EP = DP (4): every rank holds its own experts, the expert DP group has one rank:
+    nothing is sent or quantized for them, and the step check still counts them."""
+    from tests.helpers import tiny_gpt as T
+    from megatron.sdp4bit.integration import install_sdp4bit
+
+    T.init_parallel(ep=4)
+    setup = T.Setup(moe_dispatcher="alltoall")
+    ddp, optimizer = T.build(setup, padding_for=cfg)
+    handle = install_sdp4bit([ddp], optimizer, cfg)
+    assert handle.expert_data_parallel_size == 1
+    losses = T.train_checking_replicas(ddp, optimizer, setup, 2, before_step=handle.set_iteration)
+    assert all(loss == loss for loss in losses)
+    assert all(value == 0 for value in _snapshot(handle.expert_stats).values())
+    experts = {info.id for info in handle.expert_buckets}
+    assert experts and not experts & (set(handle.state.grad_calls) | set(handle.state.param_calls))
+    handle.uninstall()
+
+
+def _four_rank_worker(rank: int, world_size: int) -> None:
+    cfg = _config(dp_ranks_per_node=2)
+    for dispatcher in ("alltoall", "allgather"):
+        ddp, optimizer, handle, setup = _train(dispatcher, cfg, ep=2)
+        assert handle.expert_data_parallel_size == 2
+        _check_counts_and_bytes(handle, cfg, dense_nm=(2, 2), expert_nm=(1, 2))
+        got = _snapshot(handle.expert_stats)
+        assert got["grad_intra_bytes"] == 0 < got["grad_inter_bytes"], got  # inter hop alone
+        if dispatcher == "allgather":
+            _check_replica_guard_sees_expert_weights(ddp, STEPS)
+            _check_partial_hook_refused(ddp, optimizer, setup, handle)
+        handle.uninstall()
+    _check_first_bucket_only_hook_refused(cfg)
+    _check_expert_group_of_one(cfg)
+    _check_chain_overlapping_gather_with_step(cfg)
+
+
+def _eight_rank_worker(rank: int, world_size: int) -> None:
+    cfg = _config(dp_ranks_per_node=4)
+    _, _, handle, _ = _train("alltoall", cfg, ep=2)
+    _check_counts_and_bytes(handle, cfg, dense_nm=(4, 2), expert_nm=(2, 2))
+    # the expert gradients' inter-node hop carries 4-bit messages
+    assert cfg.gradient_quantization_bits_inter == 4
+    got = handle.expert_stats.grad_inter_bytes
+    assert got == STEPS * sum(
+        (2 - 1) * (info.shard_numel // 2 + 4 * (info.shard_numel // cfg.gq_group_size_inter))
+        for info in handle.expert_buckets), got
+    handle.uninstall()
+
+
+def test_moe_four_ranks_both_dispatchers() -> None:
+    spawn(_four_rank_worker, 4, timeout=600)
+
+
+def test_moe_expert_group_across_two_nodes_eight_ranks() -> None:
+    spawn(_eight_rank_worker, 8, timeout=600)
