@@ -248,12 +248,12 @@ def _two_hops(out: torch.Tensor, inp: torch.Tensor, topo: DPTopology,
             with timed(stats, "grads-wait", inp.device):
                 intra_work[i].wait()
             with timed(stats, "grads-requantize", inp.device):
+                inter_seed = derive_seed(seed, HOP_INTER, i, topo.rank)
                 if error_feedback is not None:
                     error_feedback.requantize(
                         recv1[i * intra_bytes:(i + 1) * intra_bytes],
                         send2[i * inter_bytes:(i + 1) * inter_bytes], i, grad_config=config,
-                        ranks_per_node=n, nodes=m,
-                        seed=derive_seed(seed, HOP_INTER, i, topo.rank))
+                        ranks_per_node=n, nodes=m, seed=inter_seed)
                 else:
                     ops.tlq_middle(recv1[i * intra_bytes:(i + 1) * intra_bytes],
                                    send2[i * inter_bytes:(i + 1) * inter_bytes],
@@ -262,8 +262,7 @@ def _two_hops(out: torch.Tensor, inp: torch.Tensor, topo: DPTopology,
                                    bits_out=config.inter_bits,
                                    group_size_out=config.inter_group_size,
                                    stochastic=config.stochastic,
-                                   seed=derive_seed(seed, HOP_INTER, i, topo.rank),
-                                   backend=config.kernel_backend)
+                                   seed=inter_seed, backend=config.kernel_backend)
             inter_work.append(dist.all_to_all_single(
                 recv2[i * inter_bytes:(i + 1) * inter_bytes],
                 send2[i * inter_bytes:(i + 1) * inter_bytes],
