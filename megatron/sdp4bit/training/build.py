@@ -31,7 +31,7 @@ from megatron.sdp4bit.training.guards.preflight import InputError
 from megatron.sdp4bit.training.guards.replicas import ReplicaMismatch
 from megatron.sdp4bit.training.guards.watchdog import Watchdog, launcher_store
 from megatron.sdp4bit.training.model import (
-    build_model,
+    build_model_chunks,
     build_optimizer,
     transformer_config_from_args,
     wrap_ddp,
@@ -80,7 +80,8 @@ def init_distributed(args: argparse.Namespace) -> None:
         raise
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size)
     seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(seed)
     numpy.random.seed(seed)
@@ -133,6 +134,9 @@ def run_settings(args: argparse.Namespace, sdp4bit_config: SDP4BitConfig,
     layout = {"world_size": args.world_size, "tp": args.tensor_model_parallel_size,
               "pp": args.pipeline_model_parallel_size, "dp": args.data_parallel_size,
               "ddp_bucket_size": args.ddp_bucket_size if args.overlap_grad_reduce else None}
+    if args.virtual_pipeline_model_parallel_size is not None:  # recorded only when used, so
+        # the checkpoints of runs without it compare as before
+        layout["vpp"] = args.virtual_pipeline_model_parallel_size
     model = {k: getattr(args, k) for k in (
         "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels",
         "group_query_attention", "num_query_groups", "max_position_embeddings",
@@ -237,6 +241,28 @@ def _scheduler(args: argparse.Namespace, optimizer) -> OptimizerParamScheduler:
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler)
 
 
+def set_schedule_hooks(args: argparse.Namespace, config, model: list) -> None:
+    """Megatron-LM's hooks for megatron-core's schedules: finalize (DP grad sync, embedding
+    tying), gradient-sync control, and with the interleaved pipeline one function per model
+    chunk, which the schedule calls in its order: each chunk's gradient reduce-scatter once
+    its last backward is done, and (``--overlap-param-gather`` with the default
+    ``align_param_gather``) the next chunk's parameter all-gather ahead of its first
+    forward."""
+    config.finalize_model_grads_func = finalize_model_grads
+    if len(model) == 1:
+        config.no_sync_func = model[0].no_sync
+        if args.overlap_grad_reduce:
+            config.grad_sync_func = model[0].start_grad_sync
+        if args.overlap_param_gather:
+            config.param_sync_func = model[0].start_param_sync
+        return
+    config.no_sync_func = [chunk.no_sync for chunk in model]
+    if args.overlap_grad_reduce:
+        config.grad_sync_func = [chunk.start_grad_sync for chunk in model]
+    if args.overlap_param_gather and args.align_param_gather:
+        config.param_sync_func = [chunk.start_param_sync for chunk in model]
+
+
 def build_state(args: argparse.Namespace, sdp4bit_config: SDP4BitConfig,
                 ) -> tuple[TrainState, object]:
     """Model, optimizer, schedule and data; returns (state, transformer config). DDP's
@@ -248,20 +274,15 @@ def build_state(args: argparse.Namespace, sdp4bit_config: SDP4BitConfig,
         if args.timing_log_level else None
     config = transformer_config_from_args(args, timers)
     with sdp4bit_padding(sdp4bit_config):
-        gpt = build_model(args, config, vocab)
+        chunks = build_model_chunks(args, config, vocab)
         if parallel_state.get_data_parallel_rank() == 0:  # Megatron-LM's line, one per TP x PP
             print(format_parameter_count(parallel_state.get_tensor_model_parallel_rank(),
                                          parallel_state.get_pipeline_model_parallel_rank(),
-                                         sum(p.nelement() for p in gpt.parameters())),
+                                         sum(p.nelement() for c in chunks
+                                             for p in c.parameters())),
                   flush=True)
-        model = [wrap_ddp(args, config, gpt)]
-    # Megatron-LM's hooks: finalize (DP grad sync, embedding tying) and gradient-sync control.
-    config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = model[0].no_sync
-    if args.overlap_grad_reduce:
-        config.grad_sync_func = model[0].start_grad_sync
-    if args.overlap_param_gather:
-        config.param_sync_func = model[0].start_param_sync
+        model = [wrap_ddp(args, config, gpt, i) for i, gpt in enumerate(chunks)]
+    set_schedule_hooks(args, config, model)
     optimizer = build_optimizer(args, model, timers)
     # megatron-core's schedules scale the loss with this before backward (fp16 loss scaling;
     # 1.0 otherwise), as Megatron-LM sets it.
