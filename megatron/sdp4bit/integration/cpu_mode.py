@@ -8,7 +8,7 @@ place in SDP4Bit that changes that; nothing else in the package touches devices,
 run with CUDA never calls it (it refuses to switch on when CUDA is available).
 
 What it changes (all in this process, in the thread that calls it, until exit), each a
-replacement of the table (``patches.py``) but item 2 and 3, a mode:
+replacement of the table (``patches.py``) but items 2 and 3, a mode:
 
 1. ``torch.cuda.current_device`` returns ``0`` instead of raising "Torch not compiled with
    CUDA enabled". Used by ``param_and_grad_buffer`` (buffer allocation),
@@ -40,8 +40,32 @@ replacement of the table (``patches.py``) but item 2 and 3, a mode:
    ``core_attn``, ``full`` whole layers) runs the attention again inside the backward pass,
    which never sees the mode: ``torch.autograd.backward`` is itself a torch function, and a
    ``TorchFunctionMode`` is off while it handles one, so the whole backward pass runs
-   without it. ``get_sliding_window_causal_mask`` has the same CUDA call
+   without it unless item 7 enters it again (the replacement keeps the mask right either
+   way). ``get_sliding_window_causal_mask`` has the same CUDA call
    but is only reached with sliding-window attention, which the trainer does not configure.
+
+7. The device rewrite of item 2 is on again inside the backward pass.
+   [Note: the backward pass in CPU mode]
+   ``torch.autograd.backward`` and ``torch.autograd.grad`` both end in
+   ``torch.autograd._engine_run_backward`` (a plain function of ``torch.autograd``, not a
+   torch function), which CPU mode wraps to run with the mode entered again. Autograd runs
+   the backward of CPU tensors on the calling thread, so the Python of the backward pass
+   (custom functions' ``backward``, recomputed layers, gradient hooks) sees the rewrite as the
+   forward pass does: megatron-core's ``_AllToAll.backward`` (the expert dispatchers)
+   allocates with ``device=torch.cuda.current_device()`` there, and raised "Cannot access
+   accelerator device when none is available" without it.
+8. Mixture-of-experts layers run.
+   [Note: mixture-of-experts on the CPU]
+   Three more CUDA-only spots of megatron-core's MoE code: the alltoall token dispatcher
+   builds a ``torch.cuda.Stream`` for its device-to-host copies when constructed (the stub
+   stream of item 5, ``cuda_stubs.Stream``, stands in); it moves the all-to-all's split
+   sizes to the host as NumPy arrays only when they are CUDA tensors
+   (``moe_utils.maybe_move_tensor_to_cpu``), so on the CPU they stay tensors, which gloo's
+   ``all_to_all_single`` does not take: the replacement converts them as it would a CUDA
+   tensor; and 0.16.1's router computes its logits through ``te_general_gemm``, a name
+   ``moe_utils`` defines only when Transformer Engine imports (a ``NameError`` without it):
+   the replacement computes the same products in the router dtype with torch (applied only
+   where the name is undefined; 0.19.2 defines it as None and takes the same torch path).
 
 What it needs from the caller, through ordinary megatron-core options (no patch):
 ``TransformerConfig(use_cpu_initialization=True)``, ``get_gpt_layer_local_spec()``
@@ -50,11 +74,8 @@ What it needs from the caller, through ordinary megatron-core options (no patch)
 default process group on gloo.
 
 Limits: the mode stack is thread-local, so only the calling thread (the training thread;
-megatron-core runs its Python on one thread) sees the rewrite, and not inside the backward
-pass (item 6): the Python that runs there (recomputed layers, custom autograd functions'
-``backward``, gradient hooks) gets the patched functions of items 1, 4, 5 and 6 but no
-rewrite of ``device=`` arguments, so a CUDA-only call there needs a patch of its own.
-There is no ``disable``: a process either runs megatron-core on CPU or not.
+megatron-core runs its Python on one thread, and autograd runs CPU backward functions on
+it, item 7) sees the rewrite. There is no ``disable``: a process either runs megatron-core on CPU or not.
 
 Quiet: with item 4, megatron-core's RNG tracker forks the CPU generator itself, so its
 check "CPU RNG state changed within GPU RNG context" (a ``logging`` warning from
@@ -70,7 +91,12 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from megatron.sdp4bit.integration import patches
-from megatron.sdp4bit.integration.cuda_stubs import SHARED_STUBS, cuda_type_name, names_cuda
+from megatron.sdp4bit.integration.cuda_stubs import (
+    SHARED_STUBS,
+    Stream,
+    cuda_type_name,
+    names_cuda,
+)
 from megatron.sdp4bit.integration.patches import MODULE, both, declare
 
 __all__ = ["enable_cpu_mode", "cpu_mode_active", "names_cuda"]
@@ -98,12 +124,65 @@ class _CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _router_gating_linear_cpu(inp: torch.Tensor, weight: torch.Tensor,
+                              bias: torch.Tensor | None, router_dtype: torch.dtype) -> torch.Tensor:
+    """megatron-core's router logits without Transformer Engine: the same products in
+    ``router_dtype``; autograd's backward of the casts gives the original's gradients
+    (``grad_output @ weight`` cast to the input's dtype, ``grad_output^T @ input`` cast to
+    the weight's)."""
+    out = inp.to(router_dtype) @ weight.to(router_dtype).t()
+    return out if bias is None else out + bias.to(router_dtype)
+
+
+def _move_splits_to_host_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """megatron-core's ``maybe_move_tensor_to_cpu`` for a run whose "device" is the CPU:
+    what it would do to a CUDA tensor (``as_numpy``: the NumPy array the all-to-all's split
+    sizes must be), with no stream to record on."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
+def _engine_run_backward_in_mode(original):
+    """autograd's engine run (``torch.autograd.backward`` and ``torch.autograd.grad`` both
+    end there) with the device rewrite on again: [Note: the backward pass in CPU mode]."""
+
+    def run(*args, **kwargs):
+        if _mode is None:
+            return original(*args, **kwargs)
+        with _mode:
+            return original(*args, **kwargs)
+
+    return run
+
+
+def _te_general_gemm_undefined() -> bool:
+    from megatron.core.transformer.moe import moe_utils
+
+    return not hasattr(moe_utils, "te_general_gemm")
+
+
 def _default_causal_mask_cpu(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
 
 _MASK_NOTE = "[Note: the causal mask in the backward pass] (integration/cpu_mode.py)"
+_MOE_NOTE = "[Note: mixture-of-experts on the CPU] (integration/cpu_mode.py)"
 CPU_MODE_STUBS = SHARED_STUBS + (
+    declare("cpu.cuda.Stream", "torch.cuda", "Stream", MODULE, Stream, note=_MOE_NOTE,
+            checked=both("(device, priority, **kwargs)")),
+    declare("cpu.moe_router.router_gating_linear", "megatron.core.transformer.moe.router",
+            "router_gating_linear", MODULE, _router_gating_linear_cpu, note=_MOE_NOTE,
+            checked=both("(inp, weight, bias, router_dtype)"),
+            applies=_te_general_gemm_undefined),
+    declare("cpu.token_dispatcher.maybe_move_tensor_to_cpu",
+            "megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu",
+            MODULE, _move_splits_to_host_cpu, note=_MOE_NOTE,
+            checked=both("(tensor, as_numpy, record_stream)")),
+    declare("cpu.autograd._engine_run_backward", "torch.autograd", "_engine_run_backward",
+            MODULE, _engine_run_backward_in_mode, wraps=True,
+            note="[Note: the backward pass in CPU mode] (integration/cpu_mode.py)",
+            checked=both("(t_outputs, *args, **kwargs)")),
     declare("cpu.transformer_utils.get_default_causal_mask",
             "megatron.core.transformer.utils", "get_default_causal_mask", MODULE,
             _default_causal_mask_cpu, note=_MASK_NOTE, checked=both("(sq)")),
