@@ -165,7 +165,8 @@ def test_context_parallel_is_refused_naming_why(monkeypatch):
     machine(monkeypatch, cuda=True, have=set())
     assert refusal(cp2) == (
         "--context-parallel-size=2 needs Transformer Engine's attention, and Transformer "
-        f"Engine is not installed ({installed.TE_INSTALL}): drop --context-parallel-size (accepted: 1)")
+        f"Engine is not installed ({installed.TE_INSTALL}): drop --context-parallel-size "
+        "(accepted: 1)")
     machine(monkeypatch, cuda=True, have={"transformer_engine"})
     assert refusal(cp2 + " --transformer-impl local").startswith(
         "--context-parallel-size=2 needs Transformer Engine's attention, and --transformer-impl "
