@@ -27,10 +27,12 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.sdp4bit.config import SDP4BitConfig
 from megatron.sdp4bit.integration import enable_cpu_mode, install_sdp4bit, sdp4bit_padding
 
-SEQ, VOCAB, MICRO_BATCH = 64, 512, 4
+SEQ, VOCAB = 64, 512
 
 p = argparse.ArgumentParser()
 p.add_argument("--iterations", type=int, default=20)
+p.add_argument("--micro-batch-size", type=int, default=4)
+p.add_argument("--micro-batches", type=int, default=2)  # gradient accumulation per iteration
 p.add_argument("--dp-ranks-per-node", type=int, default=None)  # default: from the hosts
 args = p.parse_args()
 
@@ -70,25 +72,33 @@ device = torch.cuda.current_device() if cuda else "cpu"
 
 def forward_step(batch_iterator, model):
     tokens = next(batch_iterator)
-    position_ids = torch.arange(SEQ, device=device).expand(MICRO_BATCH, SEQ)
+    position_ids = torch.arange(SEQ, device=device).expand(tokens.shape[0], SEQ)
     loss = model(tokens[:, :-1], position_ids, None, labels=tokens[:, 1:]).float()
-    return loss.mean(), lambda out: (out, {"lm loss": out.detach()})
+    # megatron-core: the schedule divides the returned loss by the number of micro-batches
+    # *in place*, and detach() shares its storage: log a copy.
+    return loss.mean(), lambda out: (out, {"lm loss": out.detach().clone()})
 
 
 for iteration in range(1, args.iterations + 1):
-    handle.set_iteration(iteration)  # SDP4Bit: seeds its rounding; resets handle.step_stats
+    handle.set_iteration(iteration)  # SDP4Bit: every iteration: seeds, handle.step_stats
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
-    start = torch.randint(0, VOCAB, (MICRO_BATCH, 1), generator=gen)
-    stride = torch.randint(1, 4, (MICRO_BATCH, 1), generator=gen)
+    samples = args.micro_batch_size * args.micro_batches  # this rank's share of the batch
+    start = torch.randint(0, VOCAB, (samples, 1), generator=gen)
+    stride = torch.randint(1, 4, (samples, 1), generator=gen)
     batch = ((start + stride * torch.arange(SEQ + 1)) % VOCAB).to(device)
     losses = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter([batch]), model=[ddp],
-        num_microbatches=1, seq_length=SEQ, micro_batch_size=MICRO_BATCH, forward_only=False)
+        forward_step_func=forward_step, data_iterator=iter(batch.split(args.micro_batch_size)),
+        model=[ddp], num_microbatches=args.micro_batches, seq_length=SEQ,
+        micro_batch_size=args.micro_batch_size, forward_only=False)
     ok, grad_norm, _ = optimizer.step()  # the distributed optimizer's all-gather: qWD
+    # the iteration's loss: the mean over its micro-batches and the data-parallel ranks
+    loss = torch.stack([x["lm loss"] for x in losses]).mean()
+    dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+    loss /= parallel_state.get_data_parallel_world_size()
     if dist.get_rank() == 0:
         s = handle.step_stats()
-        print(f"iteration {iteration} | loss {losses[0]['lm loss'].item():.4f} | grad norm "
+        print(f"iteration {iteration} | loss {loss.item():.4f} | grad norm "
               f"{grad_norm:.3f} | bytes sent (unquantized): weights to the node "
               f"{s['param_intra_bytes']} ({s['param_intra_bytes_baseline']}), to other nodes "
               f"{s['param_inter_bytes']} ({s['param_inter_bytes_baseline']}), gradients intra "

@@ -231,7 +231,7 @@ def prepare(cache: Path, force: bool = False, workers: int = 1,
             raise DataError(f"tools/preprocess_data.py failed with exit status "
                             f"{result.returncode}; {cache} is left as it was")
         t["stamp"].write_text(json.dumps(stamp, indent=1) + "\n")
-        from megatron.sdp4bit.training.checkpoint.files import replace_folder
+        from megatron.sdp4bit.atomic_files import replace_folder
 
         replace_folder(str(tmp), str(cache))
     except OSError as err:

@@ -41,8 +41,8 @@ import torch
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: E402
-from megatron.sdp4bit.training.cli.arguments import TOKENIZER_TYPES  # noqa: E402
-from megatron.sdp4bit.training.tokenizers import build_tokenizer  # noqa: E402
+from megatron.sdp4bit.training.tokenizers import registry as tokenizer_registry  # noqa: E402
+from megatron.sdp4bit.training.tokenizers.registry import build_tokenizer  # noqa: E402
 
 
 class InputError(ValueError):
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json-keys", "--columns", dest="json_keys", nargs="+", default=["text"],
                    help="keys to extract from every line (default: text)")
     g = p.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer-type", required=True, choices=list(TOKENIZER_TYPES))
+    g.add_argument("--tokenizer-type", required=True, choices=list(tokenizer_registry.names()))
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
     g.add_argument("--tokenizer-model", default=None)

@@ -20,8 +20,8 @@ import shutil
 
 import pytest
 
-from megatron.sdp4bit.training.checkpoint.torch_dist_format import (MEGATRON_INTEGRITY,
-                                                       megatron_integrity_check)
+from megatron.sdp4bit.integration.dist_checkpointing import (MEGATRON_INTEGRITY,
+                                                             megatron_integrity_check)
 from tests.helpers.spawn import spawn
 from tests.helpers import launch as _launch
 from tests.helpers.trainer import launch, one_error_line
@@ -63,7 +63,7 @@ def _reference(data_prefix, root, layout: str, extra: list[str]):
     res = torchrun(BASE + data_prefix + flags + ["--save", str(full), "--save-interval",
                                                  str(SAVED_AT), *extra], nproc=nproc)
     # megatron-core's warning when its fully reshardable save cuts the optimizer state at the
-    # wrong offsets (training/checkpoint/torch_dist_format.py corrects them first)
+    # wrong offsets (integration/dist_checkpointing.py corrects them first)
     assert "data corruption" not in res.stdout + res.stderr
     at4 = root / "at4"
     at4.mkdir()

@@ -297,7 +297,7 @@ def _write_megatron_lm_checkpoint(rank: int, world: int, root: str, window: list
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from megatron.sdp4bit.training.checkpoint import torch_dist_format
+    from megatron.sdp4bit.integration.dist_checkpointing import in_process_writer
 
     wrapped, model = _trainer_model(MODEL, None, bf16=True)
     with torch.no_grad():  # wider than the initialization, so the loss is not ln(vocab)
@@ -316,7 +316,7 @@ def _write_megatron_lm_checkpoint(rank: int, world: int, root: str, window: list
     folder = os.path.join(root, f"iter_{MEGATRON_LM_ITERATION:07d}")
     os.makedirs(folder)  # Megatron-LM creates it before the save
     # megatron-core's torch_dist writer, run in-process on CPU (the files are the same)
-    with torch_dist_format.in_process_writer() as strategy:
+    with in_process_writer() as strategy:
         dist_checkpointing.save(state, folder, sharded_strategy=strategy, content_metadata={
             "distrib_optim_sharding_type": "dp_reshardable"})
     with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 
+from megatron.sdp4bit.training.cli.methods import METHOD_FLAGS
 from megatron.sdp4bit.training.observe.logging import parse_log_line
 
 from tests.helpers import launch as _launch
@@ -26,14 +27,7 @@ TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32
         "--train-iters 20 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine "
         "--lr-warmup-iters 2 --bf16 --use-distributed-optimizer --log-interval 5 "
         "--eval-interval 10 --eval-iters 2 --split 90,10,0 --seed 7").split()
-GRAD_FLAGS = ("--quantized-gradients --hadamard-transform --gq-group-size-intra 128 "
-              "--gq-group-size-inter 128").split()
-METHODS = {
-    "baseline": [],
-    "qWD": ["--quantized-weights"],
-    "TLq-HS": GRAD_FLAGS,
-    "SDP4Bit": ["--quantized-weights", *GRAD_FLAGS],
-}
+METHODS = METHOD_FLAGS  # the paper's methods as flags: one table, the tools' own
 
 
 def free_port() -> int:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from megatron.sdp4bit.training.tokenizers import GPT2BPETokenizer
 
+from tests.helpers.full_disk import full_disk
 from tests.helpers.scripts import load_tool
 
 REPO = Path(__file__).resolve().parents[2]
@@ -142,17 +142,10 @@ def test_a_foreign_folder_needs_overwrite_and_a_full_disk_leaves_nothing(tmp_pat
         ["gpt2-vocab.json", "gpt2-merges.txt", "kjv.jsonl", "kjv_text_document.bin",
          "kjv_text_document.idx", pdd.STAMP_NAME])
     assert sorted(os.listdir(tmp_path)) == ["cache"]  # no temporary folder left
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small file system needs root")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], check=True)
-    try:
+    with full_disk(tmp_path, kib=64) as disk:
         capsys.readouterr()
         assert pdd.main(["--cache-dir", str(disk / "cache")]) == 1  # the vocabulary: 1 MB
         assert capsys.readouterr().err == (
             f"prepare_default_data.py: error: cannot write --cache-dir {disk / 'cache'} (No "
             "space left on device): free space or fix the folder; it is left as it was\n")
         assert os.listdir(disk) == []
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=True)

@@ -9,8 +9,9 @@ import os
 import pytest
 import torch
 
-from megatron.sdp4bit.training.checkpoint import hf_mappings
+from megatron.sdp4bit.training.checkpoint import hf as hf_arch
 
+from tests.helpers.full_disk import full_disk
 from tests.helpers.scripts import load_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -44,12 +45,12 @@ def test_the_gelu_flavour_maps_to_gpt2s_activation_function():
     # read back, the config gives the flag again
     from transformers import GPT2Config
 
-    assert "--openai-gelu" in hf_mappings.trainer_flags(GPT2Config(**config))[1]
-    assert "--openai-gelu" not in hf_mappings.trainer_flags(
+    assert "--openai-gelu" in hf_arch.trainer_flags(GPT2Config(**config))[1]
+    assert "--openai-gelu" not in hf_arch.trainer_flags(
         GPT2Config(**export_hf.hf_config(DEFAULT)))[1]
     # a manifest written before --openai-gelu existed was a plain-GeLU run
     old = {k: v for k, v in DEFAULT.items() if k != "openai_gelu"}
-    model, missing = hf_mappings.with_defaults(old)
+    model, missing = hf_arch.with_defaults(old)
     assert missing == ["openai_gelu"] and model["openai_gelu"] is False
     assert export_hf.hf_config(model)["activation_function"] == "gelu"
 
@@ -116,11 +117,11 @@ def test_mixed_architectures_are_refused():
 def test_an_older_manifest_gets_the_trainers_defaults():
     old = {k: v for k, v in LLAMA.items()
            if k not in ("norm_epsilon", "rotary_base", "rotary_percent")}
-    model, missing = hf_mappings.with_defaults(old)
+    model, missing = hf_arch.with_defaults(old)
     assert missing == ["norm_epsilon", "rotary_base", "rotary_percent"]
     assert (model["norm_epsilon"], model["rotary_base"], model["rotary_percent"]) == (
         1e-5, 10000, 1.0)
-    assert hf_mappings.with_defaults(LLAMA) == (LLAMA, [])
+    assert hf_arch.with_defaults(LLAMA) == (LLAMA, [])
 
 
 def test_fused_qkv_rows_become_gpt2_q_k_v_columns():
@@ -143,7 +144,7 @@ def test_fused_qkv_rows_become_gpt2_q_k_v_columns():
                         ("mlp.linear_fc1.weight", (32, hidden)), ("mlp.linear_fc1.bias", (32,)),
                         ("mlp.linear_fc2.weight", (hidden, 32)), ("mlp.linear_fc2.bias", (hidden,))):
         t[L + name] = torch.zeros(2, *shape)
-    out = hf_mappings.gpt2_state(t, DEFAULT)
+    out = hf_arch.to_hf("GPT2LMHeadModel", hf_arch.unstack(t, DEFAULT), DEFAULT)
     bias = out["transformer.h.0.attn.c_attn.bias"]
     # GPT-2 column c: part c // 8, head (c % 8) // 4, element c % 4.
     expect = [h * 3 * head_dim + part * head_dim + e
@@ -172,7 +173,7 @@ def test_fused_qkv_rows_split_per_query_group_and_fc1_into_gate_then_up():
                         ("mlp.linear_fc1.layer_norm_weight", (hidden,)),
                         ("mlp.linear_fc2.weight", (hidden, ffn))):
         t[L + name] = torch.zeros(2, *shape)
-    out = hf_mappings.llama_state(t, LLAMA)
+    out = hf_arch.to_hf("LlamaForCausalLM", hf_arch.unstack(t, LLAMA), LLAMA)
     first = {k: v[:, 0].tolist() for k, v in out.items() if k.startswith("model.layers.1.")
              and k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight",
                              "gate_proj.weight", "up_proj.weight"))}
@@ -184,7 +185,8 @@ def test_fused_qkv_rows_split_per_query_group_and_fc1_into_gate_then_up():
         "model.layers.1.mlp.gate_proj.weight": list(range(ffn)),
         "model.layers.1.mlp.up_proj.weight": list(range(ffn, 2 * ffn))}
     assert out["lm_head.weight"].shape == (128, hidden)
-    tied = hf_mappings.llama_state(t, {**LLAMA, "untie_embeddings_and_output_weights": False})
+    tied_model = {**LLAMA, "untie_embeddings_and_output_weights": False}
+    tied = hf_arch.to_hf("LlamaForCausalLM", hf_arch.unstack(t, tied_model), tied_model)
     assert "lm_head.weight" not in tied
 
 
@@ -224,7 +226,7 @@ def checkpoint(tmp_path_factory) -> str:
 
     import torch.distributed.checkpoint as dcp
 
-    from megatron.sdp4bit.training.checkpoint import files, torch_dist_format
+    from megatron.sdp4bit.training.checkpoint import files, integrity
 
     root = tmp_path_factory.mktemp("ckpt")
     directory = files.iteration_dir(str(root), 2)
@@ -232,7 +234,7 @@ def checkpoint(tmp_path_factory) -> str:
              no_dist=True)
     with open(os.path.join(directory, "metadata.json"), "w") as f:
         json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
-    entries = {n: torch_dist_format.file_hash(os.path.join(directory, n))
+    entries = {n: integrity.file_hash(os.path.join(directory, n))
                for n in sorted(os.listdir(directory))}
     files.write_manifest(directory, 2, entries, {"model": BIGGER, "vocab_size": BIGGER["padded_vocab_size"]})
     files.write_tracker(str(root), 2)
@@ -266,7 +268,6 @@ def test_an_output_folder_is_replaced_whole_or_not_at_all(checkpoint, tmp_path):
 
 def test_a_missing_file_and_a_full_disk_are_one_line_and_leave_nothing(checkpoint, tmp_path):
     import shutil
-    import subprocess
 
     damaged = tmp_path / "damaged"
     shutil.copytree(checkpoint, damaged)
@@ -276,16 +277,9 @@ def test_a_missing_file_and_a_full_disk_are_one_line_and_leave_nothing(checkpoin
     assert (res.returncode, res.stdout, res.stderr) == (2, "", (
         f"export_hf.py: error: checkpoint file {missing} is missing: the checkpoint is "
         "incomplete; export an earlier checkpoint\n"))
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small file system needs root")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], check=True)
-    try:
+    with full_disk(tmp_path, kib=64) as disk:
         res = _run("--load", checkpoint, "--output", str(disk / "hf"))
         assert (res.returncode, res.stderr) == (2, (
             f"export_hf.py: error: cannot write {disk / 'hf'} (No space left on device): free "
             "space or fix the folder; nothing was written\n"))
         assert os.listdir(disk) == []
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=True)

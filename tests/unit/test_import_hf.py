@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from megatron.sdp4bit.training.checkpoint import hf_mappings
+from megatron.sdp4bit.training.checkpoint import hf as hf_arch
 from megatron.sdp4bit.training.cli.arguments import ArgumentsError, parse_args
 
 from tests.helpers.scripts import load_tool
@@ -39,7 +39,7 @@ def _config(tmp_path, fields: dict) -> str:
 def _flags(tmp_path, fields: dict) -> tuple[str, list[str], int]:
     from transformers import AutoConfig
 
-    return hf_mappings.trainer_flags(AutoConfig.from_pretrained(_config(tmp_path, fields)))
+    return hf_arch.trainer_flags(AutoConfig.from_pretrained(_config(tmp_path, fields)))
 
 
 def test_config_json_maps_to_the_trainers_model_flags(tmp_path):
@@ -82,7 +82,7 @@ def test_gpt2s_tanh_gelu_maps_to_openai_gelu(tmp_path):
 
     x = torch.linspace(-8, 8, 4001)
     tanh = torch.nn.functional.gelu(x, approximate="tanh")
-    for name in hf_mappings.TANH_GELUS:
+    for name in hf_arch.TANH_GELUS:
         assert (ACT2FN[name](x) - tanh).abs().max() <= 8 * 2.0 ** -24 * x.abs().max(), name
     assert (ACT2FN["gelu"](x) - tanh).abs().max() > 1e-4  # the exact GeLU is another function
 
@@ -154,20 +154,20 @@ def test_the_mapping_read_backwards_inverts_the_export():
                 ("mlp.gate_proj.weight", (12, 8)), ("mlp.up_proj.weight", (12, 8)),
                 ("mlp.down_proj.weight", (8, 12))):
             hf[p + name] = torch.randn(*shape, generator=gen)
-    megatron = hf_mappings.from_hf("LlamaForCausalLM", hf, model)
+    megatron = hf_arch.from_hf("LlamaForCausalLM", hf, model)
     assert megatron["decoder.layers.1.self_attention.linear_qkv.weight"].shape == (32, 8)
-    back = hf_mappings.to_hf("LlamaForCausalLM", megatron, model)
+    back = hf_arch.to_hf("LlamaForCausalLM", megatron, model)
     assert sorted(back) == sorted(hf) and all(torch.equal(back[k], hf[k]) for k in hf)
     # the vocabulary: zero rows up to the padded size, cut off again by the same rule
-    padded = hf_mappings.pad_vocab(megatron, 16)
+    padded = hf_arch.pad_vocab(megatron, 16)
     assert padded["embedding.word_embeddings.weight"].shape == (16, 8)
     assert not padded["output_layer.weight"][10:].any()
     assert all(torch.equal(v, megatron[k])
-               for k, v in hf_mappings.trim_vocab(padded, 10).items())
+               for k, v in hf_arch.trim_vocab(padded, 10).items())
     del hf["model.layers.0.mlp.up_proj.weight"]
     hf["model.layers.0.mlp.extra.weight"] = torch.zeros(1)
-    with pytest.raises(hf_mappings.MappingError) as err:
-        hf_mappings.from_hf("LlamaForCausalLM", hf, model)
+    with pytest.raises(hf_arch.MappingError) as err:
+        hf_arch.from_hf("LlamaForCausalLM", hf, model)
     assert str(err.value) == (
         "the LlamaForCausalLM weights do not match its config.json: missing "
         "model.layers.0.mlp.up_proj.weight; not part of the model model.layers.0.mlp.extra.weight")
@@ -197,14 +197,14 @@ def test_older_gpt2_files_and_tied_output_layers_are_read_as_save_pretrained_wri
     w = torch.ones(3, 2)
     old = {"wte.weight": w, "h.0.attn.bias": torch.zeros(1), "h.0.attn.masked_bias": w,
            "lm_head.weight": w.clone()}
-    assert import_hf._normalized("GPT2LMHeadModel", old, True, "transformer.wte.weight") == {
-        "transformer.wte.weight": w}
+    gpt2, llama = (hf_arch.REGISTRY[n] for n in ("GPT2LMHeadModel", "LlamaForCausalLM"))
+    assert (gpt2.embedding, llama.embedding) == ("transformer.wte.weight",
+                                                 "model.embed_tokens.weight")
+    assert import_hf._normalized(gpt2, old, True) == {"transformer.wte.weight": w}
     rope = {"model.embed_tokens.weight": w, "model.layers.0.self_attn.rotary_emb.inv_freq": w}
-    assert list(import_hf._normalized("LlamaForCausalLM", rope, False,
-                                      "model.embed_tokens.weight")) == ["model.embed_tokens.weight"]
-    with pytest.raises(hf_mappings.MappingError) as err:
-        import_hf._normalized("LlamaForCausalLM", {"model.embed_tokens.weight": w,
-                                                   "lm_head.weight": 2 * w}, True,
-                              "model.embed_tokens.weight")
+    assert list(import_hf._normalized(llama, rope, False)) == ["model.embed_tokens.weight"]
+    with pytest.raises(hf_arch.MappingError) as err:
+        import_hf._normalized(llama, {"model.embed_tokens.weight": w, "lm_head.weight": 2 * w},
+                              True)
     assert str(err.value) == ("config.json ties the output layer to the embedding, but "
                               "lm_head.weight differs from it")

@@ -13,6 +13,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.sdp4bit.training.tokenizers import GPT2BPETokenizer
 from tests.helpers import launch as _launch
 from tests.helpers.corpora import TEXT, write_gpt2_vocab
+from tests.helpers.full_disk import full_disk
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOL = os.path.join(ROOT, "tools", "preprocess_data.py")
@@ -115,12 +116,7 @@ def test_an_existing_pair_needs_overwrite_and_a_full_disk_leaves_nothing(tmp_pat
         f"preprocess_data.py: error: --output-prefix {out}: {out}_text_document.bin exists: "
         "pass --overwrite to replace the pair, or choose another --output-prefix")
     assert tool.main(tool_args(jsonl, out, vocab, merges, "--overwrite")) == 0
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small file system needs root")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], check=True)
-    try:
+    with full_disk(tmp_path, kib=64) as disk:
         # the tokens of this input (2 bytes each) take more than the 64 KiB
         assert os.path.getsize(f"{out}_text_document.bin") > 64 * 1024
         capsys.readouterr()
@@ -129,5 +125,3 @@ def test_an_existing_pair_needs_overwrite_and_a_full_disk_leaves_nothing(tmp_pat
             f"preprocess_data.py: error: cannot write --output-prefix {disk / 'out'} (No space "
             "left on device): free space or fix the folder; an existing pair is left as it was")
         assert os.listdir(disk) == []
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=True)

@@ -6,7 +6,7 @@
 Reads only the model's tensors of the checkpoint the tracker names (in one process, no
 torch.distributed), checks them against the manifest's SHA-256, and writes ``HF_DIR`` with
 ``model.safetensors`` and ``config.json`` (fp32) and, given GPT-2 BPE files, the tokenizer.
-The architecture follows the model flags recorded in the manifest (hf_mappings.py):
+The architecture follows the model flags recorded in the manifest (checkpoint/hf/):
 
 * the default (learned absolute positions, LayerNorm, GeLU, biases, tied embeddings) is a
   ``GPT2LMHeadModel`` (``activation_function`` ``gelu``, or ``gelu_new`` with
@@ -40,7 +40,7 @@ import warnings
 
 import torch
 
-from megatron.sdp4bit.training.checkpoint.hf_mappings import (
+from megatron.sdp4bit.training.checkpoint.hf import (
     READS, ExportError, hf_config, to_hf, trim_vocab, unstack, with_defaults)
 
 
@@ -82,7 +82,7 @@ def read_model_tensors(directory: str) -> dict[str, torch.Tensor]:
 
 
 def _verify(directory: str) -> None:
-    from megatron.sdp4bit.training.checkpoint import files, torch_dist_format
+    from megatron.sdp4bit.training.checkpoint import files, integrity
 
     manifest = files.read_manifest(directory)
     if manifest is None:
@@ -91,7 +91,7 @@ def _verify(directory: str) -> None:
         if not os.path.isfile(os.path.join(directory, name)):
             raise ExportError(f"checkpoint file {os.path.join(directory, name)} is missing: the "
                               "checkpoint is incomplete; export an earlier checkpoint")
-        if torch_dist_format.file_hash(os.path.join(directory, name)) != entry:
+        if integrity.file_hash(os.path.join(directory, name)) != entry:
             raise ExportError(f"checkpoint file {os.path.join(directory, name)} does not match "
                               "its manifest: it is damaged; export an earlier checkpoint")
 
@@ -132,6 +132,7 @@ def _write(folder: str, state: dict, config: dict, model: dict, vocab_file: str 
 def export(load: str, output: str, iteration: int | None = None, vocab_file: str | None = None,
            merge_file: str | None = None, overwrite: bool = False) -> str:
     """Write the Hugging Face model into ``output``; returns its architecture's name."""
+    from megatron.sdp4bit.atomic_files import replace_folder
     from megatron.sdp4bit.training.checkpoint import files
 
     output = os.path.abspath(output)
@@ -156,7 +157,7 @@ def export(load: str, output: str, iteration: int | None = None, vocab_file: str
               "tokenizer's vocabulary size: the model keeps the padded "
               f"{model['padded_vocab_size']} rows", file=sys.stderr)
     tensors = unstack(read_model_tensors(directory), model)
-    if vocab is not None:  # the padding rows go: the import's rule backwards (hf_mappings)
+    if vocab is not None:  # the padding rows go: the import's rule backwards (hf/tensors.py)
         tensors = trim_vocab(tensors, vocab)
     state = to_hf(name, tensors, model)
     parent = os.path.dirname(output)
@@ -166,7 +167,7 @@ def export(load: str, output: str, iteration: int | None = None, vocab_file: str
         tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(output)}.tmp-")
         os.chmod(tmp, 0o755)
         _write(tmp, state, config, model, vocab_file, merge_file)
-        files.replace_folder(tmp, output)
+        replace_folder(tmp, output)
     except OSError as err:
         raise ExportError(f"cannot write {output} ({err.strerror or err}): free space or fix "
                           "the folder; nothing was written") from None

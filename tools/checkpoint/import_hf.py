@@ -13,9 +13,9 @@ whose model flags differ is refused naming them. Start training from it with ``-
 CKPT_DIR`` or ``--pretrained-checkpoint CKPT_DIR``. The last line printed is the
 ``pretrain_gpt.py`` model flags of the checkpoint.
 
-The tensors go through the export's mapping backwards (megatron/sdp4bit/training/checkpoint/
-hf_mappings.py). The vocabulary is padded as Megatron-LM pads it, with zero rows up to a
-multiple of ``--make-vocab-size-divisible-by`` x ``--tensor-model-parallel-size``; the export
+The tensors go through the export's mapping backwards (the architecture's entry in
+megatron/sdp4bit/training/checkpoint/hf/registry.py). The vocabulary is padded as
+Megatron-LM pads it, with zero rows up to a multiple of ``--make-vocab-size-divisible-by`` x ``--tensor-model-parallel-size``; the export
 cuts them off again. Any other architecture, or a setting that does not map (a GPT-2
 activation other than GeLU or its tanh approximation, RoPE scaling, biases in a Llama, ...),
 is refused in one line naming it. The checkpoint is written into a temporary folder beside
@@ -33,10 +33,8 @@ import socket
 import sys
 import tempfile
 
-from megatron.sdp4bit.training.checkpoint.hf_mappings import (
-    MappingError, from_hf, pad_vocab, trainer_flags)
-
-GPT2_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal masks saved by old transformers
+from megatron.sdp4bit.training.checkpoint.hf import (
+    REGISTRY, Architecture, MappingError, from_hf, pad_vocab, trainer_flags)
 
 
 def _read_tensors(hf: str) -> dict:
@@ -68,19 +66,14 @@ def _read_tensors(hf: str) -> dict:
                        "sharded .index.json forms)")
 
 
-def _normalized(name: str, tensors: dict, tied: bool, embedding: str) -> dict:
-    """The weight names as ``save_pretrained`` of the architecture writes them: GPT-2's
-    ``transformer.`` prefix (missing in some older files), no saved causal masks or RoPE
-    frequency buffers, and no output layer when it is the tied embedding."""
-    out = dict(tensors)
-    if name == "GPT2LMHeadModel":
-        if not any(k.startswith("transformer.") for k in out):
-            out = {(k if k.startswith("lm_head.") else "transformer." + k): v
-                   for k, v in out.items()}
-        out = {k: v for k, v in out.items() if not k.endswith(GPT2_BUFFERS)}
+def _normalized(arch: Architecture, tensors: dict, tied: bool) -> dict:
+    """The weight names as ``save_pretrained`` of the architecture writes them (its own
+    rules, then: no RoPE frequency buffers, and no output layer when it is the tied
+    embedding)."""
+    out = arch.normalize(tensors)
     out = {k: v for k, v in out.items() if not k.endswith("rotary_emb.inv_freq")}
     if tied and "lm_head.weight" in out:
-        if embedding in out and not bool((out["lm_head.weight"] == out[embedding]).all()):
+        if arch.embedding in out and not bool((out["lm_head.weight"] == out[arch.embedding]).all()):
             raise MappingError("config.json ties the output layer to the embedding, but "
                                "lm_head.weight differs from it")
         del out["lm_head.weight"]
@@ -142,6 +135,7 @@ def _write(args, tensors: dict, vocab: int, padded: int, partial: str, source: s
     from megatron.sdp4bit.config import SDP4BitConfig
     from megatron.sdp4bit.training import build
     from megatron.sdp4bit.training.checkpoint import weights_only
+    from megatron.sdp4bit.training.checkpoint.settings import run_settings
     from megatron.sdp4bit.training.model import build_model, transformer_config_from_args
 
     with socket.socket() as s:
@@ -153,7 +147,7 @@ def _write(args, tensors: dict, vocab: int, padded: int, partial: str, source: s
     try:
         model = build_model(args, transformer_config_from_args(args), padded)
         _fill(model, tensors)
-        settings = build.run_settings(args, SDP4BitConfig(), padded, vocab)
+        settings = run_settings(args, SDP4BitConfig(), padded, vocab)
         settings = {"model": settings["model"], "layout": settings["layout"],
                     "vocab_size": vocab, "source": source}
         weights_only.save_weights(partial, [model], settings)
@@ -191,10 +185,9 @@ def import_hf(hf: str, save: str, overwrite: bool = False, divisible_by: int = 1
     model = {k: getattr(args, k) for k in (
         "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels",
         "group_query_attention", "num_query_groups", "untie_embeddings_and_output_weights")}
-    embedding = ("transformer.wte.weight" if name == "GPT2LMHeadModel"
-                 else "model.embed_tokens.weight")
-    tensors = _normalized(name, _read_tensors(hf), not model["untie_embeddings_and_output_weights"],
-                          embedding)
+    arch = REGISTRY[name]
+    embedding = arch.embedding
+    tensors = _normalized(arch, _read_tensors(hf), not model["untie_embeddings_and_output_weights"])
     rows = tensors[embedding].shape[0] if embedding in tensors else vocab
     if rows != vocab:
         raise MappingError(f"{embedding} has {rows} rows, config.json's vocab_size is {vocab}")
@@ -209,9 +202,9 @@ def import_hf(hf: str, save: str, overwrite: bool = False, divisible_by: int = 1
     try:
         _write(args, tensors, vocab, padded, tmp, f"import_hf.py from {os.path.abspath(hf)} "
                f"({name})")
-        from megatron.sdp4bit.training.checkpoint import files
+        from megatron.sdp4bit.atomic_files import replace_folder
 
-        files.replace_folder(tmp, save)
+        replace_folder(tmp, save)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if divisible_by != 128:

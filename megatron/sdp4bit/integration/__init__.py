@@ -1,13 +1,8 @@
 """The megatron-core seams of SDP4Bit and megatron-core's CPU mode.
 
-::
-
-    with sdp4bit_padding(config):                 # before the buffers are built
-        ddp = DistributedDataParallel(...)
-    optimizer = get_megatron_optimizer(...)
-    handle = install_sdp4bit([ddp], optimizer, config)
-    ...  handle.set_iteration(it) at the start of every iteration ...
-    handle.uninstall()                             # megatron-core's own collectives again
+How a loop of one's own uses them (``sdp4bit_padding`` around DDP's construction, the
+model config's ``finalize_model_grads_func``, ``install_sdp4bit``, ``handle.set_iteration``
+every iteration, ``handle.uninstall``): examples/own_loop.py, which the test suite runs.
 
 ``enable_cpu_mode()`` (``cpu_mode.py``) makes megatron-core run on CPU with gloo; it is
 never called when CUDA is available. Every megatron-core or torch attribute these replace is

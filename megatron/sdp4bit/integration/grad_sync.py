@@ -88,6 +88,8 @@ def make_start_grad_sync(bucket_group, *, bucket_ids: list[int], topology: DPTop
                 "force_all_reduce asks megatron-core for an all-reduce of the gradients; "
                 "SDP4Bit quantizes the distributed optimizer's reduce-scatter only: uninstall "
                 "SDP4Bit (handle.uninstall()) for this call")
+        # [Note: an iteration without set_iteration] (install.py)
+        state.require_iteration("a gradient reduce-scatter")
         if not state.quantize_gradients_now:
             # gradients_quantization_start_iteration not reached: megatron-core's collective,
             # as configured (counted apart so the trainer can report it).

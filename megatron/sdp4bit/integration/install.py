@@ -22,6 +22,21 @@ silently: ``install_sdp4bit`` refuses a model whose config has no
 raises if no gradient reduce-scatter was issued since the previous step, which also catches
 a hook set to something that does not reduce. With quantized weights only, SDP4Bit does not
 see megatron-core's own reduce-scatter, so there the install-time refusal is the guard.
+
+[Note: an iteration without set_iteration]
+``handle.set_iteration(it)`` seeds the iteration's rounding noise and starts the counters of
+``step_stats()``. A loop that forgets it, for one iteration or for all, would still train: the
+noise of the last iteration repeats (or iteration 0's forever) and ``step_stats()`` becomes
+cumulative, with nothing said. So an iteration is *opened* by ``set_iteration`` and *closed*
+by the optimizer step (the replaced ``_copy_main_params_to_model_params``, which every
+successful step calls after its update and before its all-gather), and both the gradient
+reduce-scatter (``start_grad_sync``, quantized or not yet) and the step itself raise one line
+when the iteration is not open. The first of them is the iteration's first collective that
+SDP4Bit issues: with quantized gradients the reduce-scatter, with qWD alone the step's
+all-gather (behind the step). Parameter all-gathers are not checked themselves: an evaluation
+or a checkpoint save forces them between iterations, legitimately without a new
+``set_iteration``, and each forced gather draws fresh noise anyway (``RunState.next_param_call``).
+A step skipped for non-finite gradients never reaches the copy and leaves the iteration open.
 """
 
 from __future__ import annotations
@@ -113,6 +128,7 @@ class SDP4BitHandle:
         if iteration < 0:
             raise ValueError(f"iteration={iteration} must be >= 0")
         self.state.iteration = iteration
+        self.state.iteration_open = self.state.iteration_ever_set = True
         self._step_start = self.stats.snapshot()
 
     def step_stats(self) -> dict[str, int]:
@@ -166,22 +182,32 @@ def _check_gradients_are_reduced(model_chunks) -> None:
                 "megatron.core.distributed.finalize_model_grads before install_sdp4bit")
 
 
-def _step_check(state: RunState):
-    """The check every optimizer step runs before its copy ([Note: a loop that never
-    reduces its gradients])."""
+def _step_check(state: RunState, *, gradients: bool, optimizers: int = 1):
+    """The checks every optimizer step runs before its copy ([Note: an iteration without
+    set_iteration]; with quantized ``gradients``, [Note: a loop that never reduces its
+    gradients]). A step of a chain of ``optimizers`` copies once per optimizer: the first
+    copy checks, the last closes the iteration."""
+    copies = 0
 
-    def check_reduced() -> None:
-        if state.grad_syncs_since_step == 0:
-            raise RuntimeError(
-                f"SDP4Bit: an optimizer step at iteration {state.iteration} found no gradient "
-                "reduce-scatter since the previous step: its gradients were never reduced "
-                "across data-parallel ranks. megatron-core's schedule reduces them through "
-                "config.finalize_model_grads_func (set it to "
-                "megatron.core.distributed.finalize_model_grads); a loop without the schedule "
-                "calls ddp.finish_grad_sync() before optimizer.step()")
-        state.grad_syncs_since_step = 0
+    def check_step() -> None:
+        nonlocal copies
+        if copies == 0:
+            state.require_iteration("an optimizer step")
+            if gradients and state.grad_syncs_since_step == 0:
+                raise RuntimeError(
+                    f"SDP4Bit: an optimizer step at iteration {state.iteration} found no "
+                    "gradient reduce-scatter since the previous step: its gradients were never "
+                    "reduced across data-parallel ranks. megatron-core's schedule reduces them "
+                    "through config.finalize_model_grads_func (set it to "
+                    "megatron.core.distributed.finalize_model_grads); a loop without the "
+                    "schedule calls ddp.finish_grad_sync() before optimizer.step()")
+        copies += 1
+        if copies == optimizers:
+            copies = 0
+            state.iteration_open = False
+            state.grad_syncs_since_step = 0
 
-    return check_reduced
+    return check_step
 
 
 def install_sdp4bit(model_chunks, optimizer, config: SDP4BitConfig, *,
@@ -244,10 +270,11 @@ def install_sdp4bit(model_chunks, optimizer, config: SDP4BitConfig, *,
     if config.quantized_gradients and duplicates is not None:
         planned += [COPY_MODEL_GRADS.on(opt, duplicates=duplicates, buckets=buckets)
                     for opt in optimizers]
-    # Every step's copy: qWD leaves it to the all-gather; with quantized gradients the step
-    # checks that they were reduced.
-    check = _step_check(state) if config.quantized_gradients else None
-    planned += [COPY_MAIN_PARAMS.on(opt, qwd=config.quantized_weights, check_reduced=check)
+    # Every step's copy: qWD leaves it to the all-gather; the step checks that its iteration
+    # called set_iteration and, with quantized gradients, that they were reduced.
+    check = _step_check(state, gradients=config.quantized_gradients,
+                        optimizers=len(optimizers))
+    planned += [COPY_MAIN_PARAMS.on(opt, qwd=config.quantized_weights, check_step=check)
                 for opt in optimizers]
     applied = patches.apply(planned)
     for chunk in model_chunks:

@@ -163,11 +163,12 @@ def make_start_param_sync(bucket_group, *, bucket_ids: list[int], shards: dict[i
 
 
 def make_copy_main_params_to_model_params(optimizer, *, qwd: bool,
-                                          check_reduced: Callable[[], None] | None = None):
+                                          check_step: Callable[[], None] | None = None):
     """The optimizer's copy of the updated main weights into the model, which every step
     makes after its update: with qWD (``qwd``) the 16-bit groups are left to the qWD
-    all-gather; without, megatron-core's own copy. First, ``check_reduced`` (install.py,
-    [Note: a loop that never reduces its gradients]).
+    all-gather; without, megatron-core's own copy. First, ``check_step`` (install.py,
+    [Note: an iteration without set_iteration], [Note: a loop that never reduces its
+    gradients]).
 
     fp32 model parameters (``model_fp32_groups``) are views of the replica that the inner
     optimizer updated in place; install refuses qWD when there are any, so the copy has
@@ -176,8 +177,8 @@ def make_copy_main_params_to_model_params(optimizer, *, qwd: bool,
     original = type(optimizer)._copy_main_params_to_model_params
 
     def _copy_main_params_to_model_params(self) -> None:
-        if check_reduced is not None:
-            check_reduced()
+        if check_step is not None:
+            check_step()
         if not qwd:
             return original(self)
         assert not any(self.model_fp32_groups), "qWD installed with fp32 model params"

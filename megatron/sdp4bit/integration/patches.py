@@ -59,7 +59,7 @@ DECLARED_IN = (
     "megatron.sdp4bit.integration.cuda_stubs",
     "megatron.sdp4bit.integration.cpu_mode",
     "megatron.sdp4bit.testing.cuda_dryrun",
-    "megatron.sdp4bit.training.checkpoint.torch_dist_format",
+    "megatron.sdp4bit.integration.dist_checkpointing",
 )
 
 _MISSING = object()

@@ -41,6 +41,11 @@ class RunState:
     """Per bucket id: all-gathers issued so far in ``calls_iteration``."""
     calls_iteration: int = -1
     """The iteration ``param_calls_in_iteration`` counts for."""
+    iteration_open: bool = False
+    """``set_iteration`` was called since the last optimizer step (install.py, [Note: an
+    iteration without set_iteration])."""
+    iteration_ever_set: bool = False
+    """``set_iteration`` was called at least once (for the wording of the refusal)."""
     grad_syncs_since_step: int = 0
     """Gradient reduce-scatters (quantized or not) issued since the last optimizer step:
     a step that finds none would apply gradients that no rank reduced (install.py,
@@ -73,6 +78,19 @@ class RunState:
         call = self.param_calls_in_iteration[bucket_id]
         self.param_calls_in_iteration[bucket_id] += 1
         return call
+
+    def require_iteration(self, what: str) -> None:
+        """Raise (one line) if ``what`` comes in an iteration that never called
+        ``set_iteration`` (install.py, [Note: an iteration without set_iteration])."""
+        if self.iteration_open:
+            return
+        when = ("before the first handle.set_iteration(...)" if not self.iteration_ever_set
+                else f"after iteration {self.iteration}'s optimizer step without a new "
+                "handle.set_iteration(...)")
+        raise RuntimeError(
+            f"SDP4Bit: {what} came {when}: call handle.set_iteration(iteration) at the start "
+            "of every iteration (it seeds the rounding noise, which would otherwise repeat "
+            "the last iteration's, and starts handle.step_stats())")
 
     @property
     def quantize_gradients_now(self) -> bool:

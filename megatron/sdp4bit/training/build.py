@@ -4,7 +4,6 @@ schedule, datasets, checkpoint restore."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import random
@@ -20,10 +19,10 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.sdp4bit.comm.topology import node_id
 from megatron.sdp4bit.config import SDP4BitConfig
 from megatron.sdp4bit.integration import sdp4bit_padding
-from megatron.sdp4bit.integration.version import megatron_core_version
 from megatron.sdp4bit.training.checkpoint import formats as checkpoint_formats
 from megatron.sdp4bit.training.checkpoint import files as checkpoint_files
 from megatron.sdp4bit.training.checkpoint.files import CheckpointError, SaveDirLock
+from megatron.sdp4bit.training.checkpoint.settings import run_settings
 from megatron.sdp4bit.training.data import build_datasets, describe_data
 from megatron.sdp4bit.training.loop import TrainingStopped, TrainState
 from megatron.sdp4bit.training.cli.megatron_flags import scheduler_steps
@@ -122,76 +121,6 @@ def claim_save_dir(args: argparse.Namespace) -> SaveDirLock | None:
     if verdict[0] is not None:
         raise CheckpointError(verdict[0])
     return lock
-
-
-def run_settings(args: argparse.Namespace, sdp4bit_config: SDP4BitConfig,
-                 vocab: int, tokenizer_vocab: int | None = None) -> dict:
-    """What a checkpoint must agree with to be resumed by this run (recorded in its
-    manifest): the parallel layout, the model's shape and the SDP4Bit method; and, not
-    compared, the tokenizer's vocabulary size before padding (the HF export cuts the
-    padding rows off with it) and the megatron-core release writing it
-    (``checkpoint.formats.release_problem``)."""
-    layout = {"world_size": args.world_size, "tp": args.tensor_model_parallel_size,
-              "pp": args.pipeline_model_parallel_size, "dp": args.data_parallel_size,
-              "ddp_bucket_size": args.ddp_bucket_size if args.overlap_grad_reduce else None}
-    if args.virtual_pipeline_model_parallel_size is not None:  # recorded only when used, so
-        # the checkpoints of runs without it compare as before
-        layout["vpp"] = args.virtual_pipeline_model_parallel_size
-    model = {k: getattr(args, k) for k in (
-        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels",
-        "group_query_attention", "num_query_groups", "max_position_embeddings",
-        "position_embedding_type", "rotary_base", "rotary_percent",
-        "untie_embeddings_and_output_weights", "swiglu", "openai_gelu", "normalization",
-        "norm_epsilon", "add_bias_linear", "params_dtype")}
-    model["padded_vocab_size"] = vocab
-    return {"layout": layout, "model": model, "data": data_settings(args),
-            "sdp4bit": method_settings(sdp4bit_config), "vocab_size": tokenizer_vocab,
-            "megatron_core": megatron_core_version()}  # the release that wrote it
-
-
-def data_settings(args: argparse.Namespace) -> dict:
-    """What decides which samples a run reads and in which order: the blend (absolute
-    prefixes and their weights), the split and the seed."""
-    def blend(values: list[str] | None) -> str | None:
-        if not values:
-            return None
-        if len(values) == 1:
-            return os.path.abspath(values[0])
-        return " ".join(f"{float(w):g} {os.path.abspath(p)}"
-                        for w, p in zip(values[0::2], values[1::2]))
-
-    if args.mock_data:
-        data = {"data_path": "mock"}
-    elif args.data_path:
-        data = {"data_path": blend(args.data_path)}
-    else:  # --train-data-path, --valid-data-path, --test-data-path
-        data = {f"{s}_data_path": blend(getattr(args, f"{s}_data_path"))
-                for s in ("train", "valid", "test")}
-    if args.split_vector is not None:  # '98,2,0' and '98, 2, 0' agree
-        data["split"] = ",".join(f"{x:.6g}" for x in args.split_vector)
-    if getattr(args, "eval_data_seed", None) is not None:  # absent: the evaluations use --seed
-        data["eval_data_seed"] = args.eval_data_seed
-    return {**data, "seed": args.seed}
-
-
-def method_settings(config: SDP4BitConfig) -> dict:
-    """The SDP4Bit flags that define the method (those of a part that is off do not)."""
-    c = dataclasses.asdict(config)
-    keys = ["quantized_weights", "quantized_gradients"]
-    if config.quantized_weights:
-        keys += ["weight_quantization_bits", "wq_group_size", "weight_quantization_mode"]
-        if config.weight_quantization_mode == "diff":
-            keys.append("weight_difference_target")
-    if config.quantized_gradients:
-        keys += ["gradient_quantization_bits_intra", "gq_group_size_intra",
-                 "gradient_quantization_bits_inter", "gq_group_size_inter",
-                 "hadamard_transform", "gradient_alltoall_pipeline",
-                 "gradients_quantization_start_iteration"]
-        if config.hadamard_transform:
-            keys.append("hadamard_block_size")
-    if config.enabled:
-        keys.append("quantization_rounding")
-    return {k: c[k] for k in keys}
 
 
 def detect_dp_ranks_per_node() -> int:

@@ -15,6 +15,7 @@ from megatron.sdp4bit.comm.stats import CommStats
 from megatron.sdp4bit.config import SDP4BitConfig
 from megatron.sdp4bit.training.checkpoint import formats as checkpoint_formats
 from megatron.sdp4bit.training.guards import faults
+from megatron.sdp4bit.training.guards.exit_conditions import exit_duration_reached
 from megatron.sdp4bit.training.guards.exit_signal import ExitSignal
 from megatron.sdp4bit.training.observe.comm_counters import add_unquantized_iteration, snapshot_fields
 from megatron.sdp4bit.training.data import chunk_iterators
@@ -25,7 +26,6 @@ from megatron.sdp4bit.training.observe.logging import (
     format_train_line,
 )
 from megatron.sdp4bit.training.observe.metrics_writer import MetricsWriter
-from megatron.sdp4bit.training.cli.megatron_flags import exit_duration_reached
 from megatron.sdp4bit.training.guards.replicas import check_replicas, gather_pending
 from megatron.sdp4bit.training.step import evaluate, has_loss_scaler, train_step
 from megatron.sdp4bit.training.observe.timers import Timers, format_timers, max_times

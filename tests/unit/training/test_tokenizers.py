@@ -89,3 +89,27 @@ def test_build_tokenizer_dispatch(gpt2_files):
                          ids=lambda v: str(v))
 def test_padded_vocab_size(n, div, tp, want):
     assert padded_vocab_size(n, div, tp) == want
+
+
+def test_the_registry_is_what_the_command_lines_offer_and_require():
+    from megatron.sdp4bit.training.cli.arguments import TOKENIZER_TYPES, build_parser
+    from megatron.sdp4bit.training.tokenizers import registry
+    from tests.helpers.scripts import load_tool
+
+    assert TOKENIZER_TYPES == tuple(registry.REGISTRY) == registry.names()
+    for parser in (build_parser(), load_tool("tools/preprocess_data.py").build_parser()):
+        action = next(a for a in parser._actions if a.dest == "tokenizer_type")
+        assert tuple(action.choices) == registry.names()
+    bare = argparse.Namespace(vocab_file=None, merge_file=None, tokenizer_model=None,
+                              vocab_size=1)
+    assert {name: spec.missing(bare) for name, spec in registry.REGISTRY.items()} == {
+        "GPT2BPETokenizer": "--tokenizer-type GPT2BPETokenizer needs --vocab-file and "
+                            "--merge-file",
+        "SentencePieceTokenizer": "--tokenizer-type SentencePieceTokenizer needs "
+                                  "--tokenizer-model",
+        "NullTokenizer": "--tokenizer-type NullTokenizer needs --vocab-size N (N >= 2)"}
+    assert registry.REGISTRY["NullTokenizer"].missing(
+        argparse.Namespace(vocab_size=2)) is None
+    with pytest.raises(ValueError, match="--tokenizer-type 'Bert': use GPT2BPETokenizer, "
+                                         "SentencePieceTokenizer or NullTokenizer"):
+        build_tokenizer(argparse.Namespace(tokenizer_type="Bert"))

@@ -1,4 +1,5 @@
-"""The files of a checkpoint folder: tracker, manifest, checksummed writes, the run lock.
+"""The files of a checkpoint folder: tracker, manifest, checksummed writes, the run lock
+(written whole or not at all by ``megatron/sdp4bit/atomic_files.py``).
 
 Layout under ``--save`` (Megatron-LM's tracker name)::
 
@@ -37,12 +38,12 @@ import json
 import os
 import shutil
 import socket
-import tempfile
 from typing import Any
 
 import torch
 
-from megatron.sdp4bit import trusted_paths
+from megatron.sdp4bit import atomic_files, trusted_paths
+from megatron.sdp4bit.training.checkpoint import integrity
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
@@ -82,33 +83,15 @@ class _HashingWriter:
 
 @contextlib.contextmanager
 def _atomic(path: str, mode: str):
-    """A file opened as ``<path>.tmp``, synced and renamed to ``path`` once written whole.
-    A failed write (a full disk, a lost mount) removes the temporary file and raises
-    :class:`CheckpointError` naming ``path``."""
-    tmp = path + ".tmp"
+    """:func:`megatron.sdp4bit.atomic_files.atomic_open`, a failed write (a full disk, a lost
+    mount) raised as :class:`CheckpointError` naming ``path``."""
     try:
-        fd = trusted_paths.open_new(tmp)  # never through a link planted at the .tmp name
-        with open(fd, mode, encoding=None if "b" in mode else "utf-8") as f:
+        with atomic_files.atomic_open(path, mode) as f:
             yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(os.path.dirname(path) or ".")
     except OSError as err:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
         raise CheckpointError(f"cannot write {path} ({err.strerror or err}): free space or "
                               "fix the folder; the last complete checkpoint stays current"
                               ) from None
-
-
-def fsync_dir(directory: str) -> None:
-    """Sync a folder's entries, so that a rename in it survives a power loss."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def make_dir(path: str) -> None:
@@ -131,27 +114,6 @@ def save_file(obj: Any, path: str) -> dict[str, Any]:
                 raise writer.error from None  # the disk's error, named by _atomic
             raise
     return {"sha256": writer.sha256.hexdigest(), "bytes": writer.size}
-
-
-def replace_folder(complete: str, dest: str) -> None:
-    """Put the finished folder ``complete`` at ``dest`` by renames, replacing a folder there
-    whole, never mixing the two: the old one is moved aside first and put back if the
-    second rename fails. Both must be on one file system (``complete`` beside ``dest``). The
-    tools' outputs (an export, an import, the default dataset's cache) end this way."""
-    if not os.path.isdir(dest):
-        os.replace(complete, dest)
-        return
-    aside = tempfile.mkdtemp(dir=os.path.dirname(os.path.abspath(dest)),
-                             prefix=f".{os.path.basename(os.path.abspath(dest))}.old-")
-    try:
-        os.replace(dest, os.path.join(aside, "previous"))
-        try:
-            os.replace(complete, dest)
-        except OSError:
-            os.replace(os.path.join(aside, "previous"), dest)  # the old folder stays
-            raise
-    finally:
-        shutil.rmtree(aside, ignore_errors=True)
 
 
 def write_text_atomic(path: str, text: str) -> None:
@@ -208,14 +170,9 @@ def read_verified(path: str, entry: dict[str, Any] | None) -> dict[str, Any]:
     except OSError as err:
         raise CheckpointError(f"cannot read checkpoint file {path} ({err.strerror}): fix its "
                               "permissions or load an earlier checkpoint") from None
-    if entry is not None:
-        if len(data) != entry["bytes"]:
-            raise CheckpointError(f"checkpoint file {path} is {len(data)} bytes, the manifest "
-                                  f"says {entry['bytes']}: it is truncated or was replaced")
-        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
-            raise CheckpointError(f"checkpoint file {path} does not match its SHA-256 in the "
-                                  "manifest: it changed after it was written (disk or copy "
-                                  "error); load an earlier checkpoint")
+    problem = None if entry is None else integrity.check_bytes(path, data, entry)
+    if problem is not None:
+        raise CheckpointError(problem)
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - torch raises many types for foreign files

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.sdp4bit.training.checkpoint import common, files
+from megatron.sdp4bit.training.checkpoint import settings as settings_contract
 from megatron.sdp4bit.training.guards import faults
 from megatron.sdp4bit.training.checkpoint.files import CheckpointError
 
@@ -156,8 +157,8 @@ def _inspect(root: str, settings: dict[str, Any], allow_sdp4bit_change: bool,
                                 "can be verified (checksums, layout, settings); restore the "
                                 "manifest, load an earlier checkpoint, or pass "
                                 "--load-without-manifest to load it unchecked")
-        problem = common.settings_problem(manifest["settings"], settings, directory,
-                                    allow_sdp4bit_change, allow_data_change)
+        problem = settings_contract.settings_problem(
+            manifest["settings"], settings, directory, allow_sdp4bit_change, allow_data_change)
         expected = {f"rank_{r:05d}.pt" for r in range(dist.get_world_size())} | {"common.pt"}
         for name in sorted(expected - set(manifest["files"])):
             problem = problem or f"the manifest of {directory} does not list {name}"

@@ -39,7 +39,10 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 )
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
-from megatron.sdp4bit.training.checkpoint import common, files, torch_dist_format
+from megatron.sdp4bit import atomic_files
+from megatron.sdp4bit.integration.dist_checkpointing import in_process_writer
+from megatron.sdp4bit.training.checkpoint import common, files, integrity, torch_dist_format
+from megatron.sdp4bit.training.checkpoint import settings as settings_contract
 from megatron.sdp4bit.training.checkpoint.files import CheckpointError
 
 # settings["contents"] of a checkpoint that holds the model's weights and nothing else.
@@ -101,18 +104,18 @@ def shape_problem(directory: str, state: dict[str, Any]) -> str | None:
 def model_settings_problem(saved: dict[str, Any], current: dict[str, Any],
                            directory: str) -> str | None:
     """The manifest's model settings against this run's, the dtype left out."""
-    old = {k: v for k, v in common.saved_model_settings(saved, current).items()
+    old = {k: v for k, v in settings_contract.saved_model_settings(saved, current).items()
            if k not in FREE_MODEL_SETTINGS}
     new = {k: v for k, v in current["model"].items() if k not in FREE_MODEL_SETTINGS}
-    for k in common.LATER_MODEL_SETTINGS:  # an older manifest lacks them: not compared
+    for k in settings_contract.LATER_MODEL_SETTINGS:  # an older manifest lacks them: not compared
         if k not in old:
             new.pop(k, None)
     diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
     if not diff:
         return None
     return (f"checkpoint {directory} was saved with model "
-            f"{common.describe({k: old.get(k) for k in diff})}; this run has "
-            f"{common.describe({k: new.get(k) for k in diff})}: pass the checkpoint's model "
+            f"{settings_contract.describe({k: old.get(k) for k in diff})}; this run has "
+            f"{settings_contract.describe({k: new.get(k) for k in diff})}: pass the checkpoint's model "
             "flags")
 
 
@@ -134,7 +137,7 @@ def load_weights(directory: str, manifest: dict[str, Any] | None, model_chunks, 
     if manifest is not None:
         problem = model_settings_problem(manifest["settings"], settings, directory)
         if problem is None:
-            problem = torch_dist_format.verify_files(directory, manifest)
+            problem = integrity.verify_files(directory, manifest)
         if problem is not None:
             raise CheckpointError(problem)
     state = _chunk_state(model_chunks)
@@ -172,16 +175,16 @@ def save_weights(root: str, model_chunks, settings: dict[str, Any]) -> str:
     dist.barrier()
     state = _chunk_state(model_chunks)
     state.update(iteration=0, checkpoint_version=3.0)
-    with torch_dist_format.in_process_writer() as strategy:
+    with in_process_writer() as strategy:
         dist_checkpointing.save(state, partial, sharded_strategy=strategy,
                                 validate_access_integrity=True)
     dist.barrier()
-    entries = torch_dist_format.hash_shares(partial, torch_dist_format.shared_listing(partial))
+    entries = integrity.hash_shares(partial, integrity.shared_listing(partial))
     if dist.get_rank() == 0:
         files.write_manifest(partial, 0, entries, {**settings, "contents": MODEL_ONLY,
                                                    "ckpt_format": torch_dist_format.FORMAT_NAME})
         os.replace(partial, final)
-        files.fsync_dir(root)
+        atomic_files.fsync_dir(root)
         files.write_tracker(root, 0)
     dist.barrier()
     return final

@@ -20,12 +20,13 @@ from megatron.sdp4bit.training.cli.errors import ArgumentsError
 from megatron.sdp4bit.training.cli.megatron_flags import NO_OP_FLAGS, add_megatron_flags
 from megatron.sdp4bit.training.cli.sdp4bit_flags import add_sdp4bit_flags, sdp4bit_config_from_args
 from megatron.sdp4bit.training.cli.validate import validate_args
+from megatron.sdp4bit.training.tokenizers import registry as tokenizer_registry
 
 __all__ = ["ArgumentsError", "NO_OP_FLAGS", "TOKENIZER_TYPES", "build_parser", "parse_args",
            "sdp4bit_config_from_args"]
 
-# The --tokenizer-type choices (built by megatron.sdp4bit.training.tokenizers).
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "NullTokenizer")
+# The --tokenizer-type choices: the tokenizer registry's names.
+TOKENIZER_TYPES = tokenizer_registry.names()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -185,7 +186,8 @@ def _add_data(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mock-data", action="store_true", help="synthetic data")
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--tokenizer-type", default=None, choices=list(TOKENIZER_TYPES),
-                   help="default GPT2BPETokenizer, or NullTokenizer with --mock-data and no vocab")
+                   help=f"default {tokenizer_registry.DEFAULT}, or {tokenizer_registry.MOCK_DEFAULT} "
+                   "with --mock-data and no vocab")
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
     g.add_argument("--tokenizer-model", default=None)

@@ -29,7 +29,7 @@ from megatron.sdp4bit.training.cli.errors import ArgumentsError
 from megatron.sdp4bit.training.guards.exit_signal import EXIT_SIGNALS
 
 __all__ = ["NO_OP_FLAGS", "ONLY_VALUE", "REFUSED_FLAGS", "add_megatron_flags",
-           "check_megatron_flags", "exit_duration_reached", "scheduler_steps",
+           "check_megatron_flags", "scheduler_steps",
            "transformer_config_overrides"]
 
 # Flag -> why doing nothing is harmless here. Switches unless listed in _NO_OP_VALUES.
@@ -355,21 +355,3 @@ def transformer_config_overrides(args: argparse.Namespace) -> dict:
         out["attention_backend"] = AttnBackend[args.attention_backend]
     return out
 
-
-def exit_duration_reached(args: argparse.Namespace) -> bool:
-    """``--exit-duration-in-mins``: whether any rank has run that long. Collective: every
-    rank calls it after every iteration, so all stop after the same one."""
-    if args.exit_duration_in_mins is None:
-        return False
-    import torch
-    import torch.distributed as dist
-
-    minutes = (time.time() - args.start_time) / 60.0
-    # On the device whenever there is one (NCCL refuses host tensors), not only when the
-    # default group's backend is called "nccl".
-    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    done = torch.tensor([int(minutes > args.exit_duration_in_mins)], dtype=torch.int32,
-                        device=device)
-    if dist.is_initialized():
-        dist.all_reduce(done, op=dist.ReduceOp.MAX)
-    return bool(done.item())

@@ -10,6 +10,7 @@ import re
 from megatron.sdp4bit.training.cli.errors import ArgumentsError
 from megatron.sdp4bit.training.cli.megatron_flags import check_megatron_flags, scheduler_steps
 from megatron.sdp4bit.training.guards import faults
+from megatron.sdp4bit.training.tokenizers import registry as tokenizer_registry
 from megatron.sdp4bit.training.cli.sdp4bit_flags import sdp4bit_config_from_args
 
 FP32_TINY, FP32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38
@@ -274,18 +275,16 @@ def _check_data(args: argparse.Namespace) -> None:
             _check_blend("--data-path", args.data_path)
     if args.tokenizer_type is None:
         has_vocab = args.vocab_file is not None
-        args.tokenizer_type = (
-            "NullTokenizer" if args.mock_data and not has_vocab else "GPT2BPETokenizer"
-        )
-    if args.tokenizer_type == "GPT2BPETokenizer" and (not args.vocab_file or not args.merge_file):
-        _fail("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
-    if args.tokenizer_type == "SentencePieceTokenizer" and not args.tokenizer_model:
-        _fail("--tokenizer-type SentencePieceTokenizer needs --tokenizer-model")
-    if args.tokenizer_type == "NullTokenizer":
-        if args.vocab_size is None:
-            args.vocab_size = 1024 if args.mock_data else None
-        if args.vocab_size is None or args.vocab_size < 2:
-            _fail("--tokenizer-type NullTokenizer needs --vocab-size N (N >= 2)")
+        args.tokenizer_type = (tokenizer_registry.MOCK_DEFAULT if args.mock_data and not has_vocab
+                               else tokenizer_registry.DEFAULT)
+    spec = tokenizer_registry.REGISTRY[args.tokenizer_type]
+    if args.mock_data:
+        for dest, value in spec.mock_defaults.items():
+            if getattr(args, dest) is None:
+                vars(args)[dest] = value  # an argparse namespace, not a replaced attribute
+    problem = spec.missing(args)
+    if problem:
+        _fail(problem)
 
 
 def parse_split(text: str) -> list[float]:

@@ -8,12 +8,12 @@ import os
 
 import pytest
 
-from megatron.sdp4bit.training.checkpoint import common, torch_format
+from megatron.sdp4bit.training.checkpoint import settings, torch_format
 from megatron.sdp4bit.training.checkpoint import files as cf
 
 
 def _data(path="data/a_text_document", split="98,2,0", seed=1234, mock=False) -> dict:
-    from megatron.sdp4bit.training.build import data_settings
+    from megatron.sdp4bit.training.checkpoint.settings import data_settings
     from megatron.sdp4bit.training.cli.validate import parse_split
 
     args = argparse.Namespace(mock_data=mock, data_path=path.split(), split=split, seed=seed,
@@ -43,12 +43,12 @@ def test_the_data_blend_is_recorded_in_a_comparable_form(tmp_path, monkeypatch):
 ])
 def test_a_resume_on_other_data_is_refused_unless_asked(change, said):
     saved, now = _settings(), _settings(**change)
-    problem = common.settings_problem(saved, now, "D", False)
+    problem = settings.settings_problem(saved, now, "D", False)
     assert problem == (f"checkpoint D was trained with {said.format(cwd=os.getcwd())}: resume "
                        "with the checkpoint's --data-path, --split and --seed, or pass "
                        "--allow-changed-data to continue on other data")
-    assert common.settings_problem(saved, now, "D", False, allow_data_change=True) is None
-    assert common.settings_problem(saved, _settings(), "D", False) is None
+    assert settings.settings_problem(saved, now, "D", False, allow_data_change=True) is None
+    assert settings.settings_problem(saved, _settings(), "D", False) is None
 
 
 def test_a_checkpoint_without_manifest_is_refused_unless_asked(tmp_path):
@@ -96,13 +96,13 @@ def test_ckpt_step_loads_an_earlier_iteration_and_damage_names_it(tmp_path, monk
         formats._iteration(root, 8)
     assert str(err.value) == (f"--ckpt-step 8: {root}/iter_0000008 does not exist ({root} "
                               "holds iterations 2, 4, 6)")
-    mismatch = common.settings_problem(_settings(), _settings(seed=1), root, False)
+    mismatch = settings.settings_problem(_settings(), _settings(seed=1), root, False)
     assert formats.with_earlier(mismatch, root, 6) == mismatch  # not damage: no hint
 
 
 def test_the_qwd_target_is_recorded_and_a_change_is_named():
     from megatron.sdp4bit.config import SDP4BitConfig
-    from megatron.sdp4bit.training.build import method_settings
+    from megatron.sdp4bit.training.checkpoint.settings import method_settings
 
     qwd = SDP4BitConfig(quantized_weights=True)
     rounded = qwd.replace(weight_difference_target="rounded-main")
@@ -111,17 +111,17 @@ def test_the_qwd_target_is_recorded_and_a_change_is_named():
         qwd.replace(weight_quantization_mode="direct"))  # qW sends no difference
     saved, now = _settings(), _settings()
     saved["sdp4bit"], now["sdp4bit"] = method_settings(qwd), method_settings(rounded)
-    assert common.settings_problem(saved, now, "D", False) == (
+    assert settings.settings_problem(saved, now, "D", False) == (
         "checkpoint D was trained with SDP4Bit weight_difference_target main; this run has "
         "weight_difference_target rounded-main: use the same SDP4Bit flags, or pass "
         "--allow-changed-sdp4bit-settings to change the method on resume")
-    assert common.settings_problem(saved, now, "D", True) is None
+    assert settings.settings_problem(saved, now, "D", True) is None
     # A manifest written before the target was recorded: those runs sent main - replica.
     older = {**saved, "sdp4bit": {k: v for k, v in saved["sdp4bit"].items()
                                   if k != "weight_difference_target"}}
-    assert common.settings_problem(older, saved, "D", False) is None
+    assert settings.settings_problem(older, saved, "D", False) is None
     assert "weight_difference_target main; this run has weight_difference_target " \
-        "rounded-main" in common.settings_problem(older, now, "D", False)
+        "rounded-main" in settings.settings_problem(older, now, "D", False)
 
 
 def test_an_older_manifest_without_openai_gelu_is_a_plain_gelu_model():
@@ -131,9 +131,9 @@ def test_an_older_manifest_without_openai_gelu_is_a_plain_gelu_model():
     plain, tanh = _settings(), _settings()
     plain["model"] = {**plain["model"], "openai_gelu": False}
     tanh["model"] = {**tanh["model"], "openai_gelu": True}
-    assert common.settings_problem(older, plain, "D", False) is None
+    assert settings.settings_problem(older, plain, "D", False) is None
     assert model_settings_problem(older, plain, "D") is None
     said = "checkpoint D was saved with model openai_gelu False; this run has openai_gelu True"
-    assert common.settings_problem(older, tanh, "D", False) == (
+    assert settings.settings_problem(older, tanh, "D", False) == (
         said + ": resume with the same model flags")
     assert model_settings_problem(older, tanh, "D") == said + ": pass the checkpoint's model flags"

@@ -1,5 +1,5 @@
-"""The small pieces behind the reliability guarantees: replica checksums, fault specs and
-the heartbeat watchdog's decisions (the end-to-end proofs are in tests/e2e/test_faults.py)."""
+"""The heartbeat watchdog's decisions (training/guards/watchdog.py) and its stop at teardown
+(the end-to-end proofs are in tests/e2e/test_faults.py)."""
 
 from __future__ import annotations
 
@@ -10,67 +10,15 @@ import sys
 import time
 
 import pytest
-import torch
 
-from megatron.sdp4bit.training.guards import faults, watchdog
-from megatron.sdp4bit.training.guards.replicas import checksum
-
-
-def test_checksum_sees_one_changed_element_and_a_swap(monkeypatch):
-    from megatron.sdp4bit.training.guards import replicas
-
-    monkeypatch.setattr(replicas, "_CHUNK", 1024)  # several chunks on a small tensor
-    x = torch.randn(3 * 1024 + 5).to(torch.bfloat16)
-    base = checksum(x)
-    assert checksum(x.clone()) == base
-    y = x.clone()
-    y[1024 + 7] = y[1024 + 7] + 1  # in the second chunk
-    assert checksum(y) != base
-    z = x.clone()
-    z[[10, 11]] = z[[11, 10]]  # same values, other places
-    assert torch.equal(z.sort().values, x.sort().values) and checksum(z) != base
-    w = x.clone().view(torch.int16)
-    w[3] ^= 1  # the lowest bit of one bf16
-    assert checksum(w.view(torch.bfloat16)) != base
-
-
-def test_fault_specs():
-    assert faults._parse("") == set()
-    assert faults._parse("nan-grad@3:1, die-saving@8:0") == {("nan-grad", 3, 1),
-                                                              ("die-saving", 8, 0)}
-    with pytest.raises(ValueError, match="use KIND@ITERATION:RANK"):
-        faults._parse("nan-grad@3")
-    with pytest.raises(ValueError, match="unknown fault 'boom'"):
-        faults._parse("boom@1:0")
-
-
-class _Store:
-    """The part of torch's Store the watchdog uses."""
-
-    def __init__(self):
-        self.data = {}
-
-    def set(self, key, value):
-        self.data[key] = value.encode() if isinstance(value, str) else value
-
-    def check(self, keys):
-        return all(k in self.data for k in keys)
-
-    def get(self, key):
-        return self.data[key]
-
-    def multi_get(self, keys):
-        return [self.data[k] for k in keys]
-
-    def multi_set(self, keys, values):
-        for k, v in zip(keys, values):
-            self.set(k, v)
+from megatron.sdp4bit.training.guards import watchdog
+from tests.helpers.memory_store import MemoryStore
 
 
 def test_watchdog_names_the_silent_rank(monkeypatch):
     stops = []
     monkeypatch.setattr(watchdog, "_stop", stops.append)
-    store = _Store()
+    store = MemoryStore()
     dog = watchdog.Watchdog(store, rank=0, world=3, timeout=0.3, interval=0.05)
     store.set(f"{watchdog._PREFIX}1", "1")
     store.set(f"{watchdog._PREFIX}2", "1")
@@ -84,16 +32,16 @@ def test_watchdog_names_the_silent_rank(monkeypatch):
 
 
 def test_other_ranks_watch_rank_0_only():
-    dog = watchdog.Watchdog(_Store(), rank=2, world=4, timeout=10, interval=1)
+    dog = watchdog.Watchdog(MemoryStore(), rank=2, world=4, timeout=10, interval=1)
     assert list(dog._last) == [0]
     with pytest.raises(ValueError, match="must exceed the interval"):
-        watchdog.Watchdog(_Store(), rank=0, world=2, timeout=1, interval=1)
+        watchdog.Watchdog(MemoryStore(), rank=0, world=2, timeout=1, interval=1)
 
 
 def test_watchdog_forgets_finished_ranks_and_waits_for_first_beats(monkeypatch):
     stops = []
     monkeypatch.setattr(watchdog, "_stop", stops.append)
-    store = _Store()
+    store = MemoryStore()
     dog = watchdog.Watchdog(store, rank=0, world=3, timeout=0.2, interval=0.05)
     dog._create_counters()  # rank 0 creates every counter empty: one multi_get reads all
     assert store.data == {f"{watchdog._PREFIX}1": b"", f"{watchdog._PREFIX}2": b""}
@@ -105,7 +53,7 @@ def test_watchdog_forgets_finished_ranks_and_waits_for_first_beats(monkeypatch):
     assert stops and stops[0].startswith("rank 1 has sent no heartbeat for 0 s")
 
 
-class _FlakyStore(_Store):
+class _FlakyStore(MemoryStore):
     """Fails its first ``failures`` requests, then answers (forever when None)."""
 
     def __init__(self, failures):
@@ -250,38 +198,3 @@ def test_teardown_stops_the_watchdog_first(monkeypatch):
                         lambda: calls.append("process-group"))
     build.teardown(Dog())
     assert calls == ["watchdog", "model-parallel", "process-group"]
-
-
-class _CountingStore(_Store):
-    def add(self, key, amount):
-        value = int(self.data.get(key, b"0")) + amount
-        self.data[key] = str(value).encode()
-        return value
-
-
-def test_each_error_is_printed_once_by_the_rank_that_has_it(capsys):
-    from megatron.sdp4bit.training.guards import errors
-
-    def lines():
-        return capsys.readouterr().err.splitlines()
-
-    store = _CountingStore()
-    errors.report("P.bin is truncated", 0, store=store, wait=0.2)  # every rank has it
-    errors.report("P.bin is truncated", 2, store=store, wait=0.2)
-    assert lines() == ["pretrain_gpt.py: error: P.bin is truncated"]
-    store = _CountingStore()  # only ranks 1 and 3 read the broken document
-    errors.report("P.idx: bad pointer", 1, store=store, wait=0.2)
-    errors.report("P.idx: bad pointer", 3, store=store, wait=0.2)
-    assert lines() == ["pretrain_gpt.py: error: rank 1: P.idx: bad pointer"]
-    # a rank that lost its peers stays quiet once any error was reported ...
-    errors.report("lost the connection to another rank (x)", 2, lost_peer=True,
-                  store=store, wait=0.2)
-    assert lines() == []
-    # ... and speaks when none was (the peer vanished without a word)
-    errors.report("lost the connection to another rank (x)", 2, lost_peer=True,
-                  store=_CountingStore(), wait=0.2)
-    assert lines() == ["pretrain_gpt.py: error: rank 2: lost the connection to another "
-                       "rank (x)"]
-    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error "
-                        "[127.0.0.1]:1234: Connection reset by peer")
-    assert errors.is_lost_peer(gloo) and not errors.is_lost_peer(ValueError("bad pointer"))

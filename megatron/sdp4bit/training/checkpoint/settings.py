@@ -1,0 +1,161 @@
+"""The manifest's settings contract: what a checkpoint records about the run that wrote it,
+and how a later run is compared with it.
+
+:func:`run_settings` is what the trainer records (``manifest.json``'s ``settings``): the
+parallel layout, the model's shape, the data order, the SDP4Bit method, and, not compared,
+the tokenizer's vocabulary size and the megatron-core release. :func:`settings_problem`
+compares a manifest with this run's settings. Settings added after a manifest was written
+are read with the value every run had before (:data:`LATER_MODEL_DEFAULTS`,
+:data:`LATER_SDP4BIT_SETTINGS`) or left out of the comparison
+(:data:`LATER_MODEL_SETTINGS`). A new setting goes here, with its entry for older manifests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import Any
+
+from megatron.sdp4bit.config import SDP4BitConfig
+from megatron.sdp4bit.integration.version import megatron_core_version
+
+# The model flags a checkpoint records, by their ``args`` names.
+MODEL_KEYS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels",
+    "group_query_attention", "num_query_groups", "max_position_embeddings",
+    "position_embedding_type", "rotary_base", "rotary_percent",
+    "untie_embeddings_and_output_weights", "swiglu", "openai_gelu", "normalization",
+    "norm_epsilon", "add_bias_linear", "params_dtype")
+
+# Model settings recorded since the Llama export (tools/checkpoint/export_hf.py), with the
+# trainer's defaults: a manifest written before lacks them, and such a checkpoint still
+# resumes (they are not compared); the export reads them as these defaults.
+LATER_MODEL_SETTINGS = {"norm_epsilon": 1e-5, "rotary_base": 10000, "rotary_percent": 1.0}
+
+# Model settings recorded since they were added, with the value every run had before (the
+# trainer refused --openai-gelu until then): an older manifest is read as having that value,
+# and compared.
+LATER_MODEL_DEFAULTS = {"openai_gelu": False}
+
+# SDP4Bit settings recorded since they were added, with the value every run had before:
+# an older manifest lacks them and is read as having that value.
+LATER_SDP4BIT_SETTINGS = {"weight_difference_target": "main"}
+
+
+def run_settings(args: argparse.Namespace, sdp4bit_config: SDP4BitConfig,
+                 vocab: int, tokenizer_vocab: int | None = None) -> dict:
+    """What a checkpoint must agree with to be resumed by this run (recorded in its
+    manifest): the parallel layout, the model's shape and the SDP4Bit method; and, not
+    compared, the tokenizer's vocabulary size before padding (the HF export cuts the
+    padding rows off with it) and the megatron-core release writing it
+    (``checkpoint.formats.release_problem``)."""
+    layout = {"world_size": args.world_size, "tp": args.tensor_model_parallel_size,
+              "pp": args.pipeline_model_parallel_size, "dp": args.data_parallel_size,
+              "ddp_bucket_size": args.ddp_bucket_size if args.overlap_grad_reduce else None}
+    if getattr(args, "virtual_pipeline_model_parallel_size", None):  # recorded only when used, so
+        # the checkpoints of runs without it compare as before
+        layout["vpp"] = args.virtual_pipeline_model_parallel_size
+    model = {k: getattr(args, k) for k in MODEL_KEYS}
+    model["padded_vocab_size"] = vocab
+    return {"layout": layout, "model": model, "data": data_settings(args),
+            "sdp4bit": method_settings(sdp4bit_config), "vocab_size": tokenizer_vocab,
+            "megatron_core": megatron_core_version()}  # the release that wrote it
+
+
+def data_settings(args: argparse.Namespace) -> dict:
+    """What decides which samples a run reads and in which order: the blend (absolute
+    prefixes and their weights), the split and the seed."""
+    def blend(values: list[str] | None) -> str | None:
+        if not values:
+            return None
+        if len(values) == 1:
+            return os.path.abspath(values[0])
+        return " ".join(f"{float(w):g} {os.path.abspath(p)}"
+                        for w, p in zip(values[0::2], values[1::2]))
+
+    if args.mock_data:
+        data = {"data_path": "mock"}
+    elif args.data_path:
+        data = {"data_path": blend(args.data_path)}
+    else:  # --train-data-path, --valid-data-path, --test-data-path
+        data = {f"{s}_data_path": blend(getattr(args, f"{s}_data_path"))
+                for s in ("train", "valid", "test")}
+    if args.split_vector is not None:  # '98,2,0' and '98, 2, 0' agree
+        data["split"] = ",".join(f"{x:.6g}" for x in args.split_vector)
+    if getattr(args, "eval_data_seed", None) is not None:  # absent: the evaluations use --seed
+        data["eval_data_seed"] = args.eval_data_seed
+    return {**data, "seed": args.seed}
+
+
+def method_settings(config: SDP4BitConfig) -> dict:
+    """The SDP4Bit flags that define the method (those of a part that is off do not)."""
+    c = dataclasses.asdict(config)
+    keys = ["quantized_weights", "quantized_gradients"]
+    if config.quantized_weights:
+        keys += ["weight_quantization_bits", "wq_group_size", "weight_quantization_mode"]
+        if config.weight_quantization_mode == "diff":
+            keys.append("weight_difference_target")
+    if config.quantized_gradients:
+        keys += ["gradient_quantization_bits_intra", "gq_group_size_intra",
+                 "gradient_quantization_bits_inter", "gq_group_size_inter",
+                 "hadamard_transform", "gradient_alltoall_pipeline",
+                 "gradients_quantization_start_iteration"]
+        if config.hadamard_transform:
+            keys.append("hadamard_block_size")
+    if config.enabled:
+        keys.append("quantization_rounding")
+    return {k: c[k] for k in keys}
+
+
+def describe(values: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in values.items())
+
+
+def saved_model_settings(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:
+    """A manifest's model settings, with :data:`LATER_MODEL_DEFAULTS` for what it lacks and
+    this run's settings (``current["model"]``) record."""
+    return {**{k: v for k, v in LATER_MODEL_DEFAULTS.items() if k in current["model"]},
+            **saved.get("model", {})}
+
+
+def settings_problem(saved: dict[str, Any], current: dict[str, Any], directory: str,
+                     allow_sdp4bit_change: bool, allow_data_change: bool = False) -> str | None:
+    """What forbids resuming a checkpoint whose manifest recorded ``saved`` with this run's
+    ``current`` settings, in one line (None: nothing)."""
+    if "model" in saved:
+        saved = {**saved, "model": saved_model_settings(saved, current)}
+        unrecorded = [k for k in LATER_MODEL_SETTINGS if k not in saved["model"]]
+        current = {**current, "model": {k: v for k, v in current["model"].items()
+                                        if k not in unrecorded}}
+    for part, fix in (("layout", "resume with the same layout (or start a new run)"),
+                      ("model", "resume with the same model flags")):
+        if saved.get(part) != current[part]:
+            diff = {k for k in set(saved.get(part, {})) | set(current[part])
+                    if saved.get(part, {}).get(k) != current[part].get(k)}
+            was = {k: saved.get(part, {}).get(k) for k in sorted(diff)}
+            now = {k: current[part].get(k) for k in sorted(diff)}
+            return (f"checkpoint {directory} was saved with {part} {describe(was)}; this run "
+                    f"has {describe(now)}: {fix}")
+    if "data" in current and saved.get("data") != current["data"] and not allow_data_change:
+        old, new = saved.get("data") or {}, current["data"]
+        diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        was = {k: old.get(k, "unrecorded") for k in diff}
+        now = {k: new.get(k) for k in diff}
+        return (f"checkpoint {directory} was trained with {describe(was)}; this run has "
+                f"{describe(now)}: resume with the checkpoint's --data-path, --split and "
+                "--seed, or pass --allow-changed-data to continue on other data")
+    if "sdp4bit" in saved:
+        saved = {**saved, "sdp4bit": {**{k: v for k, v in LATER_SDP4BIT_SETTINGS.items()
+                                         if k in current["sdp4bit"]}, **saved["sdp4bit"]}}
+    if saved.get("sdp4bit") != current["sdp4bit"] and not allow_sdp4bit_change:
+        old, new = saved.get("sdp4bit", {}), current["sdp4bit"]
+        diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        switches = [k for k in ("quantized_weights", "quantized_gradients") if k in diff]
+        diff = switches or diff  # a part switched on or off: its own flags follow it
+        was = {k: old.get(k, "off") for k in diff}
+        now = {k: new.get(k, "off") for k in diff}
+        return (f"checkpoint {directory} was trained with SDP4Bit {describe(was)}; this run "
+                f"has {describe(now)}: use the same SDP4Bit flags, or pass "
+                "--allow-changed-sdp4bit-settings to change the method on resume")
+    return None
