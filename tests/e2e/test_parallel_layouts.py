@@ -74,6 +74,7 @@ def test_interleaved_pipeline_matches_and_resumes(tmp_path):
     sdp, _ = _run(PP2 + finetune + METHODS["SDP4Bit"])
     vpp_sdp, out = _run(VPP + finetune + METHODS["SDP4Bit"] + [
         "--check-replicas-interval", "1", "--save", str(ckpt), "--save-interval", "3"])
+    assert "(TP 1, PP 2 x 2 model chunks, 4 micro-batches per step)" in out
     assert sdp[0]["lm_loss"] == vpp_sdp[0]["lm_loss"] == base[0]["lm_loss"]
     bound = NOISE_MULTIPLE * max(_distance(sdp, base), NOISE_FLOOR)
     assert _distance(vpp_sdp, base) <= bound, (_losses(base), _losses(sdp), _losses(vpp_sdp))

@@ -140,11 +140,13 @@ def detect_dp_ranks_per_node() -> int:
 
 def print_topology(args: argparse.Namespace, ranks_per_node: int) -> None:
     if dist.get_rank() == 0:
+        vpp = args.virtual_pipeline_model_parallel_size
+        chunks = f" x {vpp} model chunks" if vpp else ""
         dp = args.data_parallel_size
         print(f"data-parallel topology: {dp} ranks = {ranks_per_node} per node x "
               f"{dp // ranks_per_node} nodes (TP {args.tensor_model_parallel_size}, "
-              f"PP {args.pipeline_model_parallel_size}, {args.num_microbatches} micro-batches "
-              f"per step)", flush=True)
+              f"PP {args.pipeline_model_parallel_size}{chunks}, {args.num_microbatches} "
+              "micro-batches per step)", flush=True)
 
 
 def teardown(watchdog: Watchdog | None = None) -> None:
