@@ -12,10 +12,9 @@ same, later ones differ in the last bf16 bits (measured 7e-5 in the loss after 6
 norm weight whose gradient is not summed over the TP ranks moves the TP copies apart and
 stops the replica check). With SDP4Bit the buckets of the two layouts are cut differently,
 so values share other quantization groups and draw other rounding noise: the interleaved
-run's distance from the baseline is then a draw of the method's own noise, bounded here by
-a multiple of the non-interleaved SDP4Bit run's distance from the same baseline, measured in
-the same test (a pipeline that swaps activations and gradients moved the first loss and
-multiplied the gradient norm by 7).
+run's distance from the baseline is the method's own noise, bounded from measurements below
+(a pipeline that swaps activations and gradients moved the first loss and multiplied the
+gradient norm by 7).
 """
 
 from __future__ import annotations
@@ -33,8 +32,11 @@ BASE = TINY + ["--num-layers", "4", "--train-iters", "6", "--log-interval", "1",
 PP2 = ["--pipeline-model-parallel-size", "2"]
 VPP = PP2 + ["--num-layers-per-virtual-pipeline-stage", "1", "--overlap-grad-reduce",
              "--overlap-param-gather"]
-NOISE_MULTIPLE = 3.0  # how far one SDP4Bit run may stray beyond another's distance
-NOISE_FLOOR = 1e-3  # below this a measured distance is too small to scale
+# SDP4Bit's distance from the baseline over these 6 steps from the same weights, measured
+# (0.16.1) 1.4e-3 (PP 2) and 1.3e-3 (interleaved) in the loss, up to 2% (PP 2) and 5%
+# (interleaved) in the gradient norm: the bounds keep a 4x margin.
+SDP4BIT_NOISE = 5e-3
+GRAD_NORM_NOISE = 0.2
 # Sequence parallelism's bf16 sums after 6 steps: 7e-5 measured, ~14x margin.
 BF16_BITS = 1e-3
 
@@ -71,13 +73,13 @@ def test_interleaved_pipeline_matches_and_resumes(tmp_path):
     for a, b in zip(base, vpp_base):
         assert a["lm_loss"] == b["lm_loss"] and a["grad_norm"] == b["grad_norm"], (a, b)
 
-    sdp, _ = _run(PP2 + finetune + METHODS["SDP4Bit"])
     vpp_sdp, out = _run(VPP + finetune + METHODS["SDP4Bit"] + [
         "--check-replicas-interval", "1", "--save", str(ckpt), "--save-interval", "3"])
     assert "(TP 1, PP 2 x 2 model chunks, 4 micro-batches per step)" in out
-    assert sdp[0]["lm_loss"] == vpp_sdp[0]["lm_loss"] == base[0]["lm_loss"]
-    bound = NOISE_MULTIPLE * max(_distance(sdp, base), NOISE_FLOOR)
-    assert _distance(vpp_sdp, base) <= bound, (_losses(base), _losses(sdp), _losses(vpp_sdp))
+    assert vpp_sdp[0]["lm_loss"] == base[0]["lm_loss"]  # the same weights' first forward
+    assert _distance(vpp_sdp, base) <= SDP4BIT_NOISE, (_losses(base), _losses(vpp_sdp))
+    for a, b in zip(base, vpp_sdp):  # the swapped pipeline: 7x
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= GRAD_NORM_NOISE * a["grad_norm"], (a, b)
     assert all(m["comm_bytes_grads_inter"] > 0 for m in vpp_sdp)
     calls = re.search(r"SDP4Bit on this rank: (\d+) quantized gradient reduce-scatters", out)
     assert calls and int(calls[1]) >= 2 * 6, out[-2000:]  # both chunks, every iteration
@@ -95,9 +97,10 @@ def test_interleaved_pipeline_matches_and_resumes(tmp_path):
 @pytest.mark.distributed
 def test_sequence_parallel_without_transformer_engine():
     """TP 2 x DP 2 with --sequence-parallel on the local spec's norms against the same run
-    without it ([Note: comparing two layouts]): the baseline equal but for bf16's last bits,
-    SDP4Bit within its noise; the replica check covers the TP ranks' copies of the
-    sequence-parallel norms every iteration."""
+    without it ([Note: comparing two layouts]): equal but for bf16's last bits, and the
+    replica check holds the TP ranks' copies of the norms equal every iteration (a norm
+    whose gradient is not summed over TP fails both). SDP4Bit with it: test_pretrain_gpt.py's
+    TP 2 run."""
     tp2, sp = ["--tensor-model-parallel-size", "2"], ["--sequence-parallel",
                                                       "--check-replicas-interval", "1"]
     base, _ = _run(tp2)
@@ -105,11 +108,3 @@ def test_sequence_parallel_without_transformer_engine():
     assert base[0]["lm_loss"] == sp_base[0]["lm_loss"] and \
         base[0]["grad_norm"] == sp_base[0]["grad_norm"], (base[0], sp_base[0])
     assert _distance(base, sp_base) <= BF16_BITS, (_losses(base), _losses(sp_base))
-
-    sdp, _ = _run(tp2 + METHODS["SDP4Bit"])
-    sp_sdp, out = _run(tp2 + sp + METHODS["SDP4Bit"])
-    assert "SDP4Bit installed on" in out
-    assert sp_sdp[0]["lm_loss"] == base[0]["lm_loss"]
-    bound = NOISE_MULTIPLE * max(_distance(sdp, base), NOISE_FLOOR)
-    assert _distance(sp_sdp, sp_base) <= bound, (_losses(sp_base), _losses(sdp),
-                                                 _losses(sp_sdp))
