@@ -3,7 +3,7 @@
 For every size (the fp32 size of the buffer an operation works on) it times each fused
 operation and ``dst.copy_(src)`` of the same fp32 buffer in the same run, and reports GB/s
 moved = (bytes read + bytes written) / time, and that figure as a share of the copy's.
-Goals: on an H100/H200, every operation at >= 70% of the copy bandwidth at >= 256 MB and
+Goals: on an H100/H200, every operation at >= 80% of the copy bandwidth at >= 256 MB and
 the Hadamard transform costing <= 10% over the same kernel without it; on CPU (the compiled
 CPU kernels, one thread, next to a one-thread copy), every operation at >= 20% of the copy.
 
@@ -190,7 +190,7 @@ def render_markdown(runs: dict) -> str:
              f"groups of {QWD_GROUP} over {QWD_WORLD} shards; TLq N={LOCAL}, M={NODES}, "
              f"{TLQ_INTRA_BITS}-bit then {TLQ_INTER_BITS}-bit, groups of {TLQ_GROUP}, "
              "Hadamard block 32 where H=32; senders use stochastic rounding).", "",
-             "Goals: on an H100/H200 (Triton kernels), every operation >= 70% of the copy "
+             "Goals: on an H100/H200 (Triton kernels), every operation >= 80% of the copy "
              "bandwidth at >= 256 MB and tlq_sender H=32 within 10% of H=0; on CPU (the "
              "compiled CPU kernels, one thread, next to a one-thread copy), every operation "
              ">= 20% of the copy. Every backend produces the same bytes.", ""]

@@ -1,8 +1,10 @@
-"""The release walk: every entry of the replacement table against the installed megatron-core.
+"""The release walk: every entry of the replacement table against the installed megatron-core
+(and torch, for torch's attributes), the dry run's entries included.
 
-No processes: it imports the table's modules and reads megatron-core's and torch's
-attributes. It is here, among the integration tests, so that dev/run_tests.sh runs it in both
-passes (0.16.1 in .venv, 0.19.2 in .venv-mcore019).
+No processes: it imports the table's modules (and the dry run's tool, which registers its
+own) and reads megatron-core's and torch's attributes. It is here, among the integration
+tests, so that dev/run_tests.sh runs it in both passes (0.16.1 in .venv, 0.19.2 in
+.venv-mcore019).
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ from __future__ import annotations
 import os
 import sys
 
+from dev import cuda_dryrun  # noqa: F401 - registers the dry run's entries
 from megatron.sdp4bit.integration import TESTED_MEGATRON_CORE_VERSIONS, patches
+from megatron.sdp4bit.integration.releases import TESTED_TORCH_VERSIONS, torch_version
 
 
 def _release() -> str:
@@ -21,16 +25,18 @@ def _release() -> str:
 
 
 def walk(release: str) -> list[str]:
-    """One line per entry that does not hold on ``release``: a target missing or changed, or
-    an entry whose feature test disagrees with the releases it was checked on."""
+    """One line per entry that does not hold on megatron-core ``release`` (a torch entry: on
+    the installed torch, a tested one): a target missing or changed, or an entry whose
+    feature test disagrees with the releases it was checked on."""
     problems = []
     for entry in patches.all_replacements():
         applies = patches.applies(entry)
-        if applies != (release in entry.checked):
+        mine = release if patches.library(entry) == "megatron-core" else torch_version()
+        if applies != (mine in entry.checked):
             problems.append(f"{entry.name}: applies={applies} but checked on "
-                            f"{', '.join(sorted(entry.checked))}")
+                            f"{patches.library(entry)} {', '.join(sorted(entry.checked))}")
         elif applies:
-            found = patches.problem(entry, release)
+            found = patches.problem(entry, mine)
             if found is not None:
                 problems.append(found)
     return problems
@@ -48,6 +54,7 @@ def test_every_replacement_holds_on_the_installed_release() -> None:
             "checkpoint.save_callbacks", "checkpoint.get_parameter_state_dp_zero"} <= names
     assert sum(patches.applies(e) and e.name.startswith("padding.") for e in entries) == 1
     assert len(entries) > 100
+    assert torch_version() in TESTED_TORCH_VERSIONS  # the torch the table was checked on
 
 
 def test_a_renamed_target_fails_the_walk_with_one_line(monkeypatch) -> None:

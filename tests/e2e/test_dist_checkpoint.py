@@ -251,7 +251,13 @@ def _compare_logits(rank: int, world: int, ckpt_dir: str, hf_dir: str) -> None:
 def test_export_to_hugging_face_matches_the_trainers_logits(reference, tmp_path):
     hf = tmp_path / "hf"
     _export(reference[1], hf, "GPT2LMHeadModel")
-    assert sorted(os.listdir(hf)) == ["config.json", "model.safetensors"]
+    # the run's GPT-2 BPE files ship beside the model, <|endoftext|> its bos and eos
+    assert sorted(os.listdir(hf)) == ["config.json", "merges.txt", "model.safetensors",
+                                      "tokenizer_config.json", "vocab.json"]
+    vocab = json.loads((hf / "vocab.json").read_text(encoding="utf-8"))
+    config = json.loads((hf / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (
+        vocab["<|endoftext|>"], vocab["<|endoftext|>"], None)
     spawn(_compare_logits, 1, str(reference[1] / f"iter_{SAVED_AT:07d}"), str(hf))
 
 

@@ -108,6 +108,14 @@ def test_tlq_middle(bits_in, group_in, bits_out, group_out, n_in, n_out, stochas
                         group_out=group_out, stochastic=stochastic, seed=SEEDS[0] + n_in)
 
 
+def test_tlq_middle_groups_not_a_power_of_two():
+    """Groups of 96 (the Triton kernel pads them to 128 lanes): the same bytes here too."""
+    for n_in, n_out, bits_out in ((1, 1, 8), (3, 2, 4)):
+        kc.check_tlq_middle(CPU, impl=ck, n_in=n_in, numel=384, bits_in=8, group_in=96,
+                            n_out=n_out, bits_out=bits_out, group_out=96, stochastic=True,
+                            seed=7, nan_group=1)
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("scale,accumulate", [(1.0, False), (1 / 3, False), (0.25, True)],
                          ids=["sum", "mean3", "mean4-add"])

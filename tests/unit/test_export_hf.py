@@ -12,6 +12,7 @@ import torch
 from megatron.sdp4bit.training.checkpoint import hf as hf_arch
 
 from tests.helpers.full_disk import full_disk
+from tests.helpers.hf_checkpoint import write_gpt2_checkpoint
 from tests.helpers.scripts import load_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -193,26 +194,6 @@ def test_fused_qkv_rows_split_per_query_group_and_fc1_into_gate_then_up():
 # ------------------------------------------------ the output folder, damage, a full disk
 
 
-def _gpt2_tensors(model: dict) -> dict[str, torch.Tensor]:
-    hidden, ffn, layers = model["hidden_size"], model["ffn_hidden_size"], model["num_layers"]
-    t = {"embedding.word_embeddings.weight": (model["padded_vocab_size"], hidden),
-         "embedding.position_embeddings.weight": (model["max_position_embeddings"], hidden),
-         "decoder.final_layernorm.weight": (hidden,), "decoder.final_layernorm.bias": (hidden,)}
-    for name, shape in (("self_attention.linear_qkv.weight", (3 * hidden, hidden)),
-                        ("self_attention.linear_qkv.bias", (3 * hidden,)),
-                        ("self_attention.linear_proj.weight", (hidden, hidden)),
-                        ("self_attention.linear_proj.bias", (hidden,)),
-                        ("self_attention.linear_qkv.layer_norm_weight", (hidden,)),
-                        ("self_attention.linear_qkv.layer_norm_bias", (hidden,)),
-                        ("mlp.linear_fc1.layer_norm_weight", (hidden,)),
-                        ("mlp.linear_fc1.layer_norm_bias", (hidden,)),
-                        ("mlp.linear_fc1.weight", (ffn, hidden)), ("mlp.linear_fc1.bias", (ffn,)),
-                        ("mlp.linear_fc2.weight", (hidden, ffn)),
-                        ("mlp.linear_fc2.bias", (hidden,))):
-        t["decoder.layers." + name] = (layers, *shape)
-    return {k: torch.randn(shape) for k, shape in t.items()}
-
-
 # 0.4 MB of weights: more than the 64 KiB disk below holds
 BIGGER = {**DEFAULT, "hidden_size": 64, "ffn_hidden_size": 256, "num_attention_heads": 4,
           "padded_vocab_size": 256, "max_position_embeddings": 32}
@@ -220,25 +201,7 @@ BIGGER = {**DEFAULT, "hidden_size": 64, "ffn_hidden_size": 256, "num_attention_h
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
-    """A torch_dist checkpoint of the DEFAULT GPT-2 shape, as the trainer lays it out: the
-    model's tensors in PyTorch Distributed Checkpoint files, metadata.json, the manifest."""
-    import json
-
-    import torch.distributed.checkpoint as dcp
-
-    from megatron.sdp4bit.training.checkpoint import files, integrity
-
-    root = tmp_path_factory.mktemp("ckpt")
-    directory = files.iteration_dir(str(root), 2)
-    dcp.save(_gpt2_tensors(BIGGER), storage_writer=dcp.FileSystemWriter(directory),
-             no_dist=True)
-    with open(os.path.join(directory, "metadata.json"), "w") as f:
-        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
-    entries = {n: integrity.file_hash(os.path.join(directory, n))
-               for n in sorted(os.listdir(directory))}
-    files.write_manifest(directory, 2, entries, {"model": BIGGER, "vocab_size": BIGGER["padded_vocab_size"]})
-    files.write_tracker(str(root), 2)
-    return str(root)
+    return write_gpt2_checkpoint(tmp_path_factory.mktemp("ckpt"), BIGGER)
 
 
 def _run(*args: str):

@@ -208,3 +208,20 @@ def test_older_gpt2_files_and_tied_output_layers_are_read_as_save_pretrained_wri
                               True)
     assert str(err.value) == ("config.json ties the output layer to the embedding, but "
                               "lm_head.weight differs from it")
+
+
+def test_the_folders_tokenizer_is_recorded_as_a_huggingface_tokenizer(tmp_path):
+    from tests.helpers.corpora import write_hf_tokenizer
+
+    hf = _config(tmp_path, GPT2)
+    assert import_hf._source_tokenizer(hf, 300) == (None, (
+        f"--hf {hf} holds no tokenizer files: none recorded (the export will ship none)"))
+    write_hf_tokenizer(tmp_path / "hf")
+    saved, note = import_hf._source_tokenizer(hf, 300)
+    assert note is None
+    assert (saved["type"], saved["args"], saved["vocab_size"], saved["eod"], saved["bos"],
+            saved["pad"]) == ("HuggingFaceTokenizer", {"tokenizer_model": hf}, 300, 2, 1, 0)
+    assert sorted(saved["sha256"]) == [f"{hf}/tokenizer.json", f"{hf}/tokenizer_config.json"]
+    assert import_hf._source_tokenizer(hf, 299) == (None, (
+        "the tokenizer is not recorded: it has 300 tokens, more than config.json's "
+        "vocab_size 299"))

@@ -1,7 +1,9 @@
 """The package's import graph: no cycle, and every arrow points down.
 
-Read from the source with ``ast`` (every ``import``, at module level or inside a function),
-so a lazy import that closes a cycle or climbs a layer is seen too.
+Read from the source with ``ast`` (every ``import``, at module level or inside a function,
+and every import by name: ``importlib.import_module("...")`` / ``__import__("...")``, and the
+module names a file that imports by name holds as strings, such as a list it walks), so a
+lazy import that closes a cycle or climbs a layer is seen too.
 """
 
 from __future__ import annotations
@@ -25,12 +27,36 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _imports(path: Path, name: str, modules: set[str]) -> set[str]:
+_BY_NAME = ("import_module", "__import__")
+
+
+def _by_name(tree: ast.AST, modules: set[str] | None = None) -> set[str]:
+    """What ``tree`` imports by name: the string given to ``importlib.import_module`` or
+    ``__import__``, and, in a file that imports by name at all, every string constant that
+    is one of ``modules`` (``for m in DECLARED_IN: import_module(m)``)."""
+    found, calls = set(), False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and (
+                isinstance(node.func, ast.Name) and node.func.id in _BY_NAME
+                or isinstance(node.func, ast.Attribute) and node.func.attr in _BY_NAME):
+            calls = True
+            if node.args and isinstance(node.args[0], ast.Constant) \
+                    and isinstance(node.args[0].value, str):
+                found.add(node.args[0].value)
+    if calls and modules:
+        found |= {n.value for n in ast.walk(tree)
+                  if isinstance(n, ast.Constant) and n.value in modules}
+    return found
+
+
+def _imports(path: Path, name: str, modules: set[str], by_name: bool = True) -> set[str]:
     """The megatron.sdp4bit modules (or packages) ``path`` imports: ``from pkg import sub``
-    is an arrow to ``pkg.sub`` when that is a module, else to ``pkg`` (a name defined there)."""
+    is an arrow to ``pkg.sub`` when that is a module, else to ``pkg`` (a name defined there);
+    imports by name (:func:`_by_name`) too, unless ``by_name`` is False."""
     is_package = path.name == "__init__.py"
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found = _by_name(tree, modules) if by_name else set()
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -44,9 +70,9 @@ def _imports(path: Path, name: str, modules: set[str]) -> set[str]:
     return {m for m in found if m in modules and m != name}
 
 
-def _graph() -> dict[str, set[str]]:
+def _graph(by_name: bool = True) -> dict[str, set[str]]:
     modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
-    return {name: _imports(path, name, set(modules)) for name, path in modules.items()}
+    return {name: _imports(path, name, set(modules), by_name) for name, path in modules.items()}
 
 
 def _layer(module: str) -> str | None:
@@ -64,7 +90,12 @@ def test_graph_is_read_from_the_source():
 
 
 def test_no_import_cycle():
-    graph = _graph()
+    # Imports by name are left out here (not from the layer check below): the one the package
+    # has is a registry's, the replacement table's engine (integration/patches.py) importing
+    # the modules that declare its entries when it is asked for all of them, at call time,
+    # and those import the engine to declare: a cycle by design, that no import order can
+    # break.
+    graph = _graph(by_name=False)
     state: dict[str, int] = {}  # 1 on the stack, 2 done
 
     def visit(node: str, stack: list[str]) -> None:
@@ -122,7 +153,7 @@ def _tree(path: Path) -> ast.AST:
 
 
 def _imports_any(path: Path) -> set[str]:
-    names = set()
+    names = _by_name(_tree(path))
     for node in ast.walk(_tree(path)):
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
@@ -169,8 +200,13 @@ def test_the_cuda_dry_run_is_imported_only_by_its_tool():
 
 
 def _imports_testing(path: Path) -> bool:
-    """Whether ``path`` imports ``megatron.sdp4bit.testing`` (or a module of it), in either
-    spelling (``import megatron.sdp4bit.testing...``, ``from megatron.sdp4bit import testing``)."""
+    """Whether ``path`` imports ``megatron.sdp4bit.testing`` (or a module of it), in any
+    spelling (``import megatron.sdp4bit.testing...``, ``from megatron.sdp4bit import testing``,
+    ``importlib.import_module("megatron.sdp4bit.testing...")``)."""
+    by_name = _by_name(_tree(path))
+    if any(n == "megatron.sdp4bit.testing" or n.startswith("megatron.sdp4bit.testing.")
+           for n in by_name):
+        return True
     for node in ast.walk(_tree(path)):
         names = []
         if isinstance(node, ast.Import):
@@ -181,3 +217,27 @@ def _imports_testing(path: Path) -> bool:
                for n in names):
             return True
     return False
+
+
+def test_imports_by_name_are_arrows_too(tmp_path):
+    """A planted module that imports upward only by name (a string it walks, a literal
+    argument, ``__import__``) is seen, by the layer check and by the dry run's."""
+    planted = tmp_path / "megatron" / "sdp4bit" / "comm" / "planted.py"
+    planted.parent.mkdir(parents=True)
+    planted.write_text(
+        "import importlib\n"
+        "DECLARED = ('megatron.sdp4bit.training.loop', 'not a module')\n"
+        "def load():\n"
+        "    for m in DECLARED:\n"
+        "        importlib.import_module(m)\n"
+        "    importlib.import_module('megatron.sdp4bit.integration.install')\n"
+        "    __import__('megatron.sdp4bit.testing.cuda_dryrun')\n", encoding="utf-8")
+    modules = {"megatron.sdp4bit.training.loop", "megatron.sdp4bit.integration.install",
+               "megatron.sdp4bit.testing.cuda_dryrun", "megatron.sdp4bit.comm.planted"}
+    found = _imports(planted, "megatron.sdp4bit.comm.planted", modules)
+    assert found == modules - {"megatron.sdp4bit.comm.planted"}
+    assert _imports_testing(planted)
+    # the library's own by-name imports: the replacement table's modules, all in integration/
+    graph = _graph()
+    assert "megatron.sdp4bit.integration.dist_checkpointing" in \
+        graph["megatron.sdp4bit.integration.patches"]

@@ -76,8 +76,8 @@ def test_untested_release_with_every_target_in_place_runs_with_one_warning(untes
     assert check_megatron_core_version() == "0.17.0"  # warned once per process
     assert _warnings(untested) == [
         "SDP4Bit: warning: megatron-core 0.17.0 was never tested (tested: 0.16.1, 0.19.2); "
-        "every attribute SDP4Bit replaces is present with the signature it was checked "
-        "with, so it runs"]
+        "every attribute SDP4Bit replaces here (seam, padding) is present with the signature "
+        "it was checked with, so it runs"]
 
 
 def test_untested_release_with_a_moved_target_is_refused_naming_it(untested,
@@ -126,13 +126,71 @@ def test_untested_release_with_a_missing_target_stays_refused(untested, monkeypa
     with pytest.raises(RuntimeError, match=r"megatron-core 0\.17\.0 is installed, and "
                        r"megatron\.core\.tensor_parallel\.random\._set_cuda_rng_state is "
                        r"missing: install"):
-        check_megatron_core_version()
-    assert check_megatron_core_version(allow_untested_version=True) == "0.17.0"
+        check_megatron_core_version(scopes=["cpu_mode"])
+    assert check_megatron_core_version(scopes=["cpu_mode"], allow_untested_version=True) \
+        == "0.17.0"
     from megatron.sdp4bit.integration import patches
     from megatron.sdp4bit.integration.cuda_stubs import SHARED_STUBS
 
     with pytest.raises(patches.ReplacementError, match=r"_set_cuda_rng_state is missing"):
         patches.apply(SHARED_STUBS)
+
+
+def test_a_moved_target_refuses_only_the_callers_that_apply_its_scope(untested,
+                                                                       monkeypatch) -> None:
+    """A checkpoint-writer target that moved does not refuse a library user's
+    install_sdp4bit (seam and padding), and does refuse the trainer, which writes
+    checkpoints; a seam target that moved refuses both."""
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+
+    from megatron.sdp4bit.integration import install_sdp4bit
+
+    monkeypatch.setattr(TorchDistSaveShardedStrategy, "_get_save_and_finalize_callbacks",
+                        lambda self, writer, save_state_dict_ret, strategy, extra=None: None)
+    moved = ("megatron.core.dist_checkpointing.strategies.torch.TorchDistSaveShardedStrategy."
+             "_get_save_and_finalize_callbacks changed: its signature is (self, writer, "
+             "save_state_dict_ret, strategy, extra), checked as (self, writer, "
+             "save_state_dict_ret) or (self, writer, save_state_dict_ret, async_strategy) on "
+             "megatron-core 0.16.1 and 0.19.2")
+    # install_sdp4bit's own check passes: it goes on to refuse the argument it was given
+    with pytest.raises(ValueError, match="config must be an SDP4BitConfig, got NoneType"):
+        install_sdp4bit([], None, None)
+    assert check_megatron_core_version() == "0.17.0"
+    trainer = ["seam", "padding", "checkpoint"]
+    with pytest.raises(RuntimeError) as err:
+        check_megatron_core_version(scopes=trainer, how_to_allow="pass --allow")
+    assert f"megatron-core 0.17.0 is installed, and {moved}: install" in str(err.value)
+    monkeypatch.setattr(_ParamAndGradBucketGroup, "start_param_sync",
+                        lambda self, force_sync=False, extra=None: None)
+    for scopes in (["seam", "padding"], trainer):
+        with pytest.raises(RuntimeError, match=r"start_param_sync changed"):
+            check_megatron_core_version(scopes=scopes)
+    with pytest.raises(RuntimeError, match=r"start_param_sync changed"):
+        install_sdp4bit([], None, None)
+    with pytest.raises(ValueError, match=r"unknown scope\(s\) \['checkpoints'\]"):
+        check_megatron_core_version(scopes=["checkpoints"])
+
+
+def test_a_torch_target_is_checked_against_torchs_release(untested, monkeypatch) -> None:
+    """The dry run registers its entries itself; its torch targets are checked against the
+    installed torch release, and only a caller that applies the dry run walks them."""
+    import torch.distributed as dist
+
+    from dev import cuda_dryrun  # noqa: F401 - registers the dry run's entries
+    from megatron.sdp4bit.integration import patches
+    from megatron.sdp4bit.integration.releases import TESTED_TORCH_VERSIONS, torch_version
+
+    entry = next(e for e in patches.all_replacements() if e.name == "dryrun.dist.all_reduce")
+    assert patches.library(entry) == "torch" and entry.scopes == ("dryrun",)
+    assert set(entry.checked) == set(TESTED_TORCH_VERSIONS) == {torch_version()}
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, op=None, group=None: None)
+    assert check_megatron_core_version() == "0.17.0"  # install_sdp4bit does not apply it
+    with pytest.raises(RuntimeError) as err:
+        check_megatron_core_version(scopes=["dryrun"])
+    assert (f"and torch.distributed.all_reduce changed: its signature is (tensor, op, group), "
+            f"checked as (tensor, op, group, async_op) on torch {torch_version()}: install"
+            in str(err.value))
 
 
 @pytest.mark.parametrize("installed,release", [("0.19.2+0d43811", "0.19.2"), ("0.16.1", "0.16.1")])

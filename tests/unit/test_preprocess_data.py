@@ -125,3 +125,31 @@ def test_an_existing_pair_needs_overwrite_and_a_full_disk_leaves_nothing(tmp_pat
             f"preprocess_data.py: error: cannot write --output-prefix {disk / 'out'} (No space "
             "left on device): free space or fix the folder; an existing pair is left as it was")
         assert os.listdir(disk) == []
+
+
+def test_sentencepiece_tokenizers_keep_megatron_lms_ids(tmp_path):
+    """Llama2Tokenizer starts every document with bos; Megatron-LM's SentencePieceTokenizer
+    ends it with its own <EOD>, appended after the model's 300 pieces; TikTokenizer is one
+    line."""
+    import sentencepiece
+
+    from tests.helpers.corpora import write_sentencepiece
+
+    model = write_sentencepiece(tmp_path / "sp.model")
+    sp = sentencepiece.SentencePieceProcessor(model_file=model)
+    jsonl = tmp_path / "in.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXT[:3]), encoding="utf-8")
+    for kind, first, eod in (("Llama2Tokenizer", [1], 2), ("SentencePieceTokenizer", [], 302)):
+        res = run_tool("--input", str(jsonl), "--output-prefix", str(tmp_path / kind),
+                       "--tokenizer-type", kind, "--tokenizer-model", model, "--append-eod")
+        assert res.returncode == 0, res.stderr
+        ds = IndexedDataset(str(tmp_path / f"{kind}_text_document"))
+        assert [ds[i].tolist() for i in range(3)] == [first + sp.encode(t) + [eod]
+                                                      for t in TEXT[:3]]
+    res = run_tool("--input", str(jsonl), "--output-prefix", str(tmp_path / "tik"),
+                   "--tokenizer-type", "TikTokenizer", "--tokenizer-model", model)
+    assert res.returncode != 0 and res.stderr.splitlines()[-1].endswith(
+        "--tokenizer-type TikTokenizer is not supported by this trainer: it needs the tiktoken "
+        "package, which is not among this trainer's dependencies: use HuggingFaceTokenizer "
+        "with the model's tokenizer folder")
+    assert "Traceback" not in res.stderr

@@ -40,7 +40,7 @@ def _entry(name: str, owner: str, attribute: str, kind: str, replacement, checke
            **kw) -> Replacement:
     # Not declared: the test's entries stay out of the package's table.
     return Replacement(name, owner, attribute, kind, replacement, "[Note: test]",
-                       {patches.megatron_core_version(): checked}, **kw)
+                       {patches.megatron_core_version(): checked}, (patches.SEAM,), **kw)
 
 
 def test_apply_and_revert_restore_exactly(monkeypatch) -> None:
@@ -241,9 +241,14 @@ def test_no_replacement_outside_the_engine() -> None:
     assert not found, "\n".join(found)
 
 
+DRY_RUN = "megatron.sdp4bit.testing.cuda_dryrun"
+
+
 def test_every_declaring_module_is_listed() -> None:
-    """The walk and the untested-release check import patches.DECLARED_IN to see the whole
-    table: a module that declares entries and is not listed there would be skipped."""
+    """The walk and the untested-release check import patches.DECLARED_IN to see the
+    library's table: a module that declares entries and is not listed there would be
+    skipped. The dry run declares its own, outside the library's import graph: every module
+    listed is in integration/."""
     declaring = set()
     for path in PACKAGE.rglob("*.py"):
         if path == ENGINE:
@@ -253,19 +258,76 @@ def test_every_declaring_module_is_listed() -> None:
                for n in ast.walk(tree)):
             declaring.add(".".join(path.relative_to(ROOT).with_suffix("").parts))
     assert "megatron.sdp4bit.integration.install" in declaring
-    assert declaring == set(patches.DECLARED_IN)
+    assert declaring == set(patches.DECLARED_IN) | {DRY_RUN}
+    assert all(m.startswith("megatron.sdp4bit.integration.") for m in patches.DECLARED_IN)
+
+
+def _registered() -> list[Replacement]:
+    """The library's entries and the dry run's (registered by importing its tool)."""
+    from dev import cuda_dryrun  # noqa: F401
+
+    return patches.all_replacements()
 
 
 def test_every_entry_names_a_note_that_exists() -> None:
     """An entry's ``note`` is ``[Note: title] (file under megatron/sdp4bit/)``, and the file
-    holds that Note."""
+    holds that Note; it was checked on tested releases of its library, and has scopes."""
     import re
 
-    entries = patches.all_replacements()
+    from megatron.sdp4bit.integration.releases import TESTED_TORCH_VERSIONS
+
+    entries = _registered()
     assert len(entries) > 100
     for entry in entries:
         match = re.fullmatch(r"(\[Note: [^\]]+\]) \(([\w/.]+\.py)\)", entry.note)
         assert match, (entry.name, entry.note)
         title, path = match.groups()
         assert title in (PACKAGE / path).read_text(encoding="utf-8"), (entry.name, entry.note)
-        assert set(entry.checked) <= {"0.16.1", "0.19.2"} and entry.checked, entry.name
+        tested = (set(TESTED_TORCH_VERSIONS) if patches.library(entry) == "torch"
+                  else {"0.16.1", "0.19.2"})
+        assert set(entry.checked) <= tested and entry.checked, entry.name
+        assert entry.scopes and set(entry.scopes) <= set(patches.SCOPES), entry.name
+
+
+def test_the_scopes_say_who_applies_each_entry() -> None:
+    """Each applier's entries carry its scope: install_sdp4bit's the seam, sdp4bit_padding's
+    the padding, the torch_dist writer's the checkpoint, CPU mode's (with the shared CUDA
+    stubs) cpu_mode, the dry run's (with the same stubs) dryrun."""
+    from megatron.sdp4bit.integration import cpu_mode, dist_checkpointing, install, padding
+
+    _registered()
+    dry = sys.modules[DRY_RUN]  # the dry run's module, imported by its tool
+    by_scope = {scope: {e.name for e in _registered() if scope in e.scopes}
+                for scope in patches.SCOPES}
+    assert by_scope["seam"] == {e.name for e in (install.START_GRAD_SYNC, install.START_PARAM_SYNC,
+                                                 install.COPY_MAIN_PARAMS,
+                                                 install.COPY_MODEL_GRADS)}
+    assert by_scope["padding"] == {e.name for e in padding.PADDING}
+    assert by_scope["checkpoint"] == {e.name for e in (
+        dist_checkpointing.SAVE_CALLBACKS, dist_checkpointing.RESULTS_QUEUE,
+        dist_checkpointing.BUCKET_SPACE, dist_checkpointing.MISSING_STEP)}
+    assert by_scope["cpu_mode"] == {e.name for e in cpu_mode.CPU_MODE_STUBS}
+    assert by_scope["dryrun"] == {e.name for e in dry.DRY_RUN}
+    # torch's attributes are checked per torch release, megatron-core's per its release
+    assert {patches.library(e) for e in dry.DRY_RUN} == {"torch", "megatron-core"}
+    assert all(patches.library(e) == "megatron-core" for e in install.__dict__.values()
+               if isinstance(e, Replacement))
+    with pytest.raises(ValueError, match=r"scope 'everything' is not one of \('seam', "):
+        patches.declare("t.bad", "torch", "load", MODULE, None, note="[Note: test]",
+                        checked={}, scope="everything")
+
+
+def test_the_listing_groups_the_entries_by_scope() -> None:
+    """``python -m megatron.sdp4bit.integration.patches``: one header per scope with its
+    count, each entry under every scope it has."""
+    _registered()
+    text = patches.listing()
+    headers = [line for line in text.splitlines() if line.startswith("== ")]
+    counts = {scope: sum(scope in e.scopes for e in patches.all_replacements())
+              for scope in patches.SCOPES}
+    assert headers == [f"== {s}: {counts[s]} entries" for s in patches.SCOPES]
+    seam = text.split("== seam:")[1].split("== padding:")[0]
+    assert "install.start_grad_sync" in seam and "checkpoint.save_callbacks" not in seam
+    cpu = text.split("== cpu_mode:")[1].split("== dryrun:")[0]
+    assert "cuda.current_device" in cpu and "(also dryrun)" in cpu
+    assert "dryrun.torch.load" in text.split("== dryrun:")[1]

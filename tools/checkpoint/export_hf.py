@@ -5,8 +5,13 @@
 
 Reads only the model's tensors of the checkpoint the tracker names (in one process, no
 torch.distributed), checks them against the manifest's SHA-256, and writes ``HF_DIR`` with
-``model.safetensors`` and ``config.json`` (fp32) and, given GPT-2 BPE files, the tokenizer.
-The architecture follows the model flags recorded in the manifest (checkpoint/hf/):
+``model.safetensors`` and ``config.json`` (fp32), and the tokenizer the run was trained with,
+which the manifest records, with its bos, eos (end-of-document) and pad ids in
+``config.json`` (``--vocab-file``/``--merge-file``: where its GPT-2 BPE files are now); where
+it cannot (the files changed or are gone, a tokenizer without a
+Hugging Face form, an older trainer's manifest without ``--vocab-file``/``--merge-file``) it
+ships none and says why in one line (checkpoint/hf/tokenizer.py). The architecture follows
+the model flags recorded in the manifest (checkpoint/hf/):
 
 * the default (learned absolute positions, LayerNorm, GeLU, biases, tied embeddings) is a
   ``GPT2LMHeadModel`` (``activation_function`` ``gelu``, or ``gelu_new`` with
@@ -42,6 +47,7 @@ import torch
 
 from megatron.sdp4bit.training.checkpoint.hf import (
     READS, ExportError, hf_config, to_hf, trim_vocab, unstack, with_defaults)
+from megatron.sdp4bit.training.checkpoint.hf import tokenizer as hf_tokenizer
 
 
 def _checkpoint_dir(load: str, iteration: int | None) -> str:
@@ -106,8 +112,7 @@ def _check_output(output: str, overwrite: bool) -> None:
                           "the whole folder, or choose another --output")
 
 
-def _write(folder: str, state: dict, config: dict, model: dict, vocab_file: str | None,
-           merge_file: str | None) -> None:
+def _write(folder: str, state: dict, config: dict) -> None:
     from safetensors.torch import save_file
 
     path = os.path.join(folder, "model.safetensors")
@@ -120,13 +125,6 @@ def _write(folder: str, state: dict, config: dict, model: dict, vocab_file: str 
         raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), path) from None
     with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=1)
-    if vocab_file and merge_file:
-        shutil.copyfile(vocab_file, os.path.join(folder, "vocab.json"))
-        shutil.copyfile(merge_file, os.path.join(folder, "merges.txt"))
-        with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-            json.dump({"tokenizer_class": "GPT2Tokenizer", "model_max_length":
-                       model["max_position_embeddings"], "bos_token": "<|endoftext|>",
-                       "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}, f, indent=1)
 
 
 def export(load: str, output: str, iteration: int | None = None, vocab_file: str | None = None,
@@ -145,7 +143,8 @@ def export(load: str, output: str, iteration: int | None = None, vocab_file: str
     settings = files.read_manifest(directory)["settings"]
     model, assumed = with_defaults(settings["model"])
     vocab = settings.get("vocab_size")
-    config = hf_config(model, vocab)
+    tokenizer, special_ids, no_tokenizer = hf_tokenizer.choose(settings, vocab_file, merge_file)
+    config = hf_config(model, vocab, special_ids)
     name = config["architectures"][0]
     assumed = [k for k in assumed if k in READS[name]]
     if assumed:
@@ -166,7 +165,9 @@ def export(load: str, output: str, iteration: int | None = None, vocab_file: str
         os.makedirs(parent, exist_ok=True)
         tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(output)}.tmp-")
         os.chmod(tmp, 0o755)
-        _write(tmp, state, config, model, vocab_file, merge_file)
+        _write(tmp, state, config)
+        if tokenizer is not None:
+            no_tokenizer = hf_tokenizer.write(tmp, tokenizer, model["max_position_embeddings"])
         replace_folder(tmp, output)
     except OSError as err:
         raise ExportError(f"cannot write {output} ({err.strerror or err}): free space or fix "
@@ -174,6 +175,8 @@ def export(load: str, output: str, iteration: int | None = None, vocab_file: str
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+    if no_tokenizer:
+        print(f"note: {no_tokenizer}", file=sys.stderr)
     return name
 
 
@@ -182,8 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load", required=True, help="the trainer's --save folder")
     p.add_argument("--output", required=True, help="folder for the Hugging Face model")
     p.add_argument("--iteration", type=int, default=None, help="default: the tracker's")
-    p.add_argument("--vocab-file", help="GPT-2 BPE vocab.json to ship as the tokenizer")
-    p.add_argument("--merge-file", help="GPT-2 BPE merges.txt to ship as the tokenizer")
+    p.add_argument("--vocab-file", help="the run's GPT-2 BPE vocab.json: where the recorded "
+                   "one is now, or for a checkpoint of an older trainer (its manifest records "
+                   "no tokenizer) the file to ship")
+    p.add_argument("--merge-file", help="the same run's GPT-2 BPE merges.txt")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a non-empty --output folder (the whole folder)")
     args = p.parse_args(argv)

@@ -11,12 +11,16 @@ the config; GPT-2's tanh GeLU ``gelu_new``, transformers' default, becomes
 model's weights (fp32) with this trainer's manifest, which records the model settings: a run
 whose model flags differ is refused naming them. Start training from it with ``--finetune --load
 CKPT_DIR`` or ``--pretrained-checkpoint CKPT_DIR``. The last line printed is the
-``pretrain_gpt.py`` model flags of the checkpoint.
+``pretrain_gpt.py`` model flags of the checkpoint. The folder's tokenizer (its tokenizer
+files, read offline by transformers) is recorded in the manifest as the
+``--tokenizer-type HuggingFaceTokenizer --tokenizer-model HF_DIR`` it is, with its files'
+SHA-256, and those two flags end the printed line; a folder without one is noted in one
+line.
 
 The tensors go through the export's mapping backwards (the architecture's entry in
 megatron/sdp4bit/training/checkpoint/hf/registry.py). The vocabulary is padded as
-Megatron-LM pads it, with zero rows up to a multiple of ``--make-vocab-size-divisible-by`` x ``--tensor-model-parallel-size``; the export
-cuts them off again. Any other architecture, or a setting that does not map (a GPT-2
+Megatron-LM pads it, with zero rows up to a multiple of ``--make-vocab-size-divisible-by``
+x ``--tensor-model-parallel-size``; the export cuts them off again. Any other architecture, or a setting that does not map (a GPT-2
 activation other than GeLU or its tanh approximation, RoPE scaling, biases in a Llama, ...),
 is refused in one line naming it. The checkpoint is written into a temporary folder beside
 ``CKPT_DIR`` and renamed at the end; a non-empty ``CKPT_DIR`` is refused unless
@@ -80,6 +84,28 @@ def _normalized(arch: Architecture, tensors: dict, tied: bool) -> dict:
     return out
 
 
+def _source_tokenizer(hf: str, vocab: int) -> tuple[dict | None, str | None]:
+    """(the manifest's record of the folder's tokenizer, as ``--tokenizer-type
+    HuggingFaceTokenizer --tokenizer-model HF`` builds it; or None and why)."""
+    import argparse
+
+    from megatron.sdp4bit.training.tokenizers import registry
+    from megatron.sdp4bit.training.tokenizers.huggingface import tokenizer_files
+
+    if not tokenizer_files(hf):
+        return None, (f"--hf {hf} holds no tokenizer files: none recorded (the export will "
+                      "ship none)")
+    args = argparse.Namespace(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=hf)
+    try:
+        tok = registry.build_tokenizer(args)
+    except ValueError as err:
+        return None, f"the tokenizer is not recorded: {err}"
+    if tok.vocab_size > vocab:
+        return None, (f"the tokenizer is not recorded: it has {tok.vocab_size} tokens, more "
+                      f"than config.json's vocab_size {vocab}")
+    return registry.record(args, tok), None
+
+
 def _parse_trainer_flags(flags: list[str]):
     """The trainer's own parser and validation over the model flags (so the manifest records
     exactly what a run with these flags records)."""
@@ -130,7 +156,8 @@ def _fill(model, tensors: dict) -> None:
         model.load_state_dict({n: tensors[k] for n, k in names.items()}, strict=False)
 
 
-def _write(args, tensors: dict, vocab: int, padded: int, partial: str, source: str) -> None:
+def _write(args, tensors: dict, vocab: int, padded: int, partial: str, source: str,
+           tokenizer: dict | None) -> None:
     """Build the trainer's GPTModel (fp32, one process), load the tensors, save them."""
     from megatron.sdp4bit.config import SDP4BitConfig
     from megatron.sdp4bit.training import build
@@ -149,7 +176,7 @@ def _write(args, tensors: dict, vocab: int, padded: int, partial: str, source: s
         _fill(model, tensors)
         settings = run_settings(args, SDP4BitConfig(), padded, vocab)
         settings = {"model": settings["model"], "layout": settings["layout"],
-                    "vocab_size": vocab, "source": source}
+                    "vocab_size": vocab, "source": source, "tokenizer": tokenizer}
         weights_only.save_weights(partial, [model], settings)
     finally:
         build.teardown()
@@ -180,6 +207,7 @@ def import_hf(hf: str, save: str, overwrite: bool = False, divisible_by: int = 1
                            f"config ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
                            ) from None
     name, flags, vocab = trainer_flags(config)
+    tokenizer, note = _source_tokenizer(hf, vocab)
     padded = padded_vocab_size(vocab, divisible_by, tp)
     args = _parse_trainer_flags(flags)
     model = {k: getattr(args, k) for k in (
@@ -201,7 +229,7 @@ def import_hf(hf: str, save: str, overwrite: bool = False, divisible_by: int = 1
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's folder is private; a checkpoint is not
     try:
         _write(args, tensors, vocab, padded, tmp, f"import_hf.py from {os.path.abspath(hf)} "
-               f"({name})")
+               f"({name})", tokenizer)
         from megatron.sdp4bit.atomic_files import replace_folder
 
         replace_folder(tmp, save)
@@ -211,6 +239,11 @@ def import_hf(hf: str, save: str, overwrite: bool = False, divisible_by: int = 1
         flags += ["--make-vocab-size-divisible-by", str(divisible_by)]
     if tp != 1:
         flags += ["--tensor-model-parallel-size", str(tp)]
+    if tokenizer is not None:
+        flags += ["--tokenizer-type", tokenizer["type"], "--tokenizer-model",
+                  tokenizer["args"]["tokenizer_model"]]
+    if note:
+        print(f"note: {note}", file=sys.stderr)
     return flags
 
 

@@ -97,7 +97,7 @@ from megatron.sdp4bit.integration.cuda_stubs import (
     cuda_type_name,
     names_cuda,
 )
-from megatron.sdp4bit.integration.patches import MODULE, both, declare
+from megatron.sdp4bit.integration.patches import CPU_MODE, MODULE, both, declare, on_torch
 
 __all__ = ["enable_cpu_mode", "cpu_mode_active", "names_cuda"]
 
@@ -170,25 +170,26 @@ _MASK_NOTE = "[Note: the causal mask in the backward pass] (integration/cpu_mode
 _MOE_NOTE = "[Note: mixture-of-experts on the CPU] (integration/cpu_mode.py)"
 CPU_MODE_STUBS = SHARED_STUBS + (
     declare("cpu.cuda.Stream", "torch.cuda", "Stream", MODULE, Stream, note=_MOE_NOTE,
-            checked=both("(device, priority, **kwargs)")),
+            checked=on_torch("(device, priority, **kwargs)"), scope=CPU_MODE),
     declare("cpu.moe_router.router_gating_linear", "megatron.core.transformer.moe.router",
             "router_gating_linear", MODULE, _router_gating_linear_cpu, note=_MOE_NOTE,
             checked=both("(inp, weight, bias, router_dtype)"),
-            applies=_te_general_gemm_undefined),
+            applies=_te_general_gemm_undefined, scope=CPU_MODE),
     declare("cpu.token_dispatcher.maybe_move_tensor_to_cpu",
             "megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu",
             MODULE, _move_splits_to_host_cpu, note=_MOE_NOTE,
-            checked=both("(tensor, as_numpy, record_stream)")),
+            checked=both("(tensor, as_numpy, record_stream)"), scope=CPU_MODE),
     declare("cpu.autograd._engine_run_backward", "torch.autograd", "_engine_run_backward",
             MODULE, _engine_run_backward_in_mode, wraps=True,
             note="[Note: the backward pass in CPU mode] (integration/cpu_mode.py)",
-            checked=both("(t_outputs, *args, **kwargs)")),
+            checked=on_torch("(t_outputs, *args, **kwargs)"), scope=CPU_MODE),
     declare("cpu.transformer_utils.get_default_causal_mask",
             "megatron.core.transformer.utils", "get_default_causal_mask", MODULE,
-            _default_causal_mask_cpu, note=_MASK_NOTE, checked=both("(sq)")),
+            _default_causal_mask_cpu, note=_MASK_NOTE, checked=both("(sq)"),
+            scope=CPU_MODE),
     declare("cpu.fused_softmax.get_default_causal_mask", "megatron.core.fusions.fused_softmax",
             "get_default_causal_mask", MODULE, _default_causal_mask_cpu, note=_MASK_NOTE,
-            checked=both("(sq)")),
+            checked=both("(sq)"), scope=CPU_MODE),
 )
 """What CPU mode replaces: the shared CUDA stubs and megatron-core's causal mask."""
 

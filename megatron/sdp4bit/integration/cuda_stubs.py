@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from megatron.sdp4bit.integration.patches import MODULE, both, declare
+from megatron.sdp4bit.integration.patches import CPU_MODE, DRYRUN, MODULE, both, declare, on_torch
 
 DEVICE_INDEX = [0]  # what torch.cuda.set_device chose (the dry run's stub sets it)
 
@@ -133,20 +133,21 @@ def set_cuda_rng_state(new_state: torch.Tensor, device: Any = -1,
 
 
 _NOTE = "[Note: the CUDA runtime on the CPU] (integration/cuda_stubs.py)"
+_SHARED = (CPU_MODE, DRYRUN)  # applied by both
 SHARED_STUBS = (
     declare("cuda.current_device", "torch.cuda", "current_device", MODULE, current_device,
-            note=_NOTE, checked=both("()")),
+            note=_NOTE, scope=_SHARED, checked=on_torch("()")),
     declare("cuda.current_stream", "torch.cuda", "current_stream", MODULE, current_stream,
-            note=_NOTE, checked=both("(device)")),
+            note=_NOTE, scope=_SHARED, checked=on_torch("(device)")),
     declare("cuda.get_rng_state", "torch.cuda", "get_rng_state", MODULE, get_rng_state,
-            note=_NOTE, checked=both("(device)")),
+            note=_NOTE, scope=_SHARED, checked=on_torch("(device)")),
     declare("cuda.random.get_rng_state", "torch.cuda.random", "get_rng_state", MODULE,
-            get_rng_state, note=_NOTE, checked=both("(device)")),
+            get_rng_state, note=_NOTE, scope=_SHARED, checked=on_torch("(device)")),
     declare("cuda.manual_seed", "torch.cuda", "manual_seed", MODULE, manual_seed,
-            note=_NOTE, checked=both("(seed)")),
+            note=_NOTE, scope=_SHARED, checked=on_torch("(seed)")),
     declare("cuda.random.manual_seed", "torch.cuda.random", "manual_seed", MODULE, manual_seed,
-            note=_NOTE, checked=both("(seed)")),
+            note=_NOTE, scope=_SHARED, checked=on_torch("(seed)")),
     declare("mcore.random._set_cuda_rng_state", "megatron.core.tensor_parallel.random",
-            "_set_cuda_rng_state", MODULE, set_cuda_rng_state, note=_NOTE,
+            "_set_cuda_rng_state", MODULE, set_cuda_rng_state, note=_NOTE, scope=_SHARED,
             checked=both("(new_state, device, graph_safe)")),
 )

@@ -61,7 +61,7 @@ from megatron.core.dist_checkpointing.strategies.state_dict_saver import (
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
 from megatron.sdp4bit.integration import patches
-from megatron.sdp4bit.integration.patches import INSTANCE, MODULE, both, declare
+from megatron.sdp4bit.integration.patches import CHECKPOINT, INSTANCE, MODULE, both, declare
 
 
 def _in_process_callbacks(strategy: TorchDistSaveShardedStrategy):
@@ -109,11 +109,13 @@ _STRATEGIES = "megatron.core.dist_checkpointing.strategies"
 SAVE_CALLBACKS = declare(
     "checkpoint.save_callbacks", f"{_STRATEGIES}.torch:TorchDistSaveShardedStrategy",
     "_get_save_and_finalize_callbacks", INSTANCE, _in_process_callbacks, note=_WRITER_NOTE,
+    scope=CHECKPOINT,
     checked={"0.16.1": "(self, writer, save_state_dict_ret)",
              "0.19.2": "(self, writer, save_state_dict_ret, async_strategy)"})
 RESULTS_QUEUE = declare(
     "checkpoint.results_queue", f"{_STRATEGIES}.filesystem_async", "_results_queue", MODULE,
-    _local_results_queue, wraps=True, note=_WRITER_NOTE, checked=both("<NoneType>"))
+    _local_results_queue, wraps=True, note=_WRITER_NOTE, checked=both("<NoneType>"),
+    scope=CHECKPOINT)
 
 
 @contextlib.contextmanager
@@ -195,13 +197,13 @@ BUCKET_SPACE = declare(
     INSTANCE, _in_buffer_space,
     note="[Note: the fully reshardable save of a buffer with several buckets] "
          "(integration/dist_checkpointing.py)",
-    checked=both("(self, use_gloo_comm, empty_data, return_on_all_ranks)"))
+    checked=both("(self, use_gloo_comm, empty_data, return_on_all_ranks)"), scope=CHECKPOINT)
 MISSING_STEP = declare(
     "checkpoint.set_main_param_and_optimizer_states", _DIST_OPT,
     "_set_main_param_and_optimizer_states", INSTANCE, _tolerating_missing_step,
     note="[Note: the fully reshardable load has no step] "
          "(integration/dist_checkpointing.py)",
-    checked=both("(self, model_param, tensors)"))
+    checked=both("(self, model_param, tensors)"), scope=CHECKPOINT)
 
 
 @contextlib.contextmanager

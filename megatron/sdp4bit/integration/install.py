@@ -61,7 +61,7 @@ from megatron.sdp4bit.integration.param_sync import (
     make_copy_main_params_to_model_params,
     make_start_param_sync,
 )
-from megatron.sdp4bit.integration.patches import INSTANCE, both, declare
+from megatron.sdp4bit.integration.patches import INSTANCE, PADDING, SEAM, both, declare
 from megatron.sdp4bit.integration.state import RunState
 from megatron.sdp4bit.integration.support import check_supported, setup_of
 from megatron.sdp4bit.integration.tp_duplicates import (
@@ -75,22 +75,22 @@ _DIST_OPT = "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer"
 START_GRAD_SYNC = declare(
     "install.start_grad_sync", _BUCKET_GROUP, "start_grad_sync", INSTANCE, make_start_grad_sync,
     note="[Note: the replaced start_grad_sync] (integration/grad_sync.py)",
-    checked=both("(self, force_all_reduce)"))
+    checked=both("(self, force_all_reduce)"), scope=SEAM)
 START_PARAM_SYNC = declare(
     "install.start_param_sync", _BUCKET_GROUP, "start_param_sync", INSTANCE,
     make_start_param_sync,
     note="[Note: qWD keeps the replica until the all-gather] (integration/param_sync.py)",
-    checked=both("(self, force_sync)"))
+    checked=both("(self, force_sync)"), scope=SEAM)
 COPY_MAIN_PARAMS = declare(
     "install.copy_main_params_to_model_params", _DIST_OPT, "_copy_main_params_to_model_params",
     INSTANCE, make_copy_main_params_to_model_params,
     note="[Note: qWD keeps the replica until the all-gather] (integration/param_sync.py)",
-    checked=both("(self)"))
+    checked=both("(self)"), scope=SEAM)
 COPY_MODEL_GRADS = declare(
     "install.copy_model_grads_to_main_grads", _DIST_OPT, "_copy_model_grads_to_main_grads",
     INSTANCE, make_copy_model_grads_to_main_grads,
     note="[Note: TP-duplicated weights] (integration/tp_duplicates.py)",
-    checked=both("(self)"))
+    checked=both("(self)"), scope=SEAM)
 
 # The DDP modules SDP4Bit is installed on (weakly: a dropped model leaves the set).
 _INSTALLED_ON: "weakref.WeakSet" = weakref.WeakSet()
@@ -220,7 +220,8 @@ def install_sdp4bit(model_chunks, optimizer, config: SDP4BitConfig, *,
     :func:`~megatron.sdp4bit.integration.sdp4bit_padding` with the same ``config``;
     otherwise the bucket check raises ``ValueError`` with the fix.
     """
-    check_megatron_core_version(allow_untested_version=allow_untested_version)
+    check_megatron_core_version(scopes=(SEAM, PADDING),
+                                allow_untested_version=allow_untested_version)
     if not isinstance(config, SDP4BitConfig):
         raise ValueError(f"config must be an SDP4BitConfig, got {type(config).__name__}")
     if not config.enabled:

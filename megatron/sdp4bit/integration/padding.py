@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from megatron.sdp4bit.comm import divisor_from_config
 from megatron.sdp4bit.config import SDP4BitConfig
 from megatron.sdp4bit.integration import patches
-from megatron.sdp4bit.integration.patches import MODULE, declare
+from megatron.sdp4bit.integration.patches import MODULE, PADDING, declare
 from megatron.sdp4bit.integration.releases import bucket_padding_module
 
 
@@ -55,11 +55,11 @@ PADDING = (
                                "data_parallel_group, bucket_size, param_to_name, "
                                "gradient_scaling_factor, param_indices, nccl_ub, "
                                "pg_collection)"},
-            applies=_is_padding_module(_BUFFER)),
+            applies=_is_padding_module(_BUFFER), scope=PADDING),
     declare("padding.param_layout.math", _LAYOUT, "math", MODULE, _padded_math, wraps=True,
             note=_NOTE, witness="bucket_end_divisor",
             checked={"0.19.2": "(data_parallel_world_size, pad_for_high_nccl_busbw)"},
-            applies=_is_padding_module(_LAYOUT)),
+            applies=_is_padding_module(_LAYOUT), scope=PADDING),
 )
 """Exactly one applies: the module whose ``math`` gives the bucket-end divisor."""
 

@@ -2,30 +2,50 @@
 
 Every attribute of megatron-core or torch that SDP4Bit replaces (a method bound on an
 instance, a module global, a function of a torch module) is a :class:`Replacement`
-declared with :func:`declare`, next to the code that owns it, in one of the modules of
-:data:`DECLARED_IN`. :func:`all_replacements` lists them all (``python -m
-megatron.sdp4bit.integration.patches`` prints the table; docs/integration.md explains it).
+declared with :func:`declare`, next to the code that owns it. The library's entries are in
+the modules of :data:`DECLARED_IN` (all in ``integration/``); the CUDA dry run
+(``megatron/sdp4bit/testing/cuda_dryrun.py``) declares its own when it is imported, outside
+the library's import graph. :func:`all_replacements` lists what is registered (``python -m
+megatron.sdp4bit.integration.patches`` prints it by scope; docs/integration.md explains it).
 Nothing else in the package assigns an attribute of a megatron-core or torch object
 (tests/unit/test_replacement_seams.py greps for it).
 
 An entry names its target (``owner``: a module, or ``module:Class``; ``attribute``), how
 the replacement goes in (:data:`INSTANCE`: bound on one object with
 :func:`types.MethodType`, the class untouched; :data:`MODULE` / :data:`CLASS`: set on the
-module or class), the replacement itself, the ``[Note: ...]`` that explains it, and the
-megatron-core releases it was checked on with the :func:`fingerprint` of the original there.
+module or class), the replacement itself, the ``[Note: ...]`` that explains it, who applies
+it (its ``scopes``, [Note: scopes]), and the releases it was checked on with the
+:func:`fingerprint` of the original there: megatron-core releases for a megatron-core
+target, torch releases for a torch one (:func:`library`).
+
+[Note: scopes]
+Each entry says who applies it, one or more of :data:`SCOPES`:
+
+* :data:`SEAM`: ``install_sdp4bit`` (the quantized collectives on bucket groups and
+  distributed optimizers);
+* :data:`PADDING`: ``sdp4bit_padding`` (around DDP construction);
+* :data:`CHECKPOINT`: the trainer's ``torch_dist`` checkpoints
+  (``integration/dist_checkpointing.py``);
+* :data:`CPU_MODE`: ``enable_cpu_mode`` (megatron-core on CPU);
+* :data:`DRYRUN`: the CUDA dry run (``enable_cuda_dryrun``, a development tool).
+
+The untested-release check walks only the scopes its caller applies (:func:`in_scopes`): a
+library user's ``install_sdp4bit`` (seam and padding) is never refused because a target of
+the checkpoint writer or of the dry run moved. The CUDA runtime stubs that CPU mode and the
+dry run share are in both scopes.
 
 [Note: what the engine checks]
 Before it replaces anything, :func:`apply` resolves every target and compares the
 fingerprint of what is there now (the parameter list of a function or class, the type of
-anything else) with the one recorded for the installed megatron-core release, or, on a
-release no entry was checked on, with any recorded one. A missing target or a changed
-fingerprint is refused with one line naming the target, before any attribute changes: a
-replacement re-states or wraps code it was written against, and a silently different
-original is the bug this guards against. The untested-release decision
-(:func:`megatron.sdp4bit.integration.version.check_megatron_core_version`) walks the same
-table with the same check (:func:`first_problem`); a user who accepts the moved targets
-(``allow_untested_version=True``) makes :func:`accept_changed` lift the fingerprint check
-for those (a missing target still cannot be replaced).
+anything else) with the one recorded for the installed release of the target's library
+(megatron-core or torch), or, on a release no entry was checked on, with any recorded one.
+A missing target or a changed fingerprint is refused with one line naming the target,
+before any attribute changes: a replacement re-states or wraps code it was written against,
+and a silently different original is the bug this guards against. The untested-release
+decision (:func:`megatron.sdp4bit.integration.version.check_megatron_core_version`) walks
+the entries of the caller's scopes with the same check (:func:`first_problem`); a user who
+accepts the moved targets (``allow_untested_version=True``) makes :func:`accept_changed`
+lift the fingerprint check for those (a missing target still cannot be replaced).
 
 Reverting restores exactly what was there: a module or class attribute gets its previous
 value back, an instance attribute is deleted (or its own previous value restored), in the
@@ -44,7 +64,9 @@ from typing import Any
 
 from megatron.sdp4bit.integration.releases import (
     TESTED_MEGATRON_CORE_VERSIONS,
+    TESTED_TORCH_VERSIONS,
     megatron_core_version,
+    torch_version,
 )
 
 INSTANCE = "instance"
@@ -52,13 +74,21 @@ MODULE = "module"
 CLASS = "class"
 KINDS = (INSTANCE, MODULE, CLASS)
 
-# Every module that declares entries; the table is complete once they are imported.
+# Who applies an entry ([Note: scopes]).
+SEAM = "seam"
+PADDING = "padding"
+CHECKPOINT = "checkpoint"
+CPU_MODE = "cpu_mode"
+DRYRUN = "dryrun"
+SCOPES = (SEAM, PADDING, CHECKPOINT, CPU_MODE, DRYRUN)
+
+# The library's modules that declare entries; its table is complete once they are imported.
+# The dry run's entries are not among them: it registers them itself ([Note: scopes]).
 DECLARED_IN = (
     "megatron.sdp4bit.integration.padding",
     "megatron.sdp4bit.integration.install",
     "megatron.sdp4bit.integration.cuda_stubs",
     "megatron.sdp4bit.integration.cpu_mode",
-    "megatron.sdp4bit.testing.cuda_dryrun",
     "megatron.sdp4bit.integration.dist_checkpointing",
 )
 
@@ -87,7 +117,10 @@ class Replacement:
     note: str
     """The ``[Note: ...]`` (and the file that holds it) that explains the replacement."""
     checked: Mapping[str, str]
-    """megatron-core release -> :func:`fingerprint` of the original it was checked with."""
+    """Release of the target's :func:`library` -> :func:`fingerprint` of the original it was
+    checked with."""
+    scopes: tuple[str, ...]
+    """Who applies it: some of :data:`SCOPES` ([Note: scopes])."""
     wraps: bool = False
     witness: str | None = None
     """Another attribute of ``owner`` (dotted) whose fingerprint stands for this one's, for a
@@ -120,31 +153,59 @@ _ACCEPTED_CHANGES: set[str] = set()
 
 
 def declare(name: str, owner: str, attribute: str, kind: str, replacement: Any, *, note: str,
-            checked: Mapping[str, str], wraps: bool = False, witness: str | None = None,
+            checked: Mapping[str, str], scope: str | tuple[str, ...], wraps: bool = False,
+            witness: str | None = None,
             applies: Callable[[], bool] | None = None) -> Replacement:
-    """Add an entry to the table (at import of a module of :data:`DECLARED_IN`)."""
+    """Add an entry to the table (at import of a module of :data:`DECLARED_IN`, or of the
+    dry run's). ``scope``: who applies it, one of :data:`SCOPES` or a tuple of them."""
     if kind not in KINDS:
         raise ValueError(f"replacement {name}: kind {kind!r} is not one of {KINDS}")
     if name in _REGISTRY:
         raise ValueError(f"replacement {name} is declared twice")
     if kind == INSTANCE and ":" not in owner:
         raise ValueError(f"replacement {name}: an instance replacement names its class")
-    entry = Replacement(name, owner, attribute, kind, replacement, note, dict(checked), wraps,
-                        witness, applies)
+    scopes = (scope,) if isinstance(scope, str) else tuple(scope)
+    if not scopes or any(s not in SCOPES for s in scopes):
+        raise ValueError(f"replacement {name}: scope {scope!r} is not one of {SCOPES}")
+    entry = Replacement(name, owner, attribute, kind, replacement, note, dict(checked), scopes,
+                        wraps, witness, applies)
     _REGISTRY[name] = entry
     return entry
 
 
 def both(fingerprint_: str) -> dict[str, str]:
-    """``checked`` for a target with the same fingerprint on both tested releases."""
+    """``checked`` for a megatron-core target with the same fingerprint on both tested
+    releases."""
     return {release: fingerprint_ for release in TESTED_MEGATRON_CORE_VERSIONS}
 
 
+def on_torch(fingerprint_: str) -> dict[str, str]:
+    """``checked`` for a torch target: its fingerprint on the tested torch release(s)."""
+    return {release: fingerprint_ for release in TESTED_TORCH_VERSIONS}
+
+
 def all_replacements() -> list[Replacement]:
-    """The whole table, in declaration order (imports :data:`DECLARED_IN`)."""
+    """Every registered entry, in declaration order (imports :data:`DECLARED_IN`; the dry
+    run's are there once it has been imported)."""
     for module in DECLARED_IN:
         importlib.import_module(module)
     return list(_REGISTRY.values())
+
+
+def checked_scopes(scopes: Iterable[str]) -> tuple[str, ...]:
+    """``scopes`` as a tuple; ``ValueError`` naming any that is not one of :data:`SCOPES`."""
+    scopes = tuple(scopes)
+    unknown = sorted(set(scopes) - set(SCOPES))
+    if unknown:
+        raise ValueError(f"unknown scope(s) {unknown}: the scopes are {SCOPES}")
+    return scopes
+
+
+def in_scopes(scopes: Iterable[str]) -> list[Replacement]:
+    """The registered entries that one of ``scopes`` applies and that apply to the installed
+    megatron-core (their feature test), in declaration order."""
+    wanted = set(checked_scopes(scopes))
+    return [e for e in all_replacements() if wanted & set(e.scopes) and applies(e)]
 
 
 # --- fingerprints and the check -----------------------------------------------------------
@@ -210,10 +271,22 @@ def applies(entry: Replacement) -> bool:
     return entry.applies is None or bool(entry.applies())
 
 
+def library(entry: Replacement) -> str:
+    """``"torch"`` for a target of torch, else ``"megatron-core"``: whose releases
+    ``entry.checked`` names."""
+    return "torch" if entry.owner.split(":")[0].split(".")[0] == "torch" else "megatron-core"
+
+
+def installed_release(entry: Replacement) -> str:
+    """The installed release of ``entry``'s :func:`library`."""
+    return torch_version() if library(entry) == "torch" else megatron_core_version()
+
+
 def problem(entry: Replacement, release: str | None = None) -> str | None:
     """One line if ``entry``'s target is missing or its fingerprint is not the one checked
-    on ``release`` (any checked one when ``release`` is untested); else None."""
-    release = megatron_core_version() if release is None else release
+    on ``release`` of its :func:`library` (default: the installed one; any checked one when
+    ``release`` is untested); else None."""
+    release = installed_release(entry) if release is None else release
     try:
         owner = resolve_owner(entry)
     except ReplacementError as err:
@@ -228,21 +301,22 @@ def problem(entry: Replacement, release: str | None = None) -> str | None:
     if release in entry.checked:
         if got == entry.checked[release]:
             return None
-        want, where = entry.checked[release], f"megatron-core {release}"
+        want, where = entry.checked[release], f"{library(entry)} {release}"
     else:
         if got in entry.checked.values():
             return None
         want = " or ".join(sorted(set(entry.checked.values())))
-        where = "megatron-core " + " and ".join(sorted(entry.checked))
+        where = f"{library(entry)} " + " and ".join(sorted(entry.checked))
     what = f" (through {watched})" if entry.witness else ""
     return f"{entry.target} changed{what}: its signature is {got}, checked as {want} on {where}"
 
 
-def first_problem(entries: Iterable[Replacement], release: str | None = None) -> str | None:
-    """The first :func:`problem` among the entries that apply, or None."""
+def first_problem(entries: Iterable[Replacement]) -> str | None:
+    """The first :func:`problem` (on the installed releases) among the entries that apply,
+    or None."""
     for entry in entries:
         if applies(entry):
-            found = problem(entry, release)
+            found = problem(entry)
             if found is not None:
                 return found
     return None
@@ -359,17 +433,37 @@ def applied(patches: Iterable[Patch | Replacement]) -> Iterator[Applied]:
 
 
 def table() -> list[dict[str, str]]:
-    """The table as rows of text (the ``python -m`` listing and the docs)."""
-    return [{"name": e.name, "target": e.target, "kind": e.kind,
-             "releases": ", ".join(sorted(e.checked)), "checked": " / ".join(
-                 f"{r}: {f}" for r, f in sorted(e.checked.items())), "note": e.note}
+    """The registered entries as rows of text (the ``python -m`` listing and the docs)."""
+    return [{"name": e.name, "target": e.target, "kind": e.kind, "scopes": ", ".join(e.scopes),
+             "releases": f"{library(e)} " + ", ".join(sorted(e.checked)), "checked": " / ".join(
+                 f"{library(e)} {r}: {f}" for r, f in sorted(e.checked.items())),
+             "note": e.note}
             for e in all_replacements()]
+
+
+def listing() -> str:
+    """The table grouped by scope (an entry of two scopes is under each), as ``python -m
+    megatron.sdp4bit.integration.patches`` prints it."""
+    rows = table()
+    out = []
+    for scope in SCOPES:
+        mine = [r for r in rows if scope in r["scopes"].split(", ")]
+        out.append(f"== {scope}: {len(mine)} entries")
+        if scope == DRYRUN and all(len(r["scopes"].split(", ")) > 1 for r in mine):
+            out.append("   (the CUDA runtime stubs CPU mode shares with it; the dry run "
+                       "registers its own entries when it is used: "
+                       "megatron/sdp4bit/testing/cuda_dryrun.py)")
+        for row in mine:
+            also = [s for s in row["scopes"].split(", ") if s != scope]
+            out.append(f"{row['name']:<40} {row['kind']:<8} {row['target']}"
+                       + (f"  (also {', '.join(also)})" if also else ""))
+            out.append(f"{'':<40} {row['checked']}")
+            out.append(f"{'':<40} {row['note']}")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":
     # The entries register in the imported module, not in this __main__ copy of it.
     from megatron.sdp4bit.integration import patches as _table
 
-    for row in _table.table():
-        print(f"{row['name']:<40} {row['kind']:<8} {row['target']}\n"
-              f"{'':<40} {row['checked']}\n{'':<40} {row['note']}")
+    print(_table.listing())

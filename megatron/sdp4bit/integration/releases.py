@@ -37,6 +37,19 @@ TESTED_MEGATRON_CORE_VERSIONS = ("0.16.1", "0.19.2")
 GPU cluster set up today gets); ``setup.py`` and ``requirements.txt`` choose by interpreter."""
 
 
+TESTED_TORCH_VERSIONS = ("2.13.0",)
+"""The torch release ``requirements.txt`` and ``setup.py`` pin (both megatron-core releases
+were tested with it): the torch targets of the replacement table were checked on it."""
+
+
+def torch_version() -> str:
+    """The installed torch release, without a local version label (``2.13.0+cpu`` and
+    ``2.13.0+cu128`` are both 2.13.0: the build, not the Python API, differs)."""
+    import torch
+
+    return str(torch.__version__).split("+", 1)[0]
+
+
 def megatron_core_version() -> str:
     """The installed release, without a local version label.
 

@@ -9,17 +9,21 @@ replacements re-state or wrap what they replace. Where the tested releases diffe
 [Note: an untested megatron-core release]
 On 0.16.1 and 0.19.2 every entry was checked by hand and by the release walk
 (tests/distributed/test_integration_replacements.py). On any other release,
-:func:`check_megatron_core_version` walks the whole table with the engine's own check
+:func:`check_megatron_core_version` walks the entries of the scopes its caller applies
+(``install_sdp4bit``: seam and padding; the trainer: those, the checkpoint writer's and,
+without CUDA, CPU mode's; [Note: scopes] in ``patches.py``) with the engine's own check
 (``patches.first_problem``): if every target is present with the signature it was checked
 with, SDP4Bit runs, with one warning line naming the release; otherwise it refuses, naming
 the first target that moved, unless the user accepts that (``allow_untested_version=True``,
 the trainer's ``--allow-untested-megatron-core``): then it runs with one warning line naming
 the moved target, and the engine lets the moved (not the missing) targets be replaced.
+A target of a scope the caller does not apply is not looked at: it cannot refuse the call.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 from megatron.sdp4bit.integration import patches
 from megatron.sdp4bit.integration.releases import (
@@ -40,24 +44,27 @@ def _warn_once(key: str, message: str) -> None:
         _log.warning(message)
 
 
-def check_megatron_core_version(*, allow_untested_version: bool = False,
+def check_megatron_core_version(*, scopes: Iterable[str] = (patches.SEAM, patches.PADDING),
+                                allow_untested_version: bool = False,
                                 how_to_allow: str = "pass allow_untested_version=True") -> str:
     """Return the installed release if SDP4Bit may run on it; raise ``RuntimeError`` (one
-    line) if not. See [Note: an untested megatron-core release]. ``how_to_allow`` is the
-    override the refusal names (the trainer names its flag)."""
+    line) if not. See [Note: an untested megatron-core release]. ``scopes``: the scopes of
+    the replacement table the caller will apply (default: ``install_sdp4bit``'s);
+    ``how_to_allow`` is the override the refusal names (the trainer names its flag)."""
+    scopes = patches.checked_scopes(scopes)
     version = megatron_core_version()
     if version in TESTED_MEGATRON_CORE_VERSIONS:
         return version
     old, new = TESTED_MEGATRON_CORE_VERSIONS
-    entries = [e for e in patches.all_replacements() if patches.applies(e)]
-    moved = patches.first_problem(entries, version)
+    entries = patches.in_scopes(scopes)
+    moved = patches.first_problem(entries)
     if moved is None:
         _warn_once(version, f"SDP4Bit: warning: megatron-core {version} was never tested (tested: "
-                   f"{old}, {new}); every attribute SDP4Bit replaces is present with the "
-                   "signature it was checked with, so it runs")
+                   f"{old}, {new}); every attribute SDP4Bit replaces here ({', '.join(scopes)}) "
+                   "is present with the signature it was checked with, so it runs")
         return version
     if allow_untested_version:
-        patches.accept_changed(e for e in entries if patches.problem(e, version) is not None)
+        patches.accept_changed(e for e in entries if patches.problem(e) is not None)
         _warn_once(version, f"SDP4Bit: warning: megatron-core {version} was never tested "
                    f"(tested: {old}, {new}) and {moved}; running anyway as asked")
         return version

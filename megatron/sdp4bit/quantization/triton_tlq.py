@@ -110,6 +110,10 @@ def _tlq_middle_kernel(wire_ptr, out_ptr, n_in, in_nbytes, in_groups, ngroups, o
     start = g * G  # index in the summed vector = output index = random-stream index
     total = _dequantize_sum(wire_ptr, n_in, in_nbytes, in_groups, start, row_valid,
                             G_IN, BITS_IN, QMAX_IN, G, GP)
+    if GP != G:
+        # A group that is not a power of two: the padding lanes decoded code 0 as -(QMAX+1)
+        # x scale; zero them, or they would enter the group's absmax.
+        total = tl.where((t < G)[None, :], total, 0.0)
     codes, scale = tc.quantize_tile(total, start[:, None] + t[None, :], k0, k1, QMAX,
                                     STOCHASTIC)
     msg = start // out_numel

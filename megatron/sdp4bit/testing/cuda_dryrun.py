@@ -33,9 +33,11 @@ one process behave, as far as Python code can tell, like a rank of a CUDA run:
    (``all_gather_object``...) are exempt: torch moves their bytes to the device itself.
 
 Only :func:`enable_cuda_dryrun` switches it on (``dev/cuda_dryrun.py`` calls it before
-importing the trainer); nothing else imports this module (the replacement table lists its
-entries). Every replaced attribute is an entry of that table (:data:`DRY_RUN`): CPU mode's
-CUDA stubs plus the rest of the runtime, the collectives and ``torch.load``.
+importing the trainer); nothing else imports this module, the library included. Every
+replaced attribute is an entry of the replacement table (:data:`DRY_RUN`): CPU mode's CUDA
+stubs plus the rest of the runtime, the collectives and ``torch.load``. This module
+registers its own entries (scope ``dryrun``) when it is imported, so the library's table
+and its untested-release check never see them unless the dry run is in use.
 Limits: docs/cuda_dryrun.md.
 """
 
@@ -57,7 +59,7 @@ from torch.utils import _pytree as pytree
 
 from megatron.sdp4bit.integration import cuda_stubs, patches
 from megatron.sdp4bit.integration.cuda_stubs import SHARED_STUBS, cuda_type_name, names_cuda
-from megatron.sdp4bit.integration.patches import MODULE, both, declare
+from megatron.sdp4bit.integration.patches import DRYRUN, MODULE, both, declare, on_torch
 from megatron.sdp4bit.quantization.backend import BACKEND_ENV, KernelBackend
 
 __all__ = ["CudaDryRunError", "DeviceTensor", "HostTensor", "enable_cuda_dryrun",
@@ -439,16 +441,16 @@ _RUNTIME = (
 )
 RUNTIME_STUBS = tuple(
     declare(f"dryrun.cuda.{attr}", "torch.cuda", attr, MODULE, stub, note=_RUNTIME_NOTE,
-            checked=both(fp)) for attr, stub, fp in _RUNTIME) + (
+            checked=on_torch(fp), scope=DRYRUN) for attr, stub, fp in _RUNTIME) + (
     declare("dryrun.cuda.random.set_rng_state", "torch.cuda.random", "set_rng_state", MODULE,
             dict((a, s) for a, s, _ in _RUNTIME)["set_rng_state"], note=_RUNTIME_NOTE,
-            checked=both("(new_state, device)")),
+            checked=on_torch("(new_state, device)"), scope=DRYRUN),
     declare("dryrun.cuda.nvtx.range_push", "torch.cuda.nvtx", "range_push", MODULE, _nothing(),
-            note=_RUNTIME_NOTE, checked=both("(msg)")),
+            note=_RUNTIME_NOTE, checked=on_torch("(msg)"), scope=DRYRUN),
     declare("dryrun.cuda.nvtx.range_pop", "torch.cuda.nvtx", "range_pop", MODULE, _nothing(),
-            note=_RUNTIME_NOTE, checked=both("()")),
+            note=_RUNTIME_NOTE, checked=on_torch("()"), scope=DRYRUN),
     declare("dryrun.dynamo.disable", "torch._dynamo.config", "disable", MODULE, True,
-            note=_RUNTIME_NOTE, checked=both("<bool>")),
+            note=_RUNTIME_NOTE, checked=on_torch("<bool>"), scope=DRYRUN),
 )
 
 _C10D = "torch.distributed.distributed_c10d"
@@ -519,19 +521,19 @@ def _collective_fingerprint(name: str) -> str:
 
 COLLECTIVES = tuple(
     declare(f"dryrun.{where}.{name}", module, name, MODULE, _wrapper_for(name), wraps=True,
-            note=_NCCL_NOTE, checked=both(_collective_fingerprint(name)))
+            note=_NCCL_NOTE, checked=on_torch(_collective_fingerprint(name)), scope=DRYRUN)
     for name in _CHECKED + _OBJECT for where, module in (("c10d", _C10D),
                                                          ("dist", "torch.distributed"))
 ) + tuple(
     declare(f"dryrun.{where}.{name}", module, name, MODULE, _gloo_maker(position), wraps=True,
-            note=_NCCL_NOTE, checked=both(_collective_fingerprint(name)))
+            note=_NCCL_NOTE, checked=on_torch(_collective_fingerprint(name)), scope=DRYRUN)
     for name, position in (("init_process_group", 0), ("new_group", 2))
     for where, module in (("c10d", _C10D), ("dist", "torch.distributed"))
 ) + tuple(
     declare(f"dryrun.captured.{module.removeprefix('megatron.core.')}.{attr}", module, attr,
             MODULE,
             _wrapper_for(name), wraps=True, note=_NCCL_NOTE,
-            checked=both(_collective_fingerprint(name)))
+            checked=both(_collective_fingerprint(name)), scope=DRYRUN)
     for module, attr, name in CAPTURED
 )
 
@@ -562,8 +564,8 @@ def _host_load(load: Callable) -> Callable:
 
 LOAD = declare("dryrun.torch.load", "torch", "load", MODULE, _host_load, wraps=True,
                note="[Note: a GPU run's tensors, tagged] (testing/cuda_dryrun.py)",
-               checked=both("(f, map_location, pickle_module, *, weights_only, mmap, "
-                            "**pickle_load_args)"))
+               checked=on_torch("(f, map_location, pickle_module, *, weights_only, mmap, "
+                                "**pickle_load_args)"), scope=DRYRUN)
 
 
 
@@ -587,7 +589,7 @@ def _backward_in_mode(original):
 BACKWARD = declare("dryrun.autograd._engine_run_backward", "torch.autograd",
                    "_engine_run_backward", MODULE, _backward_in_mode, wraps=True,
                    note="[Note: a GPU run's tensors, tagged] (testing/cuda_dryrun.py)",
-                   checked=both("(t_outputs, *args, **kwargs)"))
+                   checked=on_torch("(t_outputs, *args, **kwargs)"), scope=DRYRUN)
 
 DRY_RUN = SHARED_STUBS + RUNTIME_STUBS + COLLECTIVES + (LOAD, BACKWARD)
 """Everything the dry run replaces: CPU mode's CUDA stubs plus NCCL's rules."""

@@ -39,6 +39,7 @@ from megatron.sdp4bit.training.observe.logging import format_parameter_count
 from megatron.sdp4bit.training.observe.noise import announce
 from megatron.sdp4bit.training.observe.timers import Timers
 from megatron.sdp4bit.training.tokenizers import build_tokenizer, padded_vocab_size
+from megatron.sdp4bit.training.tokenizers import registry as tokenizer_registry
 
 
 # What stops a run with one line instead of a traceback: bad input found by a check, and the
@@ -224,7 +225,8 @@ def build_state(args: argparse.Namespace, sdp4bit_config: SDP4BitConfig,
     state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler,
                        datasets=datasets, vocab_size=vocab, timers=timers,
                        settings=run_settings(args, sdp4bit_config, vocab,
-                                             tokenizer.vocab_size))
+                                             tokenizer.vocab_size,
+                                             tokenizer_registry.record(args, tokenizer)))
     return state, config
 
 

@@ -1,21 +1,25 @@
-"""Tokenizers: GPT-2 BPE on GPT-2-format files, SentencePiece, Null; vocab padding."""
+"""Tokenizers: GPT-2 BPE on GPT-2-format files, SentencePiece under Megatron-LM's three
+names, a Hugging Face tokenizer folder, Null; the registry; vocab padding."""
 
 from __future__ import annotations
 
 import argparse
-import io
 import json
+import os
 
 import pytest
 
 from megatron.sdp4bit.training.tokenizers import (
     GPT2BPETokenizer,
+    GPTSentencePieceTokenizer,
+    HuggingFaceTokenizer,
+    Llama2Tokenizer,
     NullTokenizer,
     SentencePieceTokenizer,
     build_tokenizer,
     padded_vocab_size,
 )
-from tests.helpers.corpora import TEXT, write_gpt2_vocab
+from tests.helpers.corpora import TEXT, write_gpt2_vocab, write_hf_tokenizer, write_sentencepiece
 
 
 @pytest.fixture(scope="module")
@@ -50,20 +54,77 @@ def test_gpt2_errors(tmp_path, gpt2_files):
         GPT2BPETokenizer(str(no_eod), merges)
 
 
-def test_sentencepiece_round_trip(tmp_path):
+@pytest.fixture(scope="module")
+def sp_model(tmp_path_factory) -> str:
+    """A 300-piece Llama-like SentencePiece model: <unk>, <s>, </s> = 0, 1, 2, no pad."""
+    return write_sentencepiece(tmp_path_factory.mktemp("sp") / "sp.model")
+
+
+def test_gpt_sentencepiece_and_llama2_are_the_models_pieces(sp_model):
     import sentencepiece
 
-    model = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(TEXT), model_writer=model, vocab_size=60,
-        character_coverage=1.0, minloglevel=2)
-    path = tmp_path / "sp.model"
-    path.write_bytes(model.getvalue())
-    tok = SentencePieceTokenizer(str(path))
-    assert tok.vocab_size == 60
-    ids = tok.tokenize("the quick brown fox")
-    assert tok.detokenize(ids) == "the quick brown fox"
-    assert tok.eod == 2  # sentencepiece's default </s> id
+    sp = sentencepiece.SentencePieceProcessor(model_file=sp_model)
+    gpt, llama = GPTSentencePieceTokenizer(sp_model), Llama2Tokenizer(sp_model)
+    text = "the quick brown fox"
+    for tok in (gpt, llama):
+        assert (tok.vocab_size, tok.eod, tok.bos, tok.pad) == (300, 2, 1, None)
+    assert gpt.tokenize(text) == sp.encode(text)
+    assert llama.tokenize(text) == [1] + sp.encode(text)  # Llama 2 starts every text with bos
+    assert gpt.detokenize(gpt.tokenize(text)) == llama.detokenize(llama.tokenize(text)) == text
+
+
+def test_sentencepiece_tokenizer_is_megatron_lms_with_its_added_pieces(sp_model):
+    """Megatron-LM's SentencePieceTokenizer appends <CLS>, <SEP>, <EOD>, <MASK> and, the model
+    having no pad piece, <PAD> after the 300 pieces; its <s> and </s> are the model's."""
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=sp_model)
+    tok = SentencePieceTokenizer(sp_model)
+    assert (tok.vocab_size, tok.eod, tok.bos, tok.pad) == (305, 302, 1, 304)
+    ids = tok.tokenize("the fox<EOD>a dog<CLS></s>")
+    assert ids == sp.encode("the fox") + [302] + sp.encode("a dog") + [300, 2]
+    assert tok.detokenize(ids) == "the fox <EOD> a dog <CLS>  </s> "
+
+
+def test_sentencepiece_refusals(tmp_path):
+    no_eos = write_sentencepiece(tmp_path / "no_eos.model", eos_id=-1)
+    with pytest.raises(ValueError, match="defines no eos piece to end documents"):
+        GPTSentencePieceTokenizer(no_eos)
+    no_bos = write_sentencepiece(tmp_path / "no_bos.model", bos_id=-1)
+    assert GPTSentencePieceTokenizer(no_bos).bos is None
+    with pytest.raises(ValueError, match="defines no bos piece, which Llama2Tokenizer puts "
+                                         "before every text"):
+        Llama2Tokenizer(no_bos)
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory) -> str:
+    return write_hf_tokenizer(tmp_path_factory.mktemp("hf"))
+
+
+def test_huggingface_tokenizer_reads_a_local_folder(hf_folder, tmp_path):
+    from transformers import AutoTokenizer
+
+    theirs = AutoTokenizer.from_pretrained(hf_folder, local_files_only=True)
+    tok = HuggingFaceTokenizer(hf_folder)
+    assert (tok.vocab_size, tok.eod, tok.bos, tok.pad) == (len(theirs), 2, 1, 0)
+    for text in TEXT[:4]:
+        assert tok.tokenize(text) == theirs(text).input_ids
+        assert tok.detokenize(tok.tokenize(text)) == text
+    with pytest.raises(ValueError, match="--tokenizer-model .*: not a folder"):
+        HuggingFaceTokenizer(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="holds no tokenizer files"):
+        HuggingFaceTokenizer(str(tmp_path))
+    no_eos = tmp_path / "no_eos"
+    no_eos.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        text = open(os.path.join(hf_folder, name), encoding="utf-8").read()
+        (no_eos / name).write_text(text, encoding="utf-8")
+    config = json.loads((no_eos / "tokenizer_config.json").read_text())
+    config.pop("eos_token", None)
+    (no_eos / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="defines no eos token to end documents"):
+        HuggingFaceTokenizer(str(no_eos))
 
 
 def test_null_tokenizer():
@@ -96,20 +157,72 @@ def test_the_registry_is_what_the_command_lines_offer_and_require():
     from megatron.sdp4bit.training.tokenizers import registry
     from tests.helpers.scripts import load_tool
 
-    assert TOKENIZER_TYPES == tuple(registry.REGISTRY) == registry.names()
+    assert TOKENIZER_TYPES == tuple(registry.REGISTRY) == registry.names() == (
+        "GPT2BPETokenizer", "HuggingFaceTokenizer", "GPTSentencePieceTokenizer",
+        "Llama2Tokenizer", "SentencePieceTokenizer", "TikTokenizer", "NullTokenizer")
     for parser in (build_parser(), load_tool("tools/preprocess_data.py").build_parser()):
         action = next(a for a in parser._actions if a.dest == "tokenizer_type")
         assert tuple(action.choices) == registry.names()
     bare = argparse.Namespace(vocab_file=None, merge_file=None, tokenizer_model=None,
                               vocab_size=1)
+    model = "needs --tokenizer-model"
+    tiktoken = ("--tokenizer-type TikTokenizer is not supported by this trainer: it needs the "
+                "tiktoken package, which is not among this trainer's dependencies: use "
+                "HuggingFaceTokenizer with the model's tokenizer folder")
     assert {name: spec.missing(bare) for name, spec in registry.REGISTRY.items()} == {
         "GPT2BPETokenizer": "--tokenizer-type GPT2BPETokenizer needs --vocab-file and "
                             "--merge-file",
-        "SentencePieceTokenizer": "--tokenizer-type SentencePieceTokenizer needs "
-                                  "--tokenizer-model",
+        "HuggingFaceTokenizer": f"--tokenizer-type HuggingFaceTokenizer {model}",
+        "GPTSentencePieceTokenizer": f"--tokenizer-type GPTSentencePieceTokenizer {model}",
+        "Llama2Tokenizer": f"--tokenizer-type Llama2Tokenizer {model}",
+        "SentencePieceTokenizer": f"--tokenizer-type SentencePieceTokenizer {model}",
+        "TikTokenizer": tiktoken,
         "NullTokenizer": "--tokenizer-type NullTokenizer needs --vocab-size N (N >= 2)"}
     assert registry.REGISTRY["NullTokenizer"].missing(
         argparse.Namespace(vocab_size=2)) is None
+    given = argparse.Namespace(tokenizer_type="TikTokenizer", tokenizer_model="m.json")
+    assert registry.REGISTRY["TikTokenizer"].missing(given) == tiktoken
+    with pytest.raises(ValueError) as err:
+        build_tokenizer(given)
+    assert str(err.value) == tiktoken
     with pytest.raises(ValueError, match="--tokenizer-type 'Bert': use GPT2BPETokenizer, "
-                                         "SentencePieceTokenizer or NullTokenizer"):
+                                         "HuggingFaceTokenizer, .*, TikTokenizer or "
+                                         "NullTokenizer"):
         build_tokenizer(argparse.Namespace(tokenizer_type="Bert"))
+
+
+def test_the_manifests_record_rebuilds_the_same_tokenizer_or_says_why_not(
+        gpt2_files, hf_folder, sp_model, tmp_path):
+    import shutil
+
+    from megatron.sdp4bit.training.tokenizers import registry
+
+    vocab, merges = gpt2_files
+    folder = shutil.copytree(hf_folder, tmp_path / "hf")
+    cases = {"GPT2BPETokenizer": (dict(vocab_file=vocab, merge_file=merges), TEXT[0]),
+             "HuggingFaceTokenizer": (dict(tokenizer_model=str(folder)), TEXT[0]),
+             "Llama2Tokenizer": (dict(tokenizer_model=sp_model), TEXT[0]),
+             "NullTokenizer": (dict(vocab_size=9), "1 2 8")}
+    for name, (flags, text) in cases.items():
+        args = argparse.Namespace(tokenizer_type=name, **flags)
+        tok = build_tokenizer(args)
+        saved = json.loads(json.dumps(registry.record(args, tok)))  # as the manifest holds it
+        assert (saved["type"], saved["vocab_size"], saved["eod"], saved["bos"],
+                saved["pad"]) == (name, tok.vocab_size, tok.eod, tok.bos, tok.pad)
+        again = registry.from_record(saved)
+        assert type(again) is type(tok) and again.tokenize(text) == tok.tokenize(text)
+    assert list(saved["sha256"]) == [] and saved["args"] == {"vocab_size": 9}
+    args = argparse.Namespace(tokenizer_type="HuggingFaceTokenizer",
+                              tokenizer_model=str(folder))
+    saved = registry.record(args, build_tokenizer(args))
+    assert sorted(saved["sha256"]) == [str(folder / "tokenizer.json"),
+                                       str(folder / "tokenizer_config.json")]
+    with open(folder / "tokenizer.json", "a", encoding="utf-8") as f:
+        f.write(" ")
+    with pytest.raises(ValueError) as err:
+        registry.from_record(saved)
+    assert str(err.value) == (f"its file {folder / 'tokenizer.json'} changed since the "
+                              "checkpoint was written")
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match=f"its file {folder / 'tokenizer.json'} is gone"):
+        registry.from_record(saved)

@@ -1,9 +1,10 @@
 """The manifest's settings contract: what a checkpoint records about the run that wrote it,
-and how a later run is compared with it.
+and how a later run is compared with it (a changed tokenizer counts as changed data).
 
 :func:`run_settings` is what the trainer records (``manifest.json``'s ``settings``): the
 parallel layout, the model's shape, the data order, the SDP4Bit method, and, not compared,
-the tokenizer's vocabulary size and the megatron-core release. :func:`settings_problem`
+the tokenizer (its vocabulary size, type, files and special ids) and the megatron-core
+release. :func:`settings_problem`
 compares a manifest with this run's settings. Settings added after a manifest was written
 are read with the value every run had before (:data:`LATER_MODEL_DEFAULTS`,
 :data:`LATER_SDP4BIT_SETTINGS`) or left out of the comparison
@@ -44,12 +45,14 @@ LATER_SDP4BIT_SETTINGS = {"weight_difference_target": "main"}
 
 
 def run_settings(args: argparse.Namespace, sdp4bit_config: SDP4BitConfig,
-                 vocab: int, tokenizer_vocab: int | None = None) -> dict:
+                 vocab: int, tokenizer_vocab: int | None = None,
+                 tokenizer: dict | None = None) -> dict:
     """What a checkpoint must agree with to be resumed by this run (recorded in its
     manifest): the parallel layout, the model's shape and the SDP4Bit method; and, not
     compared, the tokenizer's vocabulary size before padding (the HF export cuts the
-    padding rows off with it) and the megatron-core release writing it
-    (``checkpoint.formats.release_problem``)."""
+    padding rows off with it), the tokenizer (``tokenizers.registry.record``: its type,
+    files and special ids, which the HF export ships) and the megatron-core release writing
+    it (``checkpoint.formats.release_problem``)."""
     layout = {"world_size": args.world_size, "tp": args.tensor_model_parallel_size,
               "pp": args.pipeline_model_parallel_size, "dp": args.data_parallel_size,
               "ddp_bucket_size": args.ddp_bucket_size if args.overlap_grad_reduce else None}
@@ -60,6 +63,7 @@ def run_settings(args: argparse.Namespace, sdp4bit_config: SDP4BitConfig,
     model["padded_vocab_size"] = vocab
     return {"layout": layout, "model": model, "data": data_settings(args),
             "sdp4bit": method_settings(sdp4bit_config), "vocab_size": tokenizer_vocab,
+            "tokenizer": tokenizer,
             "megatron_core": megatron_core_version()}  # the release that wrote it
 
 
@@ -119,6 +123,24 @@ def saved_model_settings(saved: dict[str, Any], current: dict[str, Any]) -> dict
             **saved.get("model", {})}
 
 
+# What makes a tokenizer another one for the model (not where its files are).
+TOKENIZER_KEYS = ("type", "vocab_size", "eod")
+
+
+def _tokenizer_problem(saved: dict | None, current: dict | None, directory: str) -> str | None:
+    """A changed tokenizer (both manifests record one: an older one does not)."""
+    if not saved or not current:
+        return None
+    diff = [k for k in TOKENIZER_KEYS if saved.get(k) != current.get(k)]
+    if not diff:
+        return None
+    return (f"checkpoint {directory} was trained with tokenizer "
+            f"{describe({k: saved.get(k) for k in diff})}; this run has "
+            f"{describe({k: current.get(k) for k in diff})}: pass the checkpoint's "
+            "--tokenizer-type and tokenizer files, or --allow-changed-data to continue with "
+            "another tokenizer")
+
+
 def settings_problem(saved: dict[str, Any], current: dict[str, Any], directory: str,
                      allow_sdp4bit_change: bool, allow_data_change: bool = False) -> str | None:
     """What forbids resuming a checkpoint whose manifest recorded ``saved`` with this run's
@@ -145,6 +167,9 @@ def settings_problem(saved: dict[str, Any], current: dict[str, Any], directory: 
         return (f"checkpoint {directory} was trained with {describe(was)}; this run has "
                 f"{describe(now)}: resume with the checkpoint's --data-path, --split and "
                 "--seed, or pass --allow-changed-data to continue on other data")
+    problem = _tokenizer_problem(saved.get("tokenizer"), current.get("tokenizer"), directory)
+    if problem is not None and not allow_data_change:
+        return problem
     if "sdp4bit" in saved:
         saved = {**saved, "sdp4bit": {**{k: v for k, v in LATER_SDP4BIT_SETTINGS.items()
                                          if k in current["sdp4bit"]}, **saved["sdp4bit"]}}

@@ -190,7 +190,10 @@ def _add_data(p: argparse.ArgumentParser) -> None:
                    "with --mock-data and no vocab")
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
-    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--tokenizer-model", default=None,
+                   help="the tokenizer's model file or, for HuggingFaceTokenizer, its local "
+                   "folder (save_pretrained's output; nothing is downloaded): "
+                   + ", ".join(tokenizer_registry.needing("--tokenizer-model")))
     g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary size")
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
@@ -244,7 +247,7 @@ def _add_checkpoint_and_logging(p: argparse.ArgumentParser) -> None:
                    "method mid-run)")
     g.add_argument("--allow-changed-data", action="store_true",
                    help="resume a checkpoint trained on another --data-path blend, --split or "
-                   "--seed (the samples and their order change)")
+                   "--seed (the samples and their order change), or with another tokenizer")
     g.add_argument("--ckpt-step", type=int, default=None,
                    help="load iter_N of --load instead of the iteration its tracker names")
     g.add_argument("--load-without-manifest", action="store_true",

@@ -15,8 +15,8 @@ run it:
 * ``--tensorboard-dir`` needs ``tensorboard`` (the ``logging`` extra), ``--wandb-project``
   needs ``wandb`` (the ``wandb`` extra);
 * SDP4Bit's quantized collectives replace megatron-core internals checked against
-  particular releases: another release runs with a warning when every replaced attribute is
-  as it was checked, and is refused otherwise (naming the first that moved) unless
+  particular releases: another release runs with a warning when every attribute the trainer
+  replaces is as it was checked, and is refused otherwise (naming the first that moved) unless
   ``--allow-untested-megatron-core`` is given, which is then said loudly.
 
 Warnings go to stderr from rank 0 (torchrun's ``$RANK``) only.
@@ -114,14 +114,18 @@ def _check_megatron_core(args: argparse.Namespace, quantized: bool) -> None:
     from megatron.sdp4bit.integration import (
         TESTED_MEGATRON_CORE_VERSIONS,
         check_megatron_core_version,
+        patches,
     )
 
     # An untested release runs (with the integration's one warning line) when every
-    # attribute SDP4Bit replaces is as it was checked; otherwise it is refused, naming the
-    # first that moved, unless the flag asks to run anyway.
+    # attribute the trainer replaces is as it was checked; otherwise it is refused, naming the
+    # first that moved, unless the flag asks to run anyway. The trainer applies the seams,
+    # the padding, the checkpoint writer's entries and, without CUDA, CPU mode's.
+    scopes = (patches.SEAM, patches.PADDING, patches.CHECKPOINT) + (
+        () if _cuda() else (patches.CPU_MODE,))
     try:
         installed = check_megatron_core_version(
-            allow_untested_version=args.allow_untested_megatron_core,
+            scopes=scopes, allow_untested_version=args.allow_untested_megatron_core,
             how_to_allow="pass --allow-untested-megatron-core")
     except RuntimeError as err:
         raise ArgumentsError(str(err)) from None

@@ -115,6 +115,10 @@ REFUSED_FLAGS: dict[str, tuple[int | str, str]] = {
     "--num-experts": (1, "mixture-of-experts models are not supported (SDP4Bit refuses "
                       "expert-parallel buffers)"),
     "--vocab-extra-ids": (1, "it is for T5 models"),
+    "--tiktoken-pattern": (1, "TikTokenizer is not supported (it needs the tiktoken package)"),
+    "--tiktoken-num-special-tokens": (1, "see --tiktoken-pattern"),
+    "--tokenizer-special-tokens": ("+", "see --tiktoken-pattern"),
+    "--trust-remote-code": (0, "HuggingFaceTokenizer never runs code of a tokenizer folder"),
     "--data-parallel-random-init": (0, "every data-parallel replica starts from rank 0's "
                                     "initialization (SDP4Bit's replicas must stay identical)"),
     "--init-method-xavier-uniform": (0, "initialization is normal with --init-method-std"),

@@ -1,16 +1,39 @@
 """What every tokenizer family shares: the interface megatron-core's ``GPTDataset`` and the
-preprocessing tool use, the file check of its flags, and its cache identity."""
+preprocessing tool use, the file check of its flags, its cache identity, the files a
+Hugging Face export ships, and the vocabulary padding."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+from dataclasses import dataclass
 from typing import Protocol
+
+
+@dataclass(frozen=True)
+class HFTokenizerFiles:
+    """What a Hugging Face export writes for a tokenizer: ``copies`` (file name in the
+    export -> the file it is copied from) and ``config``, the ``tokenizer_config.json`` to
+    write (None: one of the copies is it)."""
+
+    copies: dict[str, str]
+    config: dict | None = None
+
+
+# An export loads the tokenizer it wrote with transformers and compares its ids with the
+# trainer's on these texts: ordinary prose, runs of spaces, new lines, tabs, digits and
+# accents. (None starts with a space: transformers' SentencePiece conversion adds no word
+# boundary before a leading space where sentencepiece does.)
+PROBES = ("Hello world.", "the quick brown fox jumps over the lazy dog",
+          "two  spaces,\nnew lines\tand tabs", "digits 12345 and accents \u00e9\u00fc")
 
 
 class Tokenizer(Protocol):
     """``vocab_size``, the end-of-document id ``eod``, ``tokenize`` and ``detokenize`` (all
-    megatron-core's ``GPTDataset`` and ``tools/preprocess_data.py`` need), and the
-    ``unique_identifiers`` megatron-core hashes into its cached index file names."""
+    megatron-core's ``GPTDataset`` and ``tools/preprocess_data.py`` need), the
+    beginning-of-sequence and padding ids (None: the tokenizer has none), the
+    ``unique_identifiers`` megatron-core hashes into its cached index file names, and
+    :meth:`hf_files`, what a Hugging Face export ships (or why it ships nothing)."""
 
     unique_identifiers: dict[str, object]
 
@@ -20,9 +43,17 @@ class Tokenizer(Protocol):
     @property
     def eod(self) -> int: ...
 
+    @property
+    def bos(self) -> int | None: ...
+
+    @property
+    def pad(self) -> int | None: ...
+
     def tokenize(self, text: str) -> list[int]: ...
 
     def detokenize(self, ids: list[int]) -> str: ...
+
+    def hf_files(self) -> HFTokenizerFiles | str: ...
 
 
 def require_file(flag: str, path: str | None) -> str:
@@ -39,6 +70,20 @@ def identity(tok: object, **fields: object) -> dict[str, object]:
     # megatron-core hashes ``tokenizer.unique_identifiers`` into the names of its cached
     # dataset index files: a different tokenizer must give a different cache.
     return {"class": type(tok).__name__, **fields}
+
+
+def sha256(path: str) -> str:
+    """The file's SHA-256, hex."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def optional_id(value: int | None) -> int | None:
+    """A special id, None where the tokenizer has none (sentencepiece says -1)."""
+    return None if value is None or value < 0 else int(value)
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int) -> int:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import os
 
-from megatron.sdp4bit.training.tokenizers.base import identity, require_file
+from megatron.sdp4bit.training.tokenizers.base import HFTokenizerFiles, identity, require_file
 
 GPT2_EOD = "<|endoftext|>"
 
 
 class GPT2BPETokenizer:
-    """GPT-2 byte-level BPE from ``vocab.json`` + ``merges.txt``; end of document ``<|endoftext|>``."""
+    """GPT-2 byte-level BPE from ``vocab.json`` + ``merges.txt``; end of document
+    ``<|endoftext|>``, which GPT-2's Hugging Face config also names its bos token."""
 
     def __init__(self, vocab_file: str, merge_file: str) -> None:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -21,7 +22,8 @@ class GPT2BPETokenizer:
         try:
             model = models.BPE.from_file(vocab_file, merge_file)
         except Exception as err:  # tokenizers raises its own Exception type on bad files
-            raise ValueError(f"cannot read GPT-2 BPE files {vocab_file}, {merge_file}: {err}") from err
+            raise ValueError(f"cannot read GPT-2 BPE files {vocab_file}, {merge_file}: "
+                             f"{err}") from err
         tok = Tokenizer(model)
         # GPT-2 splits on its own regex and never adds a prefix space.
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -31,6 +33,7 @@ class GPT2BPETokenizer:
         if eod is None:
             raise ValueError(f"--vocab-file {vocab_file} has no {GPT2_EOD} token")
         self._eod = eod
+        self._files = (vocab_file, merge_file)
         self.unique_identifiers = identity(self, vocab_file=os.path.abspath(vocab_file),
                                            merge_file=os.path.abspath(merge_file))
 
@@ -42,8 +45,22 @@ class GPT2BPETokenizer:
     def eod(self) -> int:
         return self._eod
 
+    @property
+    def bos(self) -> int:
+        return self._eod
+
+    @property
+    def pad(self) -> None:
+        return None
+
     def tokenize(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
 
     def detokenize(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def hf_files(self) -> HFTokenizerFiles:
+        return HFTokenizerFiles(
+            {"vocab.json": self._files[0], "merges.txt": self._files[1]},
+            {"tokenizer_class": "GPT2Tokenizer", "bos_token": GPT2_EOD, "eos_token": GPT2_EOD,
+             "unk_token": GPT2_EOD})

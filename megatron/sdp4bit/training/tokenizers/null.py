@@ -6,7 +6,8 @@ from megatron.sdp4bit.training.tokenizers.base import identity
 
 
 class NullTokenizer:
-    """Text is space-separated ids below ``vocab_size``; ``eod = vocab_size`` (Megatron-LM's rule)."""
+    """Text is space-separated ids below ``vocab_size``; ``eod = vocab_size`` (Megatron-LM's
+    rule); no bos or pad."""
 
     def __init__(self, vocab_size: int) -> None:
         if vocab_size < 1:
@@ -22,6 +23,14 @@ class NullTokenizer:
     def eod(self) -> int:
         return self._n
 
+    @property
+    def bos(self) -> None:
+        return None
+
+    @property
+    def pad(self) -> None:
+        return None
+
     def tokenize(self, text: str) -> list[int]:
         try:
             ids = [int(x) for x in text.split()]
@@ -34,3 +43,6 @@ class NullTokenizer:
 
     def detokenize(self, ids: list[int]) -> str:
         return " ".join(str(i) for i in ids)
+
+    def hf_files(self) -> str:
+        return "a NullTokenizer has no files: its text is the ids"

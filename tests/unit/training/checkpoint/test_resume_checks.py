@@ -137,3 +137,25 @@ def test_an_older_manifest_without_openai_gelu_is_a_plain_gelu_model():
     assert settings.settings_problem(older, tanh, "D", False) == (
         said + ": resume with the same model flags")
     assert model_settings_problem(older, tanh, "D") == said + ": pass the checkpoint's model flags"
+
+
+def test_a_changed_tokenizer_is_named_unless_the_data_may_change():
+    """The record of SentencePieceTokenizer (Megatron-LM's: <EOD> appended) against the
+    GPTSentencePieceTokenizer of the same model file: another vocabulary and end of
+    document. Where the files are is not compared; an older manifest records none."""
+    def record(kind, vocab, eod, path="/data/sp.model"):
+        return {"type": kind, "args": {"tokenizer_model": path}, "sha256": {path: "ab"},
+                "vocab_size": vocab, "eod": eod, "bos": 1, "pad": None}
+
+    saved, now = _settings(), _settings()
+    saved["tokenizer"] = record("GPTSentencePieceTokenizer", 300, 2)
+    now["tokenizer"] = record("SentencePieceTokenizer", 305, 302)
+    assert settings.settings_problem(saved, now, "D", False) == (
+        "checkpoint D was trained with tokenizer type GPTSentencePieceTokenizer, vocab_size "
+        "300, eod 2; this run has type SentencePieceTokenizer, vocab_size 305, eod 302: pass "
+        "the checkpoint's --tokenizer-type and tokenizer files, or --allow-changed-data to "
+        "continue with another tokenizer")
+    assert settings.settings_problem(saved, now, "D", False, allow_data_change=True) is None
+    now["tokenizer"] = record("GPTSentencePieceTokenizer", 300, 2, path="/moved/sp.model")
+    assert settings.settings_problem(saved, now, "D", False) is None
+    assert settings.settings_problem(_settings(), now, "D", False) is None

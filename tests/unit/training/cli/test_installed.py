@@ -91,10 +91,11 @@ def test_an_untested_megatron_core_is_refused_or_said_loudly(monkeypatch, capsys
              "is installed, and X.y is missing: install megatron-core==0.19.2 (Python >= 3.12) "
              "or megatron-core==0.16.1 (Python < 3.12), or pass --allow-untested-megatron-core "
              "to try this one")
-    asked = []
+    asked, walked = [], []
 
-    def version_check(*, allow_untested_version=False, how_to_allow=""):
+    def version_check(*, scopes, allow_untested_version=False, how_to_allow=""):
         asked.append((allow_untested_version, how_to_allow))
+        walked.append(tuple(scopes))
         if not allow_untested_version:
             raise RuntimeError(moved)
         return "0.17.0"
@@ -104,20 +105,27 @@ def test_an_untested_megatron_core_is_refused_or_said_loudly(monkeypatch, capsys
     assert asked == []
     assert refusal("", quantized=True) == moved
     assert asked == [(False, "pass --allow-untested-megatron-core")]
+    # the scopes the trainer applies: on this CUDA-less machine CPU mode's too
+    assert walked == [("seam", "padding", "checkpoint", "cpu_mode")]
     check("--allow-untested-megatron-core", quantized=True)
     assert asked[-1] == (True, "pass --allow-untested-megatron-core")
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("warning: !!!")
     assert "megatron-core 0.17.0 is NOT a tested release (SDP4Bit was tested with 0.16.1 " \
            "and 0.19.2)" in err
+    machine(monkeypatch, cuda=True, have=set())
+    check("--allow-untested-megatron-core --transformer-impl local", quantized=True)
+    assert walked[-1] == ("seam", "padding", "checkpoint")  # with CUDA, no CPU mode
+    machine(monkeypatch, cuda=False, have=set())
+    capsys.readouterr()
     # An untested release whose replaced attributes are unchanged passes the check (the
     # integration says so itself): no banner without the flag.
     monkeypatch.setattr(integration, "check_megatron_core_version",
-                        lambda allow_untested_version=False, how_to_allow="": "0.17.0")
+                        lambda scopes, allow_untested_version=False, how_to_allow="": "0.17.0")
     check("", quantized=True)
     assert capsys.readouterr().err == ""
     monkeypatch.setattr(integration, "check_megatron_core_version",
-                        lambda allow_untested_version=False, how_to_allow="": "0.19.2")
+                        lambda scopes, allow_untested_version=False, how_to_allow="": "0.19.2")
     check("--allow-untested-megatron-core", quantized=True)  # a tested release: nothing said
     assert capsys.readouterr().err == ""
 

@@ -79,19 +79,16 @@ def architecture(model: dict) -> str:
                                              for name, wrong in found.items()))
 
 
-def _eod(vocab: int) -> int | None:
-    # GPT-2's <|endoftext|>, when the vocabulary is GPT-2's
-    return 50256 if vocab > 50256 else None
-
-
-def hf_config(model: dict, vocab_size: int | None = None) -> dict:
+def hf_config(model: dict, vocab_size: int | None = None,
+              special_ids: dict[str, int | None] | None = None) -> dict:
     """``config.json`` for the settings (fp32 weights, dropout off); ``vocab_size``: the
-    tokenizer's (unpadded) size, default the padded one."""
+    tokenizer's (unpadded) size, default the padded one; ``special_ids``: its
+    ``bos_token_id``, ``eos_token_id`` and ``pad_token_id`` (default: none)."""
     name = architecture(model)
-    vocab = vocab_size or model["padded_vocab_size"]
-    eod = _eod(vocab)
-    return {"architectures": [name], "vocab_size": vocab, "torch_dtype": "float32",
-            "bos_token_id": eod, "eos_token_id": eod, **REGISTRY[name].config(model)}
+    ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+           **(special_ids or {})}
+    return {"architectures": [name], "vocab_size": vocab_size or model["padded_vocab_size"],
+            "torch_dtype": "float32", **ids, **REGISTRY[name].config(model)}
 
 
 def trainer_flags(config) -> tuple[str, list[str], int]:
