@@ -219,7 +219,7 @@ MUTATIONS = [
        "the TP ranks' duplicated weights are left as each all-gather wrote them",
        [Edit(TPDUP, "            _broadcast_elements(param_data, offsets, self.src, self.group)",
              "            pass")],
-       [TP2, "tests/e2e/test_pretrain_gpt.py::test_sdp4bit_under_model_parallelism[TP2]"]),
+       [TP2, "tests/e2e/test_pretrain_gpt.py::test_sdp4bit_under_model_parallelism[TP2-SP]"]),
     _m("tp-duplicate-offsets-in-buffer",
        "duplicated elements located by their offset in the buffer, not in the bucket",
        [Edit(TPDUP, "torch.arange(start - bucket.offset, end - bucket.offset)",

@@ -65,10 +65,12 @@ def test_trains_evaluates_saves_and_resumes_on_the_cuda_branch(tmp_path):
 
 @pytest.mark.release_independent  # megatron-core's TP paths: test_pretrain_gpt.py's TP2 run
 def test_tensor_parallel_sdp4bit_on_the_cuda_branch():
-    """TP 2 x DP 2: the TP group's broadcasts that keep the copies of the weights TP does not
-    split equal (integration/tp_duplicates.py) pass NCCL's rules too."""
+    """TP 2 x DP 2 with sequence parallelism: the TP group's broadcasts that keep the copies
+    of the weights TP does not split equal (integration/tp_duplicates.py), and the sequence
+    parallel layers' collectives and device allocations (in their backward pass too), pass
+    NCCL's rules too."""
     res = _dryrun(["--train-iters", "2", "--tensor-model-parallel-size", "2",
-                   "--dp-ranks-per-node", "1"], nproc=4)
+                   "--sequence-parallel", "--dp-ranks-per-node", "1"], nproc=4)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     assert re.search(r"iteration\s+2/\s+2 .*lm loss: [0-9.E+-]+", res.stdout)
     assert re.search(r"cuda dry run: done, \d+ collectives on rank 0 passed", res.stdout)

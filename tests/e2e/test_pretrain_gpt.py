@@ -141,13 +141,13 @@ def test_sdp4bit_resume_matches_uninterrupted(data_prefix, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("parallel", ["--tensor-model-parallel-size 2",
-                                      "--pipeline-model-parallel-size 2"], ids=["TP2", "PP2"])
+@pytest.mark.parametrize("parallel", ["--tensor-model-parallel-size 2 --sequence-parallel",
+                                      "--pipeline-model-parallel-size 2"], ids=["TP2-SP", "PP2"])
 def test_sdp4bit_under_model_parallelism(parallel):
-    """TP=2 x DP=2 and PP=2 x DP=2 on 4 ranks, 1 DP rank per node: the DP groups of 2 take the
-    single inter-node hop (4-bit) and the weight all-gather is qWD. The replica check runs
-    every iteration: DP replicas, and with TP 2 the TP ranks' copies of the weights TP does
-    not split, bitwise equal."""
+    """TP=2 x DP=2 (with sequence parallelism on the local spec's norms) and PP=2 x DP=2 on
+    4 ranks, 1 DP rank per node: the DP groups of 2 take the single inter-node hop (4-bit)
+    and the weight all-gather is qWD. The replica check runs every iteration: DP replicas,
+    and with TP 2 the TP ranks' copies of the weights TP does not split, bitwise equal."""
     res = torchrun(TINY + ["--mock-data", "--dp-ranks-per-node", "1", *parallel.split(),
                            *METHODS["SDP4Bit"], "--check-replicas-interval", "1"])
     assert "data-parallel topology: 2 ranks = 1 per node x 2 nodes" in res.stdout

@@ -581,7 +581,31 @@ LOAD = declare("dryrun.torch.load", "torch", "load", MODULE, _host_load, wraps=T
                checked=on_torch("(f, map_location, pickle_module, *, weights_only, mmap, "
                                 "**pickle_load_args)"), scope=DRYRUN)
 
-DRY_RUN = SHARED_STUBS + RUNTIME_STUBS + COLLECTIVES + (LOAD,)
+
+
+def _backward_in_mode(original):
+    """autograd's engine run with the dry run's mode entered again: a ``TorchFunctionMode``
+    is off while it handles ``torch.autograd.backward``, so the Python of the backward pass
+    (custom functions' ``backward``: megatron-core's sequence-parallel linear layers
+    allocate there with ``device=torch.cuda.current_device()``) would not see it. Autograd
+    runs the backward of CPU tensors on the calling thread, where the mode lives. CPU mode
+    does the same ([Note: the backward pass in CPU mode], integration/cpu_mode.py)."""
+
+    def run(*args, **kwargs):
+        if _mode is None:
+            return original(*args, **kwargs)
+        with _mode:
+            return original(*args, **kwargs)
+
+    return run
+
+
+BACKWARD = declare("dryrun.autograd._engine_run_backward", "torch.autograd",
+                   "_engine_run_backward", MODULE, _backward_in_mode, wraps=True,
+                   note="[Note: a GPU run's tensors, tagged] (testing/cuda_dryrun.py)",
+                   checked=on_torch("(t_outputs, *args, **kwargs)"), scope=DRYRUN)
+
+DRY_RUN = SHARED_STUBS + RUNTIME_STUBS + COLLECTIVES + (LOAD, BACKWARD)
 """Everything the dry run replaces: CPU mode's CUDA stubs plus NCCL's rules."""
 
 _mode: _DryRunMode | None = None

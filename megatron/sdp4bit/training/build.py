@@ -30,7 +30,7 @@ from megatron.sdp4bit.training.guards.preflight import InputError
 from megatron.sdp4bit.training.guards.replicas import ReplicaMismatch
 from megatron.sdp4bit.training.guards.watchdog import Watchdog, launcher_store
 from megatron.sdp4bit.training.model import (
-    build_model,
+    build_model_chunks,
     build_optimizer,
     transformer_config_from_args,
     wrap_ddp,
@@ -82,7 +82,8 @@ def init_distributed(args: argparse.Namespace) -> None:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
-        expert_tensor_parallel_size=args.expert_tensor_parallel_size)
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size)
     seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(seed)
     numpy.random.seed(seed)
@@ -142,11 +143,13 @@ def detect_dp_ranks_per_node() -> int:
 
 def print_topology(args: argparse.Namespace, ranks_per_node: int) -> None:
     if dist.get_rank() == 0:
+        vpp = args.virtual_pipeline_model_parallel_size
+        chunks = f" x {vpp} model chunks" if vpp else ""
         dp = args.data_parallel_size
         print(f"data-parallel topology: {dp} ranks = {ranks_per_node} per node x "
               f"{dp // ranks_per_node} nodes (TP {args.tensor_model_parallel_size}, "
-              f"PP {args.pipeline_model_parallel_size}, {args.num_microbatches} micro-batches "
-              f"per step)", flush=True)
+              f"PP {args.pipeline_model_parallel_size}{chunks}, {args.num_microbatches} "
+              "micro-batches per step)", flush=True)
 
 
 def teardown(watchdog: Watchdog | None = None) -> None:
@@ -172,6 +175,28 @@ def _scheduler(args: argparse.Namespace, optimizer) -> OptimizerParamScheduler:
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler)
 
 
+def set_schedule_hooks(args: argparse.Namespace, config, model: list) -> None:
+    """Megatron-LM's hooks for megatron-core's schedules: finalize (DP grad sync, embedding
+    tying), gradient-sync control, and with the interleaved pipeline one function per model
+    chunk, which the schedule calls in its order: each chunk's gradient reduce-scatter once
+    its last backward is done, and (``--overlap-param-gather`` with the default
+    ``align_param_gather``) the next chunk's parameter all-gather ahead of its first
+    forward."""
+    config.finalize_model_grads_func = finalize_model_grads
+    if len(model) == 1:
+        config.no_sync_func = model[0].no_sync
+        if args.overlap_grad_reduce:
+            config.grad_sync_func = model[0].start_grad_sync
+        if args.overlap_param_gather:
+            config.param_sync_func = model[0].start_param_sync
+        return
+    config.no_sync_func = [chunk.no_sync for chunk in model]
+    if args.overlap_grad_reduce:
+        config.grad_sync_func = [chunk.start_grad_sync for chunk in model]
+    if args.overlap_param_gather and args.align_param_gather:
+        config.param_sync_func = [chunk.start_param_sync for chunk in model]
+
+
 def build_state(args: argparse.Namespace, sdp4bit_config: SDP4BitConfig,
                 ) -> tuple[TrainState, object]:
     """Model, optimizer, schedule and data; returns (state, transformer config). DDP's
@@ -183,20 +208,15 @@ def build_state(args: argparse.Namespace, sdp4bit_config: SDP4BitConfig,
         if args.timing_log_level else None
     config = transformer_config_from_args(args, timers)
     with sdp4bit_padding(sdp4bit_config):
-        gpt = build_model(args, config, vocab)
+        chunks = build_model_chunks(args, config, vocab)
         if parallel_state.get_data_parallel_rank() == 0:  # Megatron-LM's line, one per TP x PP
             print(format_parameter_count(parallel_state.get_tensor_model_parallel_rank(),
                                          parallel_state.get_pipeline_model_parallel_rank(),
-                                         sum(p.nelement() for p in gpt.parameters())),
+                                         sum(p.nelement() for c in chunks
+                                             for p in c.parameters())),
                   flush=True)
-        model = [wrap_ddp(args, config, gpt)]
-    # Megatron-LM's hooks: finalize (DP grad sync, embedding tying) and gradient-sync control.
-    config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = model[0].no_sync
-    if args.overlap_grad_reduce:
-        config.grad_sync_func = model[0].start_grad_sync
-    if args.overlap_param_gather:
-        config.param_sync_func = model[0].start_param_sync
+        model = [wrap_ddp(args, config, gpt, i) for i, gpt in enumerate(chunks)]
+    set_schedule_hooks(args, config, model)
     optimizer = build_optimizer(args, model, timers)
     # megatron-core's schedules scale the loss with this before backward (fp16 loss scaling;
     # 1.0 otherwise), as Megatron-LM sets it.

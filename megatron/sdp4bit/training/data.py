@@ -138,3 +138,16 @@ def batch_iterator(dataset, consumed: int, args: argparse.Namespace,
             start = 0
 
     return gen()
+
+
+def chunk_iterators(dataset, consumed: int, args: argparse.Namespace, cycle: bool = False):
+    """What megatron-core's schedule takes as ``data_iterator``: :func:`batch_iterator`, or
+    with the interleaved pipeline one per model chunk, as Megatron-LM gives it. The
+    schedule runs every micro-batch through every chunk in order and each chunk draws its
+    own next micro-batch, so identical iterators keep the chunks on the same samples (the
+    first chunk uses the tokens, the last the labels). None without data."""
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    if vpp is None:
+        return batch_iterator(dataset, consumed, args, cycle=cycle)
+    iterators = [batch_iterator(dataset, consumed, args, cycle=cycle) for _ in range(vpp)]
+    return None if iterators[0] is None else iterators

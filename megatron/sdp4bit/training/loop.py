@@ -23,7 +23,7 @@ from megatron.sdp4bit.training.observe.comm_counters import (
     add_unquantized_iteration,
     snapshot_fields,
 )
-from megatron.sdp4bit.training.data import batch_iterator
+from megatron.sdp4bit.training.data import chunk_iterators
 from megatron.sdp4bit.training.observe.logging import (
     format_eval_lines,
     format_saved,
@@ -190,10 +190,10 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None,
     """
     metrics = MetricsWriter(args) if _is_logging_rank() else None
     gbs = args.global_batch_size
-    train_iter = batch_iterator(state.datasets[0], state.consumed_samples, args)
+    train_iter = chunk_iterators(state.datasets[0], state.consumed_samples, args)
     evals_done = state.iteration // args.eval_interval
-    valid_iter = batch_iterator(state.datasets[1], evals_done * args.eval_iters * gbs, args,
-                                cycle=True)
+    valid_iter = chunk_iterators(state.datasets[1], evals_done * args.eval_iters * gbs, args,
+                                 cycle=True)
     flops = _flops_per_iteration(args, state.vocab_size)
     skipped = nan_iters = 0
     start_iteration = state.iteration
@@ -298,7 +298,7 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None,
             _save(args, state)
         _check_progress(state, start_iteration)
         if args.test_data_path:  # Megatron-LM evaluates the test set once, at the end
-            test = evaluate(args, state, batch_iterator(state.datasets[2], 0, args))
+            test = evaluate(args, state, chunk_iterators(state.datasets[2], 0, args))
             if test is not None:
                 state.last_test_loss = test
                 if metrics is not None:

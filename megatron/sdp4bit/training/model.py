@@ -1,9 +1,26 @@
 """Model, DDP wrapper and optimizer from the command line: megatron-core's own classes.
 
 ``GPTModel`` with Transformer Engine's layer spec (``--transformer-impl transformer_engine``,
-or ``auto`` when it is importable and CUDA is present) or megatron-core's local one, wrapped in ``Float16Module`` for bf16/fp16, then in megatron-core's
-``DistributedDataParallel``; the optimizer comes from ``get_megatron_optimizer`` (the
-distributed optimizer with ``--use-distributed-optimizer``).
+or ``auto`` when it is importable and CUDA is present) or megatron-core's local one (with
+sequence-parallel norms under ``--sequence-parallel``, training/layer_spec.py), wrapped in
+``Float16Module`` for bf16/fp16, then in megatron-core's ``DistributedDataParallel``; the
+optimizer comes from ``get_megatron_optimizer`` (the distributed optimizer with
+``--use-distributed-optimizer``). With the interleaved pipeline every pipeline rank holds
+``args.virtual_pipeline_model_parallel_size`` model chunks, each its own GPTModel and DDP
+module, as Megatron-LM builds them.
+
+[Note: batched p2p at PP 2]
+megatron-core's interleaved schedule without p2p overlap sends and receives both ways in one
+``batch_isend_irecv`` (``batch_p2p_comm``), posted in the order send-to-previous,
+receive-from-previous, send-to-next, receive-from-next. At PP 2 the previous and the next
+stage are the same rank, and messages between a pair of ranks are matched in posting order:
+rank A's first send (its gradient for the previous stage) meets rank B's first receive (the
+activation from its previous stage). The shapes agree, so the gradient is silently used as
+an activation and vice versa (measured on gloo: gradient norm 22.8 instead of 0.945; at PP 4
+the two directions go to different ranks and were right). Megatron-LM refuses this setting
+(PP must be > 2 without overlap) and sets ``batch_p2p_comm = not overlap_p2p_comm``; so do
+this trainer's flags (training/cli/validate.py), and its default, overlap on, sends each
+direction in its own call.
 """
 
 from __future__ import annotations
@@ -24,6 +41,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.sdp4bit.training.cli.installed import uses_transformer_engine
 from megatron.sdp4bit.training.cli.megatron_flags import transformer_config_overrides
 from megatron.sdp4bit.training.cli.moe_flags import moe_config_overrides
+from megatron.sdp4bit.training.layer_spec import local_layer_spec
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -57,6 +75,10 @@ def transformer_config_from_args(args: argparse.Namespace, timers=None) -> Trans
         pipeline_dtype=_DTYPES[args.params_dtype],
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        # [Note: batched p2p at PP 2]
+        overlap_p2p_comm=args.overlap_p2p_comm,
+        batch_p2p_comm=not args.overlap_p2p_comm,
         sequence_parallel=args.sequence_parallel,
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
@@ -90,8 +112,14 @@ def transformer_config_from_args(args: argparse.Namespace, timers=None) -> Trans
     return TransformerConfig(**kwargs)
 
 
-def build_model(args: argparse.Namespace, config: TransformerConfig, vocab_size: int) -> GPTModel:
-    """One GPTModel chunk for this pipeline stage (no virtual pipeline)."""
+def build_model(args: argparse.Namespace, config: TransformerConfig, vocab_size: int,
+                vp_stage: int | None = None) -> GPTModel:
+    """The GPTModel chunk ``vp_stage`` of this pipeline stage (None: the stage's only one)."""
+    vpp = args.virtual_pipeline_model_parallel_size
+    first = parallel_state.is_pipeline_first_stage(ignore_virtual=True) and \
+        (vp_stage is None or vp_stage == 0)
+    last = parallel_state.is_pipeline_last_stage(ignore_virtual=True) and \
+        (vp_stage is None or vp_stage == vpp - 1)
     # pretrain_gpt.py refused --transformer-impl transformer_engine without CUDA and the
     # package before anything started (training/cli/installed.py).
     if uses_transformer_engine(args.transformer_impl):
@@ -101,8 +129,8 @@ def build_model(args: argparse.Namespace, config: TransformerConfig, vocab_size:
 
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
     else:
-        spec = get_gpt_layer_local_spec(normalization=args.normalization,
-                                        qk_layernorm=args.qk_layernorm)
+        spec = local_layer_spec(config, args.normalization, vp_stage,
+                                qk_layernorm=args.qk_layernorm)
     if args.num_experts is not None:
         # megatron-core's MoE block: per layer, --moe-layer-freq picks a MoE or a dense MLP
         # (local spec: sequential experts, one MLP each; TE: grouped GEMM with the flag)
@@ -110,28 +138,41 @@ def build_model(args: argparse.Namespace, config: TransformerConfig, vocab_size:
 
         spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=uses_transformer_engine(args.transformer_impl),
-            normalization=args.normalization)
+            normalization=args.normalization, vp_stage=vp_stage)
+    kwargs = {} if vp_stage is None else {"vp_stage": vp_stage}
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=vocab_size,
         max_sequence_length=args.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=first,
+        post_process=last,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
         rope_scaling=args.use_rope_scaling,
         rope_scaling_factor=args.rope_scaling_factor,
+        **kwargs,
     )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
 
 
+def build_model_chunks(args: argparse.Namespace, config: TransformerConfig,
+                       vocab_size: int) -> list[GPTModel]:
+    """This pipeline rank's model chunks: one, or one per virtual stage."""
+    vpp = args.virtual_pipeline_model_parallel_size
+    if vpp is None:
+        return [build_model(args, config, vocab_size)]
+    return [build_model(args, config, vocab_size, vp_stage=i) for i in range(vpp)]
+
+
 def wrap_ddp(args: argparse.Namespace, config: TransformerConfig, model: torch.nn.Module,
-             ) -> DistributedDataParallel:
+             chunk: int = 0) -> DistributedDataParallel:
+    """``chunk``: the model chunk's index; as Megatron-LM does, every chunk after the first
+    is one bucket (``disable_bucketing``: megatron-core splits the first chunk only)."""
     if args.fp16 or args.bf16:
         model = Float16Module(config, model)
     ddp_kwargs = dict(
@@ -146,10 +187,15 @@ def wrap_ddp(args: argparse.Namespace, config: TransformerConfig, model: torch.n
         # Non-finite gradients skip the step on every rank (training/step.py) instead of
         # megatron-core's per-rank exception.
         check_for_nan_in_grad=False,
+        # Megatron-LM's default: the interleaved schedule's chunks keep their all-gathers
+        # in the schedule's order (param_sync_func); --no-align-param-gather lets each
+        # chunk's first forward start its own.
+        align_param_gather=args.align_param_gather,
     )
     if args.ddp_bucket_size is not None:
         ddp_kwargs["bucket_size"] = args.ddp_bucket_size
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(**ddp_kwargs), model)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(**ddp_kwargs), model,
+                                  disable_bucketing=chunk > 0)
     ddp.broadcast_params()  # every DP replica starts from DP rank 0's initialization
     return ddp
 

@@ -58,6 +58,9 @@ def run_settings(args: argparse.Namespace, sdp4bit_config: SDP4BitConfig,
     layout = {"world_size": args.world_size, "tp": args.tensor_model_parallel_size,
               "pp": args.pipeline_model_parallel_size, "dp": args.data_parallel_size,
               "ddp_bucket_size": args.ddp_bucket_size if args.overlap_grad_reduce else None}
+    if getattr(args, "virtual_pipeline_model_parallel_size", None):  # recorded only when used, so
+        # the checkpoints of runs without it compare as before
+        layout["vpp"] = args.virtual_pipeline_model_parallel_size
     model = {k: getattr(args, k) for k in MODEL_KEYS}
     model["padded_vocab_size"] = vocab
     return {"layout": layout, "model": model, "data": data_settings(args),

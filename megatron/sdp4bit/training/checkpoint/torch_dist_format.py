@@ -52,7 +52,7 @@ FORMAT_NAME = "torch_dist"
 SHARDING_TYPES = ("dp_reshardable", "fully_reshardable")
 # Layout entries a checkpoint of each sharding type may change on resume.
 RESHARDABLE = {"dp_reshardable": {"world_size", "dp"},
-               "fully_reshardable": {"world_size", "dp", "tp", "pp", "ddp_bucket_size"}}
+               "fully_reshardable": {"world_size", "dp", "tp", "pp", "vpp", "ddp_bucket_size"}}
 
 
 def is_dist_checkpoint(directory: str) -> bool:
@@ -87,7 +87,10 @@ def _sharded_state(model_chunks, optimizer, sharding_type: str, *, is_loading: b
                    with_optimizer: bool, with_rng: bool) -> dict[str, Any]:
     state = model_state(model_chunks)
     if with_optimizer:
-        model_sd = {k: v for part in state.values() for k, v in part.items()}
+        # The optimizer maps its parameters to the model's sharded tensors by identity, in
+        # a dict of any nesting: the model chunks of the interleaved pipeline stay apart
+        # (their local names repeat: each has its decoder.layers.0).
+        model_sd = dict(state) if len(state) > 1 else state["model"]
         opts = common.inner_optimizers(optimizer)
         with bucket_space_world_tensors(opts if sharding_type == "fully_reshardable" else []):
             state["optimizer"] = optimizer.sharded_state_dict(

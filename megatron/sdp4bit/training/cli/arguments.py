@@ -139,9 +139,33 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="split each sequence over this many ranks (needs Transformer Engine's "
+                   "attention; refused where it does not run)")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="interleaved pipeline: layers per model chunk; each pipeline rank holds "
+                   "(layers / PP) / this many chunks")
+    g.add_argument("--num-virtual-stages-per-pipeline-rank",
+                   "--virtual-pipeline-model-parallel-size", type=int, default=None,
+                   dest="num_virtual_stages_per_pipeline_rank",
+                   help="interleaved pipeline: model chunks per pipeline rank (instead of "
+                   "--num-layers-per-virtual-pipeline-stage; the second spelling is "
+                   "Megatron-LM's older name)")
+    g.add_argument("--overlap-p2p-communication", dest="overlap_p2p_comm",
+                   action="store_true", default=True,
+                   help="interleaved pipeline: overlap the stages' sends and receives with "
+                   "compute (the default, as in Megatron-LM)")
+    g.add_argument("--no-overlap-p2p-communication", dest="overlap_p2p_comm",
+                   action="store_false",
+                   help="interleaved pipeline: batched sends and receives, waited for at once "
+                   "(needs --pipeline-model-parallel-size > 2)")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--no-align-param-gather", dest="align_param_gather", action="store_false",
+                   help="interleaved pipeline with --overlap-param-gather: each model chunk "
+                   "gathers its parameters when its first forward needs them, instead of the "
+                   "schedule starting the next chunk's gather ahead (the default)")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="elements per gradient bucket; default megatron-core's")
     g.add_argument("--ddp-reduce-scatter-with-fp32-accumulation", action="store_true",

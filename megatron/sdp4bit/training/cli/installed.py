@@ -9,8 +9,9 @@ run it:
   (``--attention-backend flash|fused|unfused``, ``--use-flash-attn``) need CUDA and the
   ``transformer_engine`` package (``pip install -e ".[te]"``); ``--transformer-impl auto`` on
   CUDA without it runs megatron-core's local layers and says so once;
-* ``--sequence-parallel`` with TP > 1 needs Transformer Engine's layers or Apex (the local
-  spec's torch norm asserts on it in every rank);
+* ``--context-parallel-size`` > 1 needs Transformer Engine's attention (the trainer does
+  not split batches over context-parallel ranks yet, so it is refused everywhere, naming
+  the first reason);
 * ``--tensorboard-dir`` needs ``tensorboard`` (the ``logging`` extra), ``--wandb-project``
   needs ``wandb`` (the ``wandb`` extra);
 * SDP4Bit's quantized collectives replace megatron-core internals checked against
@@ -78,22 +79,24 @@ def _check_transformer_engine(args: argparse.Namespace) -> None:
               f"{TE_INSTALL}")
 
 
-def _check_sequence_parallel(args: argparse.Namespace) -> None:
-    # The local layer spec norms with Apex's FusedLayerNorm where Apex is installed, else
-    # with megatron-core's WrappedTorchNorm, which asserts on sequence parallelism in every
-    # rank's model construction (0.16.1 and 0.19.2).
-    if not args.sequence_parallel or args.tensor_model_parallel_size == 1:
+def _check_context_parallel(args: argparse.Namespace) -> None:
+    # Context parallelism splits every sequence over --context-parallel-size ranks; only
+    # Transformer Engine's attention exchanges the keys and values between them (the local
+    # spec's attention sees its own slice only and would be silently wrong).
+    cp = args.context_parallel_size
+    if cp == 1:
         return
-    if uses_transformer_engine(args.transformer_impl) or _importable("apex"):
-        return
-    why = ("--transformer-impl local does not use them" if args.transformer_impl == "local"
-           else "there is no CUDA device here" if not _cuda()
-           else "Transformer Engine is not installed")
+    if not uses_transformer_engine(args.transformer_impl):
+        why = ("--transformer-impl local does not use it" if args.transformer_impl == "local"
+               else "there is no CUDA device here" if not _cuda()
+               else f"Transformer Engine is not installed ({TE_INSTALL})")
+        raise ArgumentsError(
+            f"--context-parallel-size={cp} needs Transformer Engine's attention, and {why}: "
+            "drop --context-parallel-size (accepted: 1)")
     raise ArgumentsError(
-        f"--sequence-parallel needs Transformer Engine's layers or Apex's LayerNorm, and {why} "
-        "(nor is Apex installed): megatron-core's torch norm does not support it; drop "
-        "--sequence-parallel (accepted: TP > 1 with Transformer Engine on CUDA or with Apex; "
-        "with TP 1 it is ignored)")
+        f"--context-parallel-size={cp} is not supported by this trainer yet: it does not split "
+        "its batches over context-parallel ranks (install_sdp4bit quantizes a model built "
+        "with context parallelism in one's own loop); drop --context-parallel-size")
 
 
 def _check_logging_packages(args: argparse.Namespace) -> None:
@@ -140,6 +143,6 @@ def check_installed(args: argparse.Namespace, quantized: bool) -> None:
     warn once about the ones it honours at a cost (module docstring). ``quantized``: the run
     installs SDP4Bit's collectives (a quantization flag is on)."""
     _check_transformer_engine(args)
-    _check_sequence_parallel(args)
+    _check_context_parallel(args)
     _check_logging_packages(args)
     _check_megatron_core(args, quantized)

@@ -58,8 +58,6 @@ NO_OP_FLAGS: dict[str, str] = {
     "reduction starts, which --overlap-grad-reduce decides here",
     "--delay-param-gather": "a knob of older megatron-core DDP; only when the parameter "
     "gather starts, which --overlap-param-gather decides here",
-    "--no-overlap-p2p-communication": "applies to the interleaved (virtual) pipeline "
-    "schedule only, which is refused",
     "--manual-gc": "Python's garbage collector runs automatically; the flag only moves its "
     "pauses",
     "--manual-gc-interval": "see --manual-gc",
@@ -112,8 +110,6 @@ REFUSED_FLAGS: dict[str, tuple[int | str, str]] = {
     "--profile-ranks": ("+", "see --profile"),
     "--use-pytorch-profiler": (0, "see --profile"),
     "--tp-comm-overlap": (0, "Transformer Engine's userbuffer overlap is not wired up"),
-    "--num-layers-per-virtual-pipeline-stage": (1, "the interleaved (virtual) pipeline schedule "
-                                                "is not supported"),
     "--pipeline-model-parallel-split-rank": (1, "encoder-decoder pipelines are not supported"),
     "--standalone-embedding-stage": (0, "the embedding lives in the first pipeline stage"),
     "--use-ring-exchange-p2p": (0, "pipeline stages talk with torch.distributed send/recv"),
@@ -142,7 +138,6 @@ REFUSED_FLAGS: dict[str, tuple[int | str, str]] = {
 ONLY_VALUE: dict[str, tuple[type, object, str]] = {
     "--dataloader-type": (str, "single", "the training data is read once, in order"),
     "--empty-unused-memory-level": (int, 0, "the CUDA caching allocator is never emptied"),
-    "--context-parallel-size": (int, 1, "context parallelism is not supported"),
     "--rerun-mode": (str, "disabled", "the rerun state machine is not used"),
 }
 

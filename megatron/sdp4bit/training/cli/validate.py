@@ -35,7 +35,8 @@ def _check_required(args: argparse.Namespace) -> None:
         _fail(f"missing required flag(s): {' '.join(missing)}")
     for dest in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                  "micro_batch_size", "train_iters", "tensor_model_parallel_size",
-                 "pipeline_model_parallel_size", "log_interval", "eval_interval"):
+                 "pipeline_model_parallel_size", "context_parallel_size", "log_interval",
+                 "eval_interval"):
         if getattr(args, dest) < 1:
             _fail(f"{_flag(dest)}={getattr(args, dest)} must be >= 1")
     for dest in ("distributed_timeout_minutes",):
@@ -143,6 +144,56 @@ def _check_parallel(args: argparse.Namespace) -> None:
         _fail("--overlap-param-gather requires --use-distributed-optimizer")
     if args.overlap_param_gather and not args.overlap_grad_reduce:
         _fail("--overlap-param-gather requires --overlap-grad-reduce")
+    _check_virtual_pipeline(args)
+
+
+def _check_virtual_pipeline(args: argparse.Namespace) -> None:
+    """Megatron-LM's rules: ``args.virtual_pipeline_model_parallel_size`` is the number of
+    model chunks per pipeline rank, None without the interleaved schedule (a size of 1 is
+    none); without it there is no p2p overlap and no aligned param gather to speak of.
+    See [Note: batched p2p at PP 2] in training/model.py for the PP 2 rule."""
+    layers, chunks = args.num_layers_per_virtual_pipeline_stage, \
+        args.num_virtual_stages_per_pipeline_rank
+    pp = args.pipeline_model_parallel_size
+    if layers is not None and chunks is not None:
+        _fail("--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-"
+              "rank (--virtual-pipeline-model-parallel-size) both set the interleaved "
+              "pipeline's chunks: pass one")
+    for flag, value in (("--num-layers-per-virtual-pipeline-stage", layers),
+                        ("--num-virtual-stages-per-pipeline-rank", chunks)):
+        if value is not None and value < 1:
+            _fail(f"{flag}={value} must be >= 1")
+    vpp = None
+    if layers is not None:
+        per_stage = args.num_layers // pp  # divisibility by PP was checked above
+        if per_stage % layers:
+            _fail(f"--num-layers-per-virtual-pipeline-stage={layers} does not divide the "
+                  f"{per_stage} layers of each pipeline stage (--num-layers {args.num_layers} "
+                  f"/ --pipeline-model-parallel-size {pp})")
+        vpp = per_stage // layers
+    elif chunks is not None:
+        if args.num_layers % (pp * chunks):
+            _fail(f"--num-layers={args.num_layers} is not divisible by "
+                  f"--pipeline-model-parallel-size x --num-virtual-stages-per-pipeline-rank = "
+                  f"{pp} x {chunks}: every model chunk needs the same number of layers")
+        vpp = chunks
+    args.virtual_pipeline_model_parallel_size = vpp if vpp is not None and vpp > 1 else None
+    if args.virtual_pipeline_model_parallel_size is None:
+        args.overlap_p2p_comm = False
+        args.align_param_gather = False
+        return
+    if pp == 1:
+        _fail("the interleaved pipeline (--num-layers-per-virtual-pipeline-stage / "
+              "--num-virtual-stages-per-pipeline-rank) needs --pipeline-model-parallel-size > 1")
+    if not args.overlap_p2p_comm and pp == 2:
+        _fail("--no-overlap-p2p-communication with the interleaved pipeline needs "
+              "--pipeline-model-parallel-size > 2: at 2 the batched sends and receives go "
+              "both ways between the same two ranks and are matched in the wrong order "
+              "(Megatron-LM refuses it too); drop --no-overlap-p2p-communication")
+    if args.num_microbatches % pp:
+        _fail(f"the interleaved pipeline needs the number of micro-batches per step "
+              f"({args.num_microbatches} = --global-batch-size / (--micro-batch-size x "
+              f"data-parallel size)) to be a multiple of --pipeline-model-parallel-size={pp}")
 
 
 def _check_optimizer(args: argparse.Namespace) -> None:

@@ -155,22 +155,31 @@ def test_the_flag_reaches_the_integrations_version_check(monkeypatch):
     assert given == [True, False]
 
 
-def test_sequence_parallel_without_transformer_engine_or_apex_is_refused(monkeypatch):
-    """megatron-core's torch norm (the local spec without Apex) asserts on sequence
-    parallelism in every rank's model construction: 13 tracebacks from a TP 2 run."""
-    tp2 = "--tensor-model-parallel-size 2 --sequence-parallel"
+def test_sequence_parallel_runs_without_transformer_engine_or_apex(monkeypatch):
+    """The local spec's norms support sequence parallelism (training/layer_spec.py)."""
     machine(monkeypatch, cuda=False, have=set())
-    assert refusal(tp2) == (
-        "--sequence-parallel needs Transformer Engine's layers or Apex's LayerNorm, and there "
-        "is no CUDA device here (nor is Apex installed): megatron-core's torch norm does not "
-        "support it; drop --sequence-parallel (accepted: TP > 1 with Transformer Engine on "
-        "CUDA or with Apex; with TP 1 it is ignored)")
+    check("--tensor-model-parallel-size 2 --sequence-parallel")
+    check("--tensor-model-parallel-size 2 --sequence-parallel --transformer-impl local")
+
+
+def test_context_parallel_is_refused_naming_why(monkeypatch):
+    """Context parallelism needs Transformer Engine's attention; where that runs, the
+    trainer still does not split its batches over the context-parallel ranks."""
+    cp2 = "--context-parallel-size 2"
+    machine(monkeypatch, cuda=False, have={"transformer_engine"})
+    assert refusal(cp2) == (
+        "--context-parallel-size=2 needs Transformer Engine's attention, and there is no CUDA "
+        "device here: drop --context-parallel-size (accepted: 1)")
+    machine(monkeypatch, cuda=True, have=set())
+    assert refusal(cp2) == (
+        "--context-parallel-size=2 needs Transformer Engine's attention, and Transformer "
+        f"Engine is not installed ({installed.TE_INSTALL}): drop --context-parallel-size "
+        "(accepted: 1)")
     machine(monkeypatch, cuda=True, have={"transformer_engine"})
-    assert refusal(tp2 + " --transformer-impl local").startswith(
-        "--sequence-parallel needs Transformer Engine's layers or Apex's LayerNorm, and "
-        "--transformer-impl local does not use them (nor is Apex installed)")
-    check(tp2)  # Transformer Engine's layers: accepted
-    machine(monkeypatch, cuda=False, have={"apex"})
-    check(tp2 + " --transformer-impl local")  # Apex's FusedLayerNorm: accepted
-    machine(monkeypatch, cuda=False, have=set())
-    check("--sequence-parallel")  # TP 1: nothing to split, ignored
+    assert refusal(cp2 + " --transformer-impl local").startswith(
+        "--context-parallel-size=2 needs Transformer Engine's attention, and --transformer-impl "
+        "local does not use it")
+    assert refusal(cp2).startswith(
+        "--context-parallel-size=2 is not supported by this trainer yet: it does not split its "
+        "batches over context-parallel ranks")
+    check("--context-parallel-size 1")

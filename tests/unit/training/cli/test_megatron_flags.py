@@ -294,8 +294,8 @@ def test_qk_layernorm_and_rope_scaling_reach_the_model(monkeypatch):
 
     built = {}
     monkeypatch.setattr(trainer_model, "GPTModel", lambda **kw: built.update(kw))
-    monkeypatch.setattr(trainer_model.parallel_state, "is_pipeline_first_stage", lambda: True)
-    monkeypatch.setattr(trainer_model.parallel_state, "is_pipeline_last_stage", lambda: True)
+    monkeypatch.setattr(trainer_model.parallel_state, "is_pipeline_first_stage", lambda **kw: True)
+    monkeypatch.setattr(trainer_model.parallel_state, "is_pipeline_last_stage", lambda **kw: True)
 
     def attention_norms(extra: str):
         args = parse(extra)
@@ -332,7 +332,7 @@ def test_cheaper_gradient_collectives_reach_megatron_cores_ddp(monkeypatch):
     made = {}
 
     class FakeDDP:
-        def __init__(self, config, ddp_config, module):
+        def __init__(self, config, ddp_config, module, **kwargs):
             made["ddp"] = ddp_config
 
         def broadcast_params(self):
@@ -396,3 +396,72 @@ def test_exit_duration_counts_from_the_parse():
     assert parse("").exit_duration_in_mins is None  # off by default
 
 
+def test_virtual_pipeline_flags():
+    """Megatron-LM's meanings: chunks per pipeline rank from layers per virtual stage or
+    given directly (two spellings), a size of 1 is none; without the interleaved schedule
+    no p2p overlap or aligned gather; batched p2p ([Note: batched p2p at PP 2]) follows."""
+    from megatron.sdp4bit.training.model import transformer_config_from_args
+
+    pp2 = "--num-layers 8 --pipeline-model-parallel-size 2 --global-batch-size 8"
+    args = parse(pp2 + " --num-layers-per-virtual-pipeline-stage 2")
+    assert args.virtual_pipeline_model_parallel_size == 2
+    assert args.overlap_p2p_comm and args.align_param_gather
+    for flag in ("--num-virtual-stages-per-pipeline-rank",
+                 "--virtual-pipeline-model-parallel-size"):
+        assert parse(f"{pp2} {flag} 4").virtual_pipeline_model_parallel_size == 4
+    assert parse(f"{pp2} --num-layers-per-virtual-pipeline-stage 4"
+                 ).virtual_pipeline_model_parallel_size is None  # one chunk: plain pipeline
+    plain = parse(pp2)
+    assert plain.virtual_pipeline_model_parallel_size is None
+    assert not plain.overlap_p2p_comm and not plain.align_param_gather
+    assert not parse(pp2 + " --num-layers-per-virtual-pipeline-stage 2 --no-align-param-gather"
+                     ).align_param_gather
+    config = transformer_config_from_args(args)
+    assert (config.virtual_pipeline_model_parallel_size, config.overlap_p2p_comm,
+            config.batch_p2p_comm) == (2, True, False)
+    config = transformer_config_from_args(parse(
+        "--num-layers 8 --pipeline-model-parallel-size 4 --global-batch-size 8 "
+        "--num-layers-per-virtual-pipeline-stage 1 --no-overlap-p2p-communication",
+        world_size=4))
+    assert (config.overlap_p2p_comm, config.batch_p2p_comm) == (False, True)
+
+
+VIRTUAL_PIPELINE_ERRORS = {
+    "--num-layers 8 --pipeline-model-parallel-size 2 --global-batch-size 8 "
+    "--num-layers-per-virtual-pipeline-stage 3":
+        "--num-layers-per-virtual-pipeline-stage=3 does not divide the 4 layers of each "
+        "pipeline stage (--num-layers 8 / --pipeline-model-parallel-size 2)",
+    "--num-layers 8 --pipeline-model-parallel-size 2 --global-batch-size 8 "
+    "--num-virtual-stages-per-pipeline-rank 3":
+        "--num-layers=8 is not divisible by --pipeline-model-parallel-size x "
+        "--num-virtual-stages-per-pipeline-rank = 2 x 3: every model chunk needs the same "
+        "number of layers",
+    "--num-layers 8 --pipeline-model-parallel-size 2 --global-batch-size 8 "
+    "--num-layers-per-virtual-pipeline-stage 1 --num-virtual-stages-per-pipeline-rank 4":
+        "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank "
+        "(--virtual-pipeline-model-parallel-size) both set the interleaved pipeline's chunks: "
+        "pass one",
+    "--num-layers 8 --num-layers-per-virtual-pipeline-stage 2":
+        "the interleaved pipeline (--num-layers-per-virtual-pipeline-stage / "
+        "--num-virtual-stages-per-pipeline-rank) needs --pipeline-model-parallel-size > 1",
+    "--num-layers 8 --pipeline-model-parallel-size 2 --global-batch-size 8 "
+    "--num-layers-per-virtual-pipeline-stage 2 --no-overlap-p2p-communication":
+        "--no-overlap-p2p-communication with the interleaved pipeline needs "
+        "--pipeline-model-parallel-size > 2: at 2 the batched sends and receives go both ways "
+        "between the same two ranks and are matched in the wrong order (Megatron-LM refuses "
+        "it too); drop --no-overlap-p2p-communication",
+    "--num-layers 8 --pipeline-model-parallel-size 2 --global-batch-size 12 "
+    "--num-layers-per-virtual-pipeline-stage 2":
+        "the interleaved pipeline needs the number of micro-batches per step (3 = "
+        "--global-batch-size / (--micro-batch-size x data-parallel size)) to be a multiple "
+        "of --pipeline-model-parallel-size=2",
+    "--num-layers 8 --pipeline-model-parallel-size 2 --global-batch-size 8 "
+    "--num-virtual-stages-per-pipeline-rank 0":
+        "--num-virtual-stages-per-pipeline-rank=0 must be >= 1",
+    "--context-parallel-size 0": "--context-parallel-size=0 must be >= 1",
+}
+
+
+@pytest.mark.parametrize("extra", sorted(VIRTUAL_PIPELINE_ERRORS))
+def test_virtual_pipeline_errors(extra):
+    assert error(extra) == VIRTUAL_PIPELINE_ERRORS[extra]
