@@ -129,6 +129,38 @@ def test_same_layout_resume_is_bit_exact(request, tmp_path, data_prefix, layout,
             assert a[key] == b[key], (key, a, b)
 
 
+def test_error_feedback_resume_is_bit_exact_in_both_formats(tmp_path, data_prefix):
+    """--gradient-error-feedback (int8 state, reset every 4 calls: the saved call count
+    matters) on 2 x 2 ranks: each rank's error state is in the checkpoint, so a resume
+    continues bit for bit. An uninterrupted 6-iteration run saves --ckpt-format torch at 3;
+    a resume from it converts to torch_dist, saving at 4, 5 and 6; a resume from that
+    torch_dist iteration 4 runs 5 and 6. Both must repeat the uninterrupted run exactly (a
+    state restored as zero changes the inter-node messages, hence the gradient norm)."""
+    nproc, flags = LAYOUTS["dp4"]
+    ef = ["--gradient-error-feedback", "--gradient-error-feedback-reset-interval", "4"]
+    base = [*BASE, *data_prefix, *flags, *ef]
+    base[base.index("--train-iters") + 1] = "6"
+    full, torch_ckpt, dist_ckpt = tmp_path / "full", tmp_path / "torch", tmp_path / "dist"
+    ref = train_lines(torchrun(base + ["--save", str(full), "--save-interval", "3",
+                                       "--ckpt-format", "torch"], nproc=nproc).stdout)
+    assert [m["iteration"] for m in ref] == [1, 2, 3, 4, 5, 6]
+    shutil.copytree(full / "iter_0000003", torch_ckpt / "iter_0000003")
+    (torch_ckpt / "latest_checkpointed_iteration.txt").write_text("3\n")
+    runs = {}
+    res = torchrun(base + ["--load", str(torch_ckpt), "--auto-detect-ckpt-format",
+                           "--save", str(dist_ckpt), "--save-interval", "1"], nproc=nproc)
+    runs["torch"] = train_lines(res.stdout)
+    (dist_ckpt / "latest_checkpointed_iteration.txt").write_text("4\n")
+    res = torchrun(base + ["--load", str(dist_ckpt)], nproc=nproc)
+    runs["torch_dist"] = train_lines(res.stdout)
+    assert "starts from zero error" not in res.stdout
+    for fmt, resumed, start in (("torch", runs["torch"], 3), ("torch_dist", runs["torch_dist"], 4)):
+        assert [m["iteration"] for m in resumed] == list(range(start + 1, 7)), fmt
+        for a, b in zip(ref[start:], resumed):
+            for key in ("lm_loss", "grad_norm", "comm_bytes_grads_inter"):
+                assert a[key] == b[key], (fmt, key, a, b)
+
+
 # 4 -> 8 takes megatron-core's path of 4 -> 2: the second pass runs 4 -> 2 only
 @pytest.mark.parametrize("layout", [
     pytest.param("dp2", id="4to2"),

@@ -151,8 +151,9 @@ def test_megatron_lm_trainer_trains_saves_and_resumes_with_sdp4bit(tmp_path):
      "(e.g. 128 and 128, or 512 and 128)"),
     (["--use-distributed-optimizer", "--quantized-gradients", "--gradient-error-feedback",
       "--save", "/tmp/unused"],
-     "--gradient-error-feedback cannot be combined with --save yet: the error state is not "
-     "saved in checkpoints (a resume would not be bit-exact); drop one"),
+     "--gradient-error-feedback cannot be combined with --save in Megatron-LM's trainer yet: "
+     "its checkpoints do not hold the error state (a resume would not be bit-exact); drop one, "
+     "or train with pretrain_gpt.py, whose checkpoints hold it"),
     (["--use-distributed-optimizer", "--quantized-gradients",
       "--gradient-quantization-bits-intra", "2"],
      "--gradient-quantization-bits-intra=2 is not supported: use one of (4, 8)"),

@@ -96,3 +96,51 @@ def test_calls_telescope_with_decay_zero() -> None:
     # one error is left, larger than a plain call's at 2 bits (the compensated values raise
     # the scale) but bounded: measured 0.59x the plain sum's norm here.
     assert (sent_total - input_total).norm() < 0.7 * (plain_total - input_total).norm()
+
+
+def test_handle_state_round_trips_through_the_restricted_loader(tmp_path) -> None:
+    """What a checkpoint holds of the state (SDP4BitHandle.error_feedback_state) is read back
+    by ``torch.load(weights_only=True)`` (the checkpoints' restricted loader), restores every
+    bucket bit for bit with its call count, and a state that does not fit is not loaded: the
+    reason comes back and the error stays as it was."""
+    from megatron.sdp4bit.comm import WeightQuantConfig
+    from megatron.sdp4bit.config import SDP4BitConfig
+    from megatron.sdp4bit.integration.install import SDP4BitHandle
+    from megatron.sdp4bit.integration.state import RunState
+
+    config = SDP4BitConfig(quantized_gradients=True, gradient_error_feedback=True)
+
+    def handle(numels: dict[int, int]) -> SDP4BitHandle:
+        state = RunState(config=config, grad_config=CFG,
+                         weight_config=WeightQuantConfig.from_sdp4bit(config))
+        for bucket_id, numel in numels.items():
+            state.error_feedback[bucket_id] = ErrorFeedback(numel, N, M, CFG,
+                                                            ErrorFeedbackConfig())
+        return SDP4BitHandle(state=state, _applied=None, buckets=())
+
+    numel = N * M * SHARD
+    saver = handle({0: numel, 1: numel})
+    for bucket_id, ef in saver.state.error_feedback.items():
+        for call in range(2):
+            _step(ef, CFG, 10 * bucket_id + call)
+    torch.save(saver.error_feedback_state(), tmp_path / "ef.pt")
+    saved = torch.load(tmp_path / "ef.pt", weights_only=True)
+
+    assert not torch.equal(saver.state.error_feedback[0].state,
+                           saver.state.error_feedback[1].state)
+    loader = handle({0: numel, 1: numel})
+    assert loader.load_error_feedback_state(saved) is None
+    for bucket_id, ef in saver.state.error_feedback.items():
+        assert torch.equal(loader.state.error_feedback[bucket_id].state, ef.state)
+        assert loader.state.error_feedback[bucket_id].calls == ef.calls == 2
+
+    other = handle({0: numel, 1: 2 * numel})
+    before = {i: ef.state.clone() for i, ef in other.state.error_feedback.items()}
+    assert other.load_error_feedback_state(saved) == (
+        "the checkpoint's error-feedback state of bucket 1 does not fit this run's (another "
+        "bucket size or --gradient-error-feedback-storage)")
+    assert all(torch.equal(other.state.error_feedback[i].state, b) for i, b in before.items())
+    assert handle({0: numel}).load_error_feedback_state(saved) == (
+        "the checkpoint's error-feedback state is for other buckets")
+    assert loader.load_error_feedback_state(None) == (
+        "the checkpoint holds no error-feedback state")

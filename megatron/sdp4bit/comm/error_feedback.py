@@ -39,9 +39,6 @@ from megatron.sdp4bit.quantization import ops
 from megatron.sdp4bit.quantization.format import message_nbytes
 
 STORAGE_BITS = 8
-SAVE_REFUSAL = ("--gradient-error-feedback cannot be combined with --save yet: the error state "
-                "is not saved in checkpoints (a resume would not be bit-exact); drop one")
-"""What every trainer says when both are asked for (checkpoints do not hold the state)."""
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,9 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from megatron.sdp4bit.comm import (
@@ -130,6 +132,40 @@ class SDP4BitHandle:
     def error_feedback_nbytes(self) -> int:
         """Bytes of this rank's error-feedback state, every bucket together (0 without)."""
         return sum(ef.nbytes for ef in self.state.error_feedback.values())
+
+    def error_feedback_state(self) -> dict[str, Any] | None:
+        """This rank's error-feedback state, for a checkpoint (None without
+        ``--gradient-error-feedback``): per bucket id its state tensor (on the CPU) and call
+        count, plain tensors and numbers that the checkpoints' restricted loaders admit. It
+        belongs to this rank alone (the error of what this rank sent on the inter hop)."""
+        efs = self.state.error_feedback
+        if not efs:
+            return None
+        return {"storage": self.state.config.gradient_error_feedback_storage,
+                "buckets": {bucket_id: ef.state_dict() for bucket_id, ef in sorted(efs.items())}}
+
+    def load_error_feedback_state(self, saved: dict[str, Any] | None) -> str | None:
+        """Restore :meth:`error_feedback_state`'s dict (from a checkpoint of the same layout).
+        Returns None when restored (or when this run has no error feedback); otherwise the
+        reason the error starts from zero instead, which the caller reports in one line.
+        Nothing is changed unless every bucket fits."""
+        efs = self.state.error_feedback
+        if not efs:
+            return None
+        if saved is None:
+            return "the checkpoint holds no error-feedback state"
+        buckets = saved.get("buckets") if isinstance(saved, dict) else None
+        if not isinstance(buckets, dict) or set(buckets) != set(efs):
+            return "the checkpoint's error-feedback state is for other buckets"
+        for bucket_id, ef in efs.items():
+            tensor = buckets[bucket_id].get("state")
+            if not isinstance(tensor, torch.Tensor) or tensor.shape != ef.state.shape or \
+                    tensor.dtype != ef.state.dtype:
+                return (f"the checkpoint's error-feedback state of bucket {bucket_id} does not "
+                        "fit this run's (another bucket size or --gradient-error-feedback-storage)")
+        for bucket_id, ef in efs.items():
+            ef.load_state_dict(buckets[bucket_id])
+        return None
 
     @property
     def config(self) -> SDP4BitConfig:

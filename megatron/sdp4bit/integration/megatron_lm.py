@@ -84,7 +84,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron.sdp4bit.comm.error_feedback import SAVE_REFUSAL
 from megatron.sdp4bit.config import SDP4BitConfig
 from megatron.sdp4bit.config_flags import (
     add_sdp4bit_flags,
@@ -102,6 +101,12 @@ __all__ = ["BYTE_KEYS", "disable", "enable", "enabled", "replica_checksum", "run
 
 _NOTE = "[Note: where the plug-in enters Megatron-LM's trainer] (integration/megatron_lm.py)"
 _TRAINING = "megatron.training.training"
+SAVE_REFUSAL = ("--gradient-error-feedback cannot be combined with --save in Megatron-LM's "
+                "trainer yet: its checkpoints do not hold the error state (a resume would not "
+                "be bit-exact); drop one, or train with pretrain_gpt.py, whose checkpoints "
+                "hold it")
+"""The plug-in's line for both (pretrain_gpt.py's checkpoints hold the state; Megatron-LM's
+do not)."""
 _ARGUMENTS = "megatron.training.arguments"
 
 BYTE_KEYS = {
@@ -215,7 +220,7 @@ def _validate_args(original: Callable) -> Callable:
         except ValueError as err:
             _refuse(str(err))
         if config.gradient_error_feedback and getattr(args, "save", None):
-            _refuse(SAVE_REFUSAL)  # the error state is not in Megatron-LM's checkpoints
+            _refuse(SAVE_REFUSAL)
         _RUN.config = config
         return original(args, defaults)
     return validate_args

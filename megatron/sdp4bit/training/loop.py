@@ -69,6 +69,9 @@ class TrainState:
     """The last checkpoint this run saved, and the last one known healthy: a step after it
     had finite gradients (weights blown up by a step look finite until the next forward)."""
     healthy_iteration: int | None = None
+    sdp4bit_handle: Any = None
+    """The installed SDP4Bit (None without): checkpoints hold its per-rank error-feedback
+    state."""
 
 
 class TrainingStopped(RuntimeError):
@@ -104,7 +107,8 @@ def _save(args, state: TrainState) -> None:
     if dist.get_rank() == 0:
         print(format_saving(state.iteration, args.save, args.ckpt_format), flush=True)
     checkpoint_formats.save(args, state.iteration, state.consumed_samples, state.model,
-                            state.optimizer, state.scheduler, state.settings)
+                            state.optimizer, state.scheduler, state.settings,
+                            sdp4bit_handle=state.sdp4bit_handle)
     state.saved_iteration = state.iteration
     if dist.get_rank() == 0:
         print(format_saved(state.iteration, args.save, args.tensor_model_parallel_size,

@@ -32,6 +32,7 @@ def install(config: SDP4BitConfig, state: TrainState, transformer_config, *,
     if state.expert_layout is not None:
         state.expert_layout = dataclasses.replace(state.expert_layout, stats=handle.expert_stats)
     state.sdp4bit = config
+    state.sdp4bit_handle = handle
     if dist.get_rank() == 0:
         print(f"SDP4Bit installed on {len(handle.bucket_numels)} bucket(s): "
               f"{config.describe()}{describe_experts(handle)}", flush=True)

@@ -75,3 +75,23 @@ def check_schedule(scheduler, saved: dict[str, Any], directory: str) -> None:
                               "pass --override-opt_param-scheduler to use this command line's "
                               "schedule, or --use-checkpoint-opt_param-scheduler to keep the "
                               "checkpoint's")
+
+
+def error_feedback_state(handle) -> dict[str, Any] | None:
+    """What a checkpoint holds of ``--gradient-error-feedback``: this rank's error state
+    (``handle``: the installed SDP4Bit handle, or None), or None."""
+    return handle.error_feedback_state() if handle is not None else None
+
+
+def restore_error_feedback(handle, saved: dict[str, Any] | None, directory: str,
+                           not_restorable: str | None = None) -> None:
+    """Restore this rank's error state from ``saved``; where it cannot be (a checkpoint saved
+    without the flag, another data-parallel layout or bucket size), the error starts from zero
+    and rank 0 says so in one line (the resume is then not bit-exact). ``not_restorable``:
+    why the caller did not read the state (it is then not loaded)."""
+    if handle is None or not handle.error_feedback_nbytes:
+        return
+    reason = not_restorable or handle.load_error_feedback_state(saved)
+    if reason is not None and dist.get_rank() == 0:
+        print(f"note: --gradient-error-feedback starts from zero error: {reason} ({directory})",
+              flush=True)

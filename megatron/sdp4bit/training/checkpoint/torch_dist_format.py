@@ -77,6 +77,16 @@ def _rng_object() -> ShardedObject:
     return ShardedObject("rng_state", common.rng_state(), shape, (pp, tp, dp), replica_id=0)
 
 
+EF_KEY = "sdp4bit_error_feedback"
+
+
+def _error_feedback_object(state: dict[str, Any]) -> ShardedObject:
+    # One entry per global rank: the error is of what this rank sent on the inter hop, so it
+    # has no replica (unlike the RNG's, context- and expert-parallel ranks keep their own).
+    return ShardedObject(EF_KEY, state, (dist.get_world_size(),), (dist.get_rank(),),
+                         replica_id=0)
+
+
 def model_state(model_chunks) -> dict[str, Any]:
     if len(model_chunks) == 1:
         return {"model": unwrap(model_chunks[0]).sharded_state_dict()}
@@ -84,7 +94,8 @@ def model_state(model_chunks) -> dict[str, Any]:
 
 
 def _sharded_state(model_chunks, optimizer, sharding_type: str, *, is_loading: bool,
-                   with_optimizer: bool, with_rng: bool) -> dict[str, Any]:
+                   with_optimizer: bool, with_rng: bool,
+                   error_feedback: dict[str, Any] | None = None) -> dict[str, Any]:
     state = model_state(model_chunks)
     if with_optimizer:
         # The optimizer maps its parameters to the model's sharded tensors by identity, in
@@ -98,13 +109,16 @@ def _sharded_state(model_chunks, optimizer, sharding_type: str, *, is_loading: b
                 metadata={"distrib_optim_sharding_type": sharding_type})
     if with_rng:
         state["rng_state"] = _rng_object()
+    if error_feedback is not None:
+        state[EF_KEY] = _error_feedback_object(error_feedback)
     return state
 
 
 def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chunks, optimizer,
                     scheduler, settings: dict[str, Any], *, sharding_type: str,
-                    fully_parallel: bool = False) -> str:
-    """Collective: write this iteration's torch_dist checkpoint; returns its folder."""
+                    fully_parallel: bool = False, sdp4bit_handle=None) -> str:
+    """Collective: write this iteration's torch_dist checkpoint; returns its folder.
+    ``sdp4bit_handle``: the installed SDP4Bit (its error-feedback state is this rank's)."""
     if not common.weights_finite(model_chunks, optimizer):
         raise CheckpointError(f"not saving iteration {iteration}: the weights hold NaN or Inf; "
                               f"the last complete checkpoint in {root} stays current")
@@ -114,8 +128,9 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
     dist.barrier()
+    error_feedback = common.error_feedback_state(sdp4bit_handle)
     state = _sharded_state(model_chunks, optimizer, sharding_type, is_loading=False,
-                           with_optimizer=True, with_rng=True)
+                           with_optimizer=True, with_rng=True, error_feedback=error_feedback)
     state.update(iteration=iteration, consumed_samples=consumed_samples,
                  opt_param_scheduler=scheduler.state_dict(), checkpoint_version=3.0)
     disk_space.check_space(root, partial, iteration, checkpoint_space.written_bytes(state))
@@ -138,7 +153,9 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
     if dist.get_rank() == 0:
         files.write_manifest(partial, iteration, entries,
                              {**settings, "ckpt_format": FORMAT_NAME,
-                              "optim_sharding": sharding_type})
+                              "optim_sharding": sharding_type,
+                              # a load asks for the state only where it was written
+                              **({EF_KEY: True} if error_feedback is not None else {})})
         old = final + ".old"
         if os.path.isdir(final):  # the same iteration saved again: keep it until replaced
             shutil.rmtree(old, ignore_errors=True)
@@ -186,9 +203,10 @@ def load_checkpoint(directory: str, manifest: dict[str, Any] | None, model_chunk
                     scheduler, settings: dict[str, Any], *, load_optim: bool = True,
                     load_rng: bool = True, allow_sdp4bit_change: bool = False,
                     allow_data_change: bool = False,
-                    fully_parallel: bool = False) -> tuple[int, int]:
+                    fully_parallel: bool = False, sdp4bit_handle=None) -> tuple[int, int]:
     """Collective: restore a torch_dist checkpoint folder (already named by the tracker);
-    returns (iteration, consumed samples)."""
+    returns (iteration, consumed samples). ``sdp4bit_handle``: the installed SDP4Bit, whose
+    error-feedback state is restored when the checkpoint holds it for this very layout."""
     if manifest is None:
         raise CheckpointError(f"{directory} holds a distributed checkpoint without "
                               f"{files.MANIFEST}: it was not written by this trainer or its "
@@ -217,9 +235,18 @@ def load_checkpoint(directory: str, manifest: dict[str, Any] | None, model_chunk
                 opt._init_optimizer_states_with_dummy_values()
     # RNG streams belong to ranks: they are restored only when every rank is where it was.
     with_rng = load_rng and same_layout
+    # The error-feedback state too: it is the error of what each rank sent.
+    ef_now = common.error_feedback_state(sdp4bit_handle)
+    ef_saved = bool(saved.get(EF_KEY))
+    ef_skipped = None
+    if ef_now is not None and not ef_saved:
+        ef_skipped = "the checkpoint was saved without --gradient-error-feedback"
+    elif ef_now is not None and not same_layout:
+        ef_skipped = "the checkpoint was saved with another parallel layout or bucket size"
     state = _sharded_state(model_chunks, optimizer, saved.get("optim_sharding",
                                                               "dp_reshardable"),
-                           is_loading=True, with_optimizer=load_optim, with_rng=with_rng)
+                           is_loading=True, with_optimizer=load_optim, with_rng=with_rng,
+                           error_feedback=ef_now if ef_skipped is None else None)
     strategy = TorchDistLoadShardedStrategy()
     if fully_parallel:
         strategy = FullyParallelLoadStrategyWrapper(
@@ -251,4 +278,5 @@ def load_checkpoint(directory: str, manifest: dict[str, Any] | None, model_chunk
             opt.reload_model_params()
     if with_rng:
         common.set_rng_state(loaded["rng_state"])
+    common.restore_error_feedback(sdp4bit_handle, loaded.get(EF_KEY), directory, ef_skipped)
     return loaded["iteration"], loaded["consumed_samples"]

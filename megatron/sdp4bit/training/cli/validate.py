@@ -358,12 +358,6 @@ def _check_sdp4bit(args: argparse.Namespace) -> None:
         problem = str(err)
     if problem is not None:
         _fail(problem)
-    if config.gradient_error_feedback and getattr(args, "save", None):
-        # The error state is not in the checkpoint yet: a resume would restart it from zero,
-        # silently not bit-exact. Refused until the checkpoint holds it.
-        from megatron.sdp4bit.comm.error_feedback import SAVE_REFUSAL
-
-        _fail(SAVE_REFUSAL)
     _check_padding_fits(args, config)
     if config.dp_ranks_per_node is not None and args.data_parallel_size % config.dp_ranks_per_node:
         _fail(f"--dp-ranks-per-node={config.dp_ranks_per_node} does not divide the data-parallel "

@@ -129,11 +129,6 @@ ERRORS = {
     "bad-inter-bits": ("--use-distributed-optimizer --gradient-quantization-bits-inter 3",
                        "--gradient-quantization-bits-inter=3 is not supported: use one of "
                        "(2, 4, 8)"),
-    "ef-with-save": ("--use-distributed-optimizer --quantized-gradients --gradient-error-feedback "
-                     "--save /tmp/x",
-                     "--gradient-error-feedback cannot be combined with --save yet: the error "
-                     "state is not saved in checkpoints (a resume would not be bit-exact); drop "
-                     "one"),
     "ef-without-tlq": ("--use-distributed-optimizer --gradient-error-feedback",
                        "--gradient-error-feedback=True needs --quantized-gradients=True: it "
                        "compensates the quantized inter-node hop"),
