@@ -87,6 +87,17 @@ def _error_feedback_object(state: dict[str, Any]) -> ShardedObject:
                          replica_id=0)
 
 
+def error_feedback_skipped(saved: dict[str, Any], same_layout: bool) -> str | None:
+    """Why a run with error feedback does not read the state of a checkpoint whose manifest
+    recorded ``saved`` (None: it reads it). Like the RNG's, the state is the error of what
+    each rank sent: it means nothing on another layout."""
+    if not saved.get(EF_KEY):
+        return "the checkpoint was saved without --gradient-error-feedback"
+    if not same_layout:
+        return "the checkpoint was saved with another parallel layout or bucket size"
+    return None
+
+
 def model_state(model_chunks) -> dict[str, Any]:
     if len(model_chunks) == 1:
         return {"model": unwrap(model_chunks[0]).sharded_state_dict()}
@@ -235,14 +246,8 @@ def load_checkpoint(directory: str, manifest: dict[str, Any] | None, model_chunk
                 opt._init_optimizer_states_with_dummy_values()
     # RNG streams belong to ranks: they are restored only when every rank is where it was.
     with_rng = load_rng and same_layout
-    # The error-feedback state too: it is the error of what each rank sent.
     ef_now = common.error_feedback_state(sdp4bit_handle)
-    ef_saved = bool(saved.get(EF_KEY))
-    ef_skipped = None
-    if ef_now is not None and not ef_saved:
-        ef_skipped = "the checkpoint was saved without --gradient-error-feedback"
-    elif ef_now is not None and not same_layout:
-        ef_skipped = "the checkpoint was saved with another parallel layout or bucket size"
+    ef_skipped = error_feedback_skipped(saved, same_layout) if ef_now is not None else None
     state = _sharded_state(model_chunks, optimizer, saved.get("optim_sharding",
                                                               "dp_reshardable"),
                            is_loading=True, with_optimizer=load_optim, with_rng=with_rng,

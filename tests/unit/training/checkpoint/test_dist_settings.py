@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from megatron.sdp4bit.training.checkpoint.torch_dist_format import settings_problem
+from megatron.sdp4bit.training.checkpoint.torch_dist_format import (EF_KEY, error_feedback_skipped,
+                                                                 settings_problem)
 
 LAYOUT = {"world_size": 4, "tp": 1, "pp": 1, "dp": 4, "ddp_bucket_size": None}
 MODEL = {"num_layers": 2, "hidden_size": 64}
@@ -70,3 +71,14 @@ def test_vocabulary_padded_otherwise_names_the_divisor_that_keeps_it():
     # another model change besides: no hint
     other = {**run(), "model": {**MODEL, "hidden_size": 128, "padded_vocab_size": 384}}
     assert "make-vocab" not in settings_problem(before, other, "D", False)
+
+
+def test_error_feedback_state_is_read_only_where_it_was_written_for_this_layout():
+    """A data-parallel change is allowed, but the per-rank error state then starts from zero;
+    so does a checkpoint saved without --gradient-error-feedback (no entry to ask for)."""
+    with_state = {**saved("dp_reshardable"), EF_KEY: True}
+    assert error_feedback_skipped(with_state, same_layout=True) is None
+    assert error_feedback_skipped(with_state, same_layout=False) == (
+        "the checkpoint was saved with another parallel layout or bucket size")
+    assert error_feedback_skipped(saved("dp_reshardable"), same_layout=True) == (
+        "the checkpoint was saved without --gradient-error-feedback")
