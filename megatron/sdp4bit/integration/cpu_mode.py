@@ -173,7 +173,8 @@ CPU_MODE_STUBS = SHARED_STUBS + (
             checked=on_torch("(device, priority, **kwargs)"), scope=CPU_MODE),
     declare("cpu.moe_router.router_gating_linear", "megatron.core.transformer.moe.router",
             "router_gating_linear", MODULE, _router_gating_linear_cpu, note=_MOE_NOTE,
-            checked=both("(inp, weight, bias, router_dtype)"),
+            # 0.19.2 defines te_general_gemm (as None) and takes the torch path itself
+            checked={"0.16.1": "(inp, weight, bias, router_dtype)"},
             applies=_te_general_gemm_undefined, scope=CPU_MODE),
     declare("cpu.token_dispatcher.maybe_move_tensor_to_cpu",
             "megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu",

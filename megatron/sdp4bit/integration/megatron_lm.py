@@ -200,7 +200,10 @@ def setup_of_args(args: Any) -> Setup:
                            or getattr(args, "use_torch_fsdp2", False)),
         reuse_grad_buf_for_mxfp8_param_ag=bool(
             getattr(args, "reuse_grad_buf_for_mxfp8_param_ag", False)),
-        expert_parallel_buffers=bool(getattr(args, "num_experts", None)),
+        # Megatron-LM sets --expert-tensor-parallel-size to the TP size when not given
+        expert_tensor_parallel=bool(getattr(args, "num_experts", None)) and (
+            getattr(args, "expert_tensor_parallel_size", None)
+            or args.tensor_model_parallel_size) > 1,
         fp8_param_gather=bool(getattr(args, "fp8_param_gather", False)),
         fp4_param_gather=bool(getattr(args, "fp4_param_gather", False)),
         precision_aware_optimizer=bool(getattr(args, "use_precision_aware_optimizer", False)),

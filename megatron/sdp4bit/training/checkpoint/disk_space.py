@@ -41,7 +41,8 @@ def check_space(root: str, partial: str | None, iteration: int, local_bytes: int
     """Collective: raise :class:`CheckpointError` on every rank when ``root`` lacks the space
     for a checkpoint whose ranks write ``local_bytes`` each (summed here); rank 0 removes
     ``partial`` (the empty folder the save made) first."""
-    total = torch.tensor([local_bytes], dtype=torch.float64)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"  # NCCL's rule
+    total = torch.tensor([local_bytes], dtype=torch.float64, device=device)
     dist.all_reduce(total)
     needed = total.item() * (1 + MARGIN_FRACTION) + MARGIN_BYTES
     problem: list = [None]

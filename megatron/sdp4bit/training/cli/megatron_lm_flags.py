@@ -52,8 +52,8 @@ GROUP_REASONS: dict[str, str] = {
     "logging": "a logging option that this trainer does not implement",
     "profiling": "a profiler option that this trainer does not implement",
     "experimental": "an experimental option of Megatron-LM that this trainer does not wire",
-    "moe": "mixture-of-experts models are not supported (SDP4Bit refuses expert-parallel "
-    "buffers)",
+    "moe": "a mixture-of-experts option that this trainer does not implement (the MoE flags it "
+    "honours are listed under 'Megatron-LM: mixture of experts')",
     "mla": "multi-latent attention is not built by this trainer",
     "experimental_attention_variant": "linear attention variants are not built by this trainer",
     "heterogeneous architecture": "heterogeneous layer configurations are not built by this "
