@@ -4,7 +4,8 @@ One SDP4Bit run on 4 ranks (2 "nodes" x 2) saves at iteration 4 and goes on to 8
 uninterrupted reference of the same-layout and data-parallel cases. A second one on 8 ranks
 (TP 2 x PP 2 x DP 2, saved with --dist-ckpt-optim-fully-reshardable) is the reference of the
 TP and PP change. Dropout is off, so that a resume's first iteration sees the same weights
-and samples as the reference, whatever the layout.
+and samples as the reference, whatever the layout. A third, shorter 4-rank run with
+--gradient-error-feedback is resumed in both formats (its per-rank error state).
 
 The Hugging Face export (tools/checkpoint/export_hf.py) is checked against the trainer's own
 model: the reference's checkpoint as a GPT2LMHeadModel, and a short 2-rank run of a
