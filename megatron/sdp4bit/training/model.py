@@ -102,6 +102,7 @@ def transformer_config_from_args(args: argparse.Namespace, timers=None) -> Trans
         batch_p2p_sync=cuda,
         timers=timers,
         barrier_with_L1_time=args.barrier_with_L1_time,
+        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
     )
     if args.swiglu:
         kwargs["activation_func"] = F.silu
@@ -224,5 +225,6 @@ def build_optimizer(args: argparse.Namespace, model_chunks: list[DistributedData
         clip_grad=args.clip_grad,
         timers=timers,
         barrier_with_L1_time=args.barrier_with_L1_time,
+        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
     )
     return get_megatron_optimizer(config, model_chunks)
