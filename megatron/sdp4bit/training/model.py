@@ -102,7 +102,6 @@ def transformer_config_from_args(args: argparse.Namespace, timers=None) -> Trans
         batch_p2p_sync=cuda,
         timers=timers,
         barrier_with_L1_time=args.barrier_with_L1_time,
-        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
     )
     if args.swiglu:
         kwargs["activation_func"] = F.silu

@@ -30,5 +30,8 @@ def memory_scalars() -> dict[str, float]:
                 "mem-allocated-bytes": stats["allocated_bytes.all.current"],
                 "mem-max-allocated-bytes": stats["allocated_bytes.all.peak"],
                 "mem-allocated-count": stats["allocation.all.current"]}
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    return {"mem-resident-bytes": _resident_bytes(), "mem-max-resident-bytes": peak}
+    now = _resident_bytes()
+    # getrusage's peak (KiB on Linux) is counted by the kernel's accounting, which can trail
+    # /proc's current figure by some pages: the peak is at least what is resident now.
+    peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, now)
+    return {"mem-resident-bytes": now, "mem-max-resident-bytes": peak}
