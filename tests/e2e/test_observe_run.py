@@ -2,7 +2,7 @@
 and ``params norm`` fields, the parameter norm equal to the one of the optimizer's fp32 main
 shards saved in the checkpoint, the TensorBoard tags (``params-norm``, ``num-zeros``,
 ``mem-*``), the --metrics-jsonl keys, and a torch.profiler trace for the profiled rank only,
-holding the profiled iterations."""
+holding the profiled iterations and the operators' shapes."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ FLAGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 3
          "--log-interval 1 --eval-interval 100 --eval-iters 1 --seed 7 --ckpt-format torch "
          "--log-params-norm --log-num-zeros-in-grad --log-memory-to-tensorboard "
          "--profile --use-pytorch-profiler --profile-step-start 1 --profile-step-end 3 "
-         "--profile-ranks 1").split()
+         "--profile-ranks 1 --pytorch-profiler-collect-shapes").split()
 # GPT of 2 layers, hidden 64, FFN 256, 32 positions, output layer tied to the embedding,
 # 1152 vocabulary rows (test_megatron_flags_run.py derives the same count).
 PARAMS = 1152 * 64 + 32 * 64 + 2 * (4 * 64 + 64 * 192 + 192 + 64 * 64 + 64
@@ -83,3 +83,5 @@ def test_every_observability_flag(tmp_path):
     steps = {e["name"] for e in trace["traceEvents"]
              if str(e.get("name", "")).startswith("ProfilerStep#")}
     assert steps == {"ProfilerStep#1", "ProfilerStep#2"}, steps
+    # --pytorch-profiler-collect-shapes: operators carry their inputs' shapes
+    assert any("Input Dims" in e.get("args", {}) for e in trace["traceEvents"])

@@ -53,6 +53,13 @@ def add_observe_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--use-pytorch-profiler", action="store_true",
                    help="with --profile: torch.profiler, whose trace TensorBoard's profiler "
                    "plugin opens")
+    g.add_argument("--pytorch-profiler-collect-shapes", action="store_true",
+                   help="with --use-pytorch-profiler: record the tensors' shapes")
+    g.add_argument("--pytorch-profiler-collect-callstack", action="store_true",
+                   help="with --use-pytorch-profiler: record the Python call stacks")
+    g.add_argument("--record-shapes", action="store_true",
+                   help="with --profile without --use-pytorch-profiler: the tensors' shapes "
+                   "in the NVTX ranges")
 
 
 def check_observe_flags(args: argparse.Namespace) -> None:
@@ -65,7 +72,10 @@ def check_observe_flags(args: argparse.Namespace) -> None:
             ("--use-pytorch-profiler", args.use_pytorch_profiler),
             ("--profile-step-start", args.profile_step_start is not None),
             ("--profile-step-end", args.profile_step_end is not None),
-            ("--profile-ranks", args.profile_ranks is not None)) if value]
+            ("--profile-ranks", args.profile_ranks is not None),
+            ("--pytorch-profiler-collect-shapes", args.pytorch_profiler_collect_shapes),
+            ("--pytorch-profiler-collect-callstack", args.pytorch_profiler_collect_callstack),
+            ("--record-shapes", args.record_shapes)) if value]
         if given:
             raise ArgumentsError(f"{', '.join(given)} only take(s) effect with --profile: add "
                                  "--profile or drop them")
@@ -83,9 +93,15 @@ def check_observe_flags(args: argparse.Namespace) -> None:
         raise ArgumentsError(f"--profile-ranks {' '.join(map(str, wrong))}: not a rank of "
                              f"this run (0 to {args.world_size - 1})")
     if args.use_pytorch_profiler:
+        if args.record_shapes:
+            raise ArgumentsError("--record-shapes is for the NVTX ranges of --profile without "
+                                 "--use-pytorch-profiler: use --pytorch-profiler-collect-shapes")
         if not args.tensorboard_dir:
             raise ArgumentsError("--use-pytorch-profiler needs --tensorboard-dir: the trace "
                                  "is written there")
+    elif args.pytorch_profiler_collect_shapes or args.pytorch_profiler_collect_callstack:
+        raise ArgumentsError("--pytorch-profiler-collect-shapes and "
+                             "--pytorch-profiler-collect-callstack need --use-pytorch-profiler")
     elif not torch.cuda.is_available():
         raise ArgumentsError("--profile without --use-pytorch-profiler starts nsys's capture "
                              "range (cudaProfilerStart), which needs CUDA: add "

@@ -3,9 +3,11 @@ to ``--profile-step-end`` on the ``--profile-ranks``.
 
 The calls and their places follow Megatron-LM's ``train()``: with ``--use-pytorch-profiler``
 a ``torch.profiler.profile`` started before the first iteration, stepped at the top of each
-one, on the schedule wait ``start - 1``, warm-up 1, active ``end - start``, and stopped after
+one, on the schedule wait ``start - 1``, warm-up 1, active ``end - start`` (shapes and call
+stacks with ``--pytorch-profiler-collect-shapes`` and ``-callstack``), and stopped after
 iteration ``end``; without it (CUDA only, argument checking refuses it on CPU)
-``cudaProfilerStart`` and NVTX ranges (``torch.autograd.profiler.emit_nvtx``) from the top of
+``cudaProfilerStart`` and NVTX ranges (``torch.autograd.profiler.emit_nvtx``, with the
+shapes under ``--record-shapes``) from the top of
 the iteration after ``start`` to ``cudaProfilerStop`` after iteration ``end``, the capture
 range of ``nsys profile --capture-range=cudaProfilerApi``.
 
@@ -37,6 +39,7 @@ class ProfileWindow:
         self._on = args.profile and (not ranks or dist.get_rank() in ranks)
         self._torch = None
         self._nvtx = None
+        self._nvtx_shapes = args.record_shapes
         self._running = False
         if self._on and args.use_pytorch_profiler:
             self._torch = torch.profiler.profile(
@@ -44,7 +47,9 @@ class ProfileWindow:
                     wait=max(self._start - 1, 0), warmup=1 if self._start > 0 else 0,
                     active=self._end - self._start, repeat=1),
                 on_trace_ready=torch.profiler.tensorboard_trace_handler(
-                    args.tensorboard_dir, worker_name=f"rank-{dist.get_rank()}"))
+                    args.tensorboard_dir, worker_name=f"rank-{dist.get_rank()}"),
+                record_shapes=args.pytorch_profiler_collect_shapes,
+                with_stack=args.pytorch_profiler_collect_callstack)
             self._torch.start()
             self._running = True
 
@@ -57,7 +62,7 @@ class ProfileWindow:
                 self._torch.step()
         elif iteration == self._start:
             torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStart())
-            self._nvtx = torch.autograd.profiler.emit_nvtx()
+            self._nvtx = torch.autograd.profiler.emit_nvtx(record_shapes=self._nvtx_shapes)
             self._nvtx.__enter__()
             self._running = True
 

@@ -52,6 +52,11 @@ def test_defaults_are_megatron_lms():
      "--profile-ranks 4 7: not a rank of this run (0 to 3)"),
     ("--profile --use-pytorch-profiler", "--use-pytorch-profiler needs --tensorboard-dir: the "
      "trace is written there"),
+    ("--pytorch-profiler-collect-shapes --record-shapes", "--pytorch-profiler-collect-shapes, "
+     "--record-shapes only take(s) effect with --profile: add --profile or drop them"),
+    ("--profile --use-pytorch-profiler --tensorboard-dir /tmp/tb --record-shapes",
+     "--record-shapes is for the NVTX ranges of --profile without --use-pytorch-profiler: use "
+     "--pytorch-profiler-collect-shapes"),
 ])
 def test_refusals_name_the_flag(extra, message):
     assert error(extra) == message
@@ -65,4 +70,7 @@ def test_nsys_profiling_needs_cuda(monkeypatch):
         "--profile without --use-pytorch-profiler starts nsys's capture range "
         "(cudaProfilerStart), which needs CUDA: add --use-pytorch-profiler on CPU")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert parse("--profile").profile
+    assert parse("--profile --record-shapes").record_shapes
+    assert error("--profile --pytorch-profiler-collect-callstack") == (
+        "--pytorch-profiler-collect-shapes and --pytorch-profiler-collect-callstack need "
+        "--use-pytorch-profiler")
