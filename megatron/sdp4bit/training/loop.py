@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from megatron.sdp4bit.comm.stats import CommStats
 from megatron.sdp4bit.config import SDP4BitConfig
+from megatron.sdp4bit.integration.params_norm import params_l2_norm
 from megatron.sdp4bit.training.checkpoint import formats as checkpoint_formats
 from megatron.sdp4bit.training.guards import faults
 from megatron.sdp4bit.training.guards.exit_conditions import exit_duration_reached
@@ -30,7 +31,9 @@ from megatron.sdp4bit.training.observe.logging import (
     format_saving,
     format_train_line,
 )
+from megatron.sdp4bit.training.observe.memory import memory_scalars
 from megatron.sdp4bit.training.observe.metrics_writer import MetricsWriter
+from megatron.sdp4bit.training.observe.profiler import ProfileWindow
 from megatron.sdp4bit.training.guards.replicas import check_replicas, gather_pending
 from megatron.sdp4bit.training.step import evaluate, has_loss_scaler, train_step
 from megatron.sdp4bit.training.observe.timers import Timers, format_timers, max_times
@@ -203,11 +206,16 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None,
     start_iteration = state.iteration
     window_loss, window_iters, window_start = 0.0, 0, time.time()
     moe_losses = MoELosses(args)
+    profiler = ProfileWindow(args)
     try:
         while state.iteration < args.train_iters:
+            profiler.before_iteration(state.iteration)
             if on_iteration is not None:
                 on_iteration(state.iteration)
-            loss, grad_norm, ok = train_step(args, state, train_iter)
+            loss, grad_norm, ok, num_zeros = train_step(args, state, train_iter)
+            # Megatron-LM computes it every iteration, on every rank (collective)
+            params_norm = (params_l2_norm(state.model, args.bf16) if args.log_params_norm
+                           else None)
             q = state.sdp4bit
             add_unquantized_iteration(
                 state.comm_stats, state.model, dp_size=args.data_parallel_size,
@@ -218,6 +226,7 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None,
                 or state.iteration < q.gradients_quantization_start_iteration,
                 expert=state.expert_layout)
             state.iteration += 1
+            profiler.after_iteration(state.iteration)
             moe_losses.after_iteration(state.iteration)
             state.consumed_samples += gbs
             skipped += 0 if ok else 1
@@ -232,7 +241,8 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None,
                 # Megatron-LM's per-iteration TensorBoard/W&B scalars
                 metrics.iteration(state.iteration, state.consumed_samples, loss,
                                   state.optimizer.param_groups[0]["lr"],
-                                  state.optimizer.get_loss_scale().item(), float(grad_norm))
+                                  state.optimizer.get_loss_scale().item(), float(grad_norm),
+                                  num_zeros=num_zeros, params_norm=params_norm)
             if state.iteration % args.log_interval == 0:
                 elapsed = (time.time() - window_start) / window_iters
                 comm = snapshot_fields(state.comm_stats, window_iters, expert=None if
@@ -248,6 +258,13 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None,
                     "grad_norm": float(grad_norm), "skipped_iterations": skipped,
                     "nan_iterations": nan_iters, **comm, **moe_losses.take(window_iters),
                 }
+                # this iteration's values, as Megatron-LM's line shows them
+                if args.log_num_zeros_in_grad:
+                    record["num_zeros"] = num_zeros
+                if params_norm is not None:
+                    record["params_norm"] = params_norm
+                if args.log_memory_to_tensorboard and metrics is not None:
+                    record["memory"] = memory_scalars()
                 timer_block = None
                 if state.timers is not None:  # collective: every rank takes part
                     for phase, seconds in state.comm_stats.take_seconds().items():
@@ -310,6 +327,7 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None,
                     metrics.evaluation(state.iteration, state.consumed_samples, test,
                                        split="test")
     finally:
+        profiler.close()
         if metrics is not None:
             metrics.close()
     return state

@@ -224,5 +224,6 @@ def build_optimizer(args: argparse.Namespace, model_chunks: list[DistributedData
         clip_grad=args.clip_grad,
         timers=timers,
         barrier_with_L1_time=args.barrier_with_L1_time,
+        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
     )
     return get_megatron_optimizer(config, model_chunks)

@@ -103,8 +103,10 @@ def grads_finite(model_chunks) -> bool:
     return all_finite(buffer.grad_data for chunk in model_chunks for buffer in chunk.buffers)
 
 
-def train_step(args, state, data_iterator) -> tuple[float, float, bool]:
-    """One iteration; returns (mean loss, grad norm, whether the weights were updated)."""
+def train_step(args, state, data_iterator) -> tuple[float, float, bool, float | None]:
+    """One iteration; returns (mean loss, grad norm, whether the weights were updated, the
+    number of zero gradient entries with ``--log-num-zeros-in-grad`` when the optimizer
+    stepped, else ``None``)."""
     for chunk in state.model:
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
@@ -118,15 +120,16 @@ def train_step(args, state, data_iterator) -> tuple[float, float, bool]:
         forward_only=False)
     loss = _reported_loss(args, losses, parallel_state.get_data_parallel_group())
     if not has_loss_scaler(state.optimizer) and not grads_finite(state.model):
-        return loss, float("nan"), False  # see [Note: non-finite gradients]
+        return loss, float("nan"), False, None  # see [Note: non-finite gradients]
     if timers is not None:
         timers("optimizer", log_level=1).start(barrier=args.barrier_with_L1_time)
-    ok, grad_norm, _ = state.optimizer.step()
+    ok, grad_norm, num_zeros = state.optimizer.step()
     if timers is not None:
         timers("optimizer").stop(barrier=args.barrier_with_L1_time)
     if ok:
         state.scheduler.step(increment=args.global_batch_size)
-    return loss, (grad_norm if grad_norm is not None else float("nan")), ok
+    return (loss, (grad_norm if grad_norm is not None else float("nan")), ok,
+            num_zeros if args.log_num_zeros_in_grad else None)
 
 
 @torch.no_grad()

@@ -22,6 +22,7 @@ from megatron.sdp4bit.training.cli.megatron_flags import (NO_OP_FLAGS, add_megat
                                                           refused_flags)
 from megatron.sdp4bit.training.cli.megatron_lm_flags import refusal_message, unknown_flags
 from megatron.sdp4bit.training.cli.moe_flags import add_moe_flags
+from megatron.sdp4bit.training.cli.observe_flags import add_observe_flags
 from megatron.sdp4bit.training.cli.validate import validate_args
 from megatron.sdp4bit.training.tokenizers import registry as tokenizer_registry
 
@@ -300,7 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="pretrain_gpt.py", description="GPT pretraining on megatron-core with SDP4Bit",
                 allow_abbrev=False)
     for add in (_add_model, _add_training, _add_precision, _add_parallel, _add_data,
-                _add_checkpoint_and_logging, add_megatron_flags, add_moe_flags):
+                _add_checkpoint_and_logging, add_megatron_flags, add_moe_flags,
+                add_observe_flags):
         add(p)
     add_sdp4bit_flags(p)
     return p

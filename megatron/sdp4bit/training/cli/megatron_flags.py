@@ -8,7 +8,8 @@ this trainer does not support. Three kinds, all in this module:
   ``--lr-warmup-samples``), ``--exit-duration-in-mins``, ``--distributed-timeout-minutes``,
   the scheduler's checkpoint override, the TensorBoard logging switches, the transformer
   switches of :func:`transformer_config_overrides`, ``--exit-signal-handler`` and
-  ``--exit-signal`` (training/guards/exit_signal.py), and flags whose one accepted value is
+  ``--exit-signal`` (training/guards/exit_signal.py), the logging and profiling flags of
+  :mod:`.observe_flags`, and flags whose one accepted value is
   what this trainer does (:data:`ONLY_VALUE`; other values are refused);
 * :data:`REFUSED_FLAGS`: parsed so that the error names the flag and says why (argparse
   would only say "unrecognized");
@@ -100,15 +101,7 @@ REFUSED_FLAGS: dict[str, tuple[int | str, str]] = {
     "--async-save": (0, "checkpoints are saved synchronously (megatron-core's background "
                      "writer needs CUDA and forked writer processes; docs/checkpoints.md)"),
     "--skip-train": (0, "evaluation runs every --eval-interval during training"),
-    "--log-params-norm": (0, "the parameter norm is not computed; the gradient norm is logged"),
-    "--log-num-zeros-in-grad": (0, "zeros in the gradient are not counted"),
-    "--log-memory-to-tensorboard": (0, "memory is not logged"),
     "--log-progress": (0, "--metrics-jsonl records every logged iteration instead"),
-    "--profile": (0, "run a profiler (nsys, torch.profiler) around pretrain_gpt.py"),
-    "--profile-step-start": (1, "see --profile"),
-    "--profile-step-end": (1, "see --profile"),
-    "--profile-ranks": ("+", "see --profile"),
-    "--use-pytorch-profiler": (0, "see --profile"),
     "--tp-comm-overlap": (0, "Transformer Engine's userbuffer overlap is not wired up"),
     "--pipeline-model-parallel-split-rank": (1, "encoder-decoder pipelines are not supported"),
     "--standalone-embedding-stage": (0, "the embedding lives in the first pipeline stage"),

@@ -12,6 +12,7 @@ from megatron.sdp4bit.training.cli.errors import ArgumentsError
 from megatron.sdp4bit.training.cli.installed import uses_transformer_engine
 from megatron.sdp4bit.training.cli.megatron_flags import check_megatron_flags, scheduler_steps
 from megatron.sdp4bit.training.cli.moe_flags import check_moe_flags
+from megatron.sdp4bit.training.cli.observe_flags import check_observe_flags
 from megatron.sdp4bit.training.guards import faults
 from megatron.sdp4bit.training.tokenizers import registry as tokenizer_registry
 
@@ -426,4 +427,5 @@ def validate_args(args: argparse.Namespace) -> None:
     _check_memory(args)
     _check_sdp4bit(args)
     _check_logging(args)
+    check_observe_flags(args)
     _check_checkpoint(args)

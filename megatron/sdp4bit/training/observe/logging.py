@@ -8,12 +8,14 @@ communication)::
     [2025-01-01 12:00:00.123456] iteration       10/     100 | consumed samples:          80 |
     elapsed time per iteration (ms): 52.1 | throughput per GPU (TFLOP/s/GPU): 0.0 |
     learning rate: 9.000000E-04 | global batch size:     8 | lm loss: 5.170436E+00 |
-    loss scale: 1.0 | grad norm: 1.234 | number of skipped iterations:   0 |
+    loss scale: 1.0 | grad norm: 1.234 | [num zeros: 17.0 |] [params norm: 20.123 |]
+    number of skipped iterations:   0 |
     number of nan iterations:   0 | params intra bytes: 1024 (ideal unquantized 4096) |
     params inter bytes: 1024 (ideal unquantized 4096) | grads intra bytes: 2112 (ideal
     unquantized 8192) | grads inter bytes: 1088 (ideal unquantized 8192) |
 
-(one line; wrapped here). Byte counts are per iteration, averaged over the logging interval,
+(one line; wrapped here; the bracketed fields with ``--log-num-zeros-in-grad`` and
+``--log-params-norm``, as Megatron-LM prints them). Byte counts are per iteration, averaged over the logging interval,
 sent by this rank to ranks of its own node (intra) and of other nodes (inter): the computed
 sizes of the messages handed to the collectives, next to what an ideal unquantized
 collective would send (megatron.sdp4bit.comm.stats, [Note: what counts as sent]). With
@@ -55,7 +57,10 @@ def format_train_line(m: dict[str, Any]) -> str:
         f" lm loss: {m['lm_loss']:.6E} |"
         f" loss scale: {m['loss_scale']:.1f} |"
         f" grad norm: {m['grad_norm']:.3f} |"
-        f" number of skipped iterations: {m['skipped_iterations']:3d} |"
+        + (f" num zeros: {float(m['num_zeros'])} |" if m.get("num_zeros") is not None else "")
+        + (f" params norm: {m['params_norm']:.3f} |" if m.get("params_norm") is not None
+           else "")
+        + f" number of skipped iterations: {m['skipped_iterations']:3d} |"
         f" number of nan iterations: {m['nan_iterations']:3d} |"
         + "".join(f" {label} bytes: {m['comm_bytes_' + key]} (ideal unquantized "
                   f"{m['baseline_comm_bytes_' + key]}) |" for key, label in _BYTE_FIELDS)
@@ -76,6 +81,7 @@ _LINE = re.compile(
     r" lm loss: (?P<lm_loss>\S+) \|"
     r" loss scale: (?P<loss_scale>\S+) \|"
     r" grad norm: (?P<grad_norm>\S+) \|"
+    r"(?: num zeros: (?P<num_zeros>\S+) \|)?(?: params norm: (?P<params_norm>\S+) \|)?"
     r" number of skipped iterations:\s+(?P<skipped_iterations>\d+) \|"
     r" number of nan iterations:\s+(?P<nan_iterations>\d+) \|"
     + "".join(rf" {label} bytes: (?P<comm_bytes_{key}>\d+) \(ideal unquantized "
@@ -95,7 +101,8 @@ def parse_log_line(line: str) -> dict[str, float] | None:
     match = _LINE.search(line)
     if match is None:
         return None
-    m = {k: (int(v) if v.isdigit() else float(v)) for k, v in match.groupdict().items()}
+    m = {k: (int(v) if v.isdigit() else float(v)) for k, v in match.groupdict().items()
+         if v is not None}  # num zeros and params norm only with their flags
     for key, sent, ideal in _EXPERT_BYTES.findall(line):  # MoE runs: the expert part
         m[f"comm_bytes_expert_{key.replace(' ', '_')}"] = int(sent)
         m[f"baseline_comm_bytes_expert_{key.replace(' ', '_')}"] = int(ideal)

@@ -7,8 +7,11 @@ these runs unchanged; SDP4Bit's own figures are under ``sdp4bit/``. Which tag wh
 * every ``--tensorboard-log-interval`` iterations, this iteration's values: ``lm loss``,
   ``learning-rate`` (off with ``--no-log-learnig-rate-to-tensorboard``), ``batch-size``,
   ``loss-scale`` (off with ``--no-log-loss-scale-to-tensorboard``), ``grad-norm``,
-  ``world-size`` (with ``--log-world-size-to-tensorboard``), each also as ``<tag> vs
-  samples`` against the consumed samples; W&B gets the plain tags and ``samples vs steps``;
+  ``world-size`` (with ``--log-world-size-to-tensorboard``), ``num-zeros`` (with
+  ``--log-num-zeros-in-grad``), ``params-norm`` (with ``--log-params-norm``), each also as
+  ``<tag> vs samples`` against the consumed samples; W&B gets the plain tags and ``samples
+  vs steps``; with ``--log-memory-to-tensorboard`` the ``mem-*`` tags of :mod:`.memory`
+  (against the iteration only, TensorBoard only, as Megatron-LM);
 * every ``--log-interval`` iterations, over the interval: ``iteration-time`` (seconds) and
   ``throughput`` (TFLOP/s per GPU), which Megatron-LM writes only with
   ``--log-timers-to-tensorboard`` and this trainer always; the bytes of
@@ -21,7 +24,8 @@ these runs unchanged; SDP4Bit's own figures are under ``sdp4bit/``. Which tag wh
   (Megatron-LM writes it under the validation tags, where it would sit on top of the last
   validation point).
 
-The JSON-lines file keeps its own keys (``lm_loss``, ``val_lm_loss``, ``elapsed_ms``, ...:
+The JSON-lines file keeps its own keys (``lm_loss``, ``val_lm_loss``, ``elapsed_ms``,
+``num_zeros``, ``params_norm``, ``memory`` (tag -> value), ...:
 :mod:`.metrics_file` and the tools under ``tools/`` read them), one object per logged
 iteration and per evaluation.
 """
@@ -32,6 +36,8 @@ import json
 import math
 import os
 from typing import Any
+
+from megatron.sdp4bit.training.observe.memory import memory_scalars
 
 COMM_KEYS = ("comm_bytes_params", "comm_bytes_params_intra", "comm_bytes_params_inter",
              "comm_bytes_grads_intra", "comm_bytes_grads_inter")
@@ -76,6 +82,7 @@ class MetricsWriter:
         self._lr = args.log_learning_rate_to_tensorboard
         self._loss_scale = args.log_loss_scale_to_tensorboard
         self._world_size = args.world_size if args.log_world_size_to_tensorboard else None
+        self._memory = args.log_memory_to_tensorboard
         self._batch_size = args.global_batch_size
         self._seq_length = args.seq_length  # for consumed_tokens in --metrics-jsonl
         self._tb = None
@@ -110,9 +117,10 @@ class MetricsWriter:
             iteration % self._tb_interval == 0
 
     def iteration(self, iteration: int, consumed_samples: int, loss: float,
-                  learning_rate: float, loss_scale: float, grad_norm: float) -> None:
+                  learning_rate: float, loss_scale: float, grad_norm: float,
+                  num_zeros: float | None = None, params_norm: float | None = None) -> None:
         """One training iteration's values, written every ``--tensorboard-log-interval``
-        iterations."""
+        iterations (``num_zeros`` and ``params_norm`` when their flags ask for them)."""
         if not self.iteration_due(iteration):
             return
         if self._wandb is not None:
@@ -127,7 +135,14 @@ class MetricsWriter:
         if self._world_size is not None:
             values["world-size"] = self._world_size
         values["grad-norm"] = grad_norm
+        if num_zeros is not None:
+            values["num-zeros"] = num_zeros
+        if params_norm is not None:
+            values["params-norm"] = params_norm
         self._scalars(values, iteration, samples=consumed_samples)
+        if self._memory and self._tb is not None:
+            for tag, value in memory_scalars().items():
+                self._tb.add_scalar(tag, value, iteration)
 
     def train(self, m: dict[str, Any]) -> None:
         """A logged iteration's record (the averages over the log interval)."""

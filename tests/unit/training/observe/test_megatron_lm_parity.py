@@ -18,6 +18,7 @@ import types
 from argparse import Namespace
 
 import pytest
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megatron.sdp4bit.training.cli.arguments import parse_args
@@ -159,6 +160,54 @@ def test_training_line_is_megatron_lms_and_both_generations_parse():
         assert (m["iteration"], m["train_iters"], m["consumed_samples"]) == (10, 100, 80)
         assert m["lm_loss"] == 5.170436 and m["grad_norm"] == 1.235
         assert (m["comm_bytes_params"], m["baseline_comm_bytes_params"]) == (203, 803)
+
+
+def test_num_zeros_and_params_norm_fields_are_megatron_lms():
+    # training_log(), after ' grad norm: {:.3f} |': f' num zeros: {num_zeros_in_grad} |' (a
+    # float: count_zeros returns one) and f' params norm: {params_norm:.3f} |', each only
+    # when computed (--log-num-zeros-in-grad, --log-params-norm).
+    line = console.format_train_line({**_record(), "num_zeros": 17.0, "params_norm": 20.12345})
+    grad = " grad norm: {:.3f} |".format(1.23456)
+    assert f"{grad} num zeros: {17.0} | params norm: {20.12345:.3f} | number of skipped" in line
+    m = console.parse_log_line(line)
+    assert (m["num_zeros"], m["params_norm"], m["grad_norm"]) == (17.0, 20.123, 1.235)
+    only_norm = console.parse_log_line(console.format_train_line({**_record(),
+                                                                 "params_norm": 3.0}))
+    assert only_norm["params_norm"] == 3.0 and "num_zeros" not in only_norm
+    assert "params_norm" not in console.parse_log_line(console.format_train_line(_record()))
+
+
+def test_statistics_and_memory_tags_are_megatron_lms(tmp_path, monkeypatch):
+    # training_log(): 'num-zeros' and 'params-norm' each also '... vs samples'; with
+    # args.log_memory_to_tensorboard 'mem-reserved-bytes', 'mem-allocated-bytes',
+    # 'mem-max-allocated-bytes', 'mem-allocated-count' (torch.cuda.memory_stats()) against
+    # the iteration only. Without CUDA the resident memory stands in.
+    args = parse_args(
+        ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+         "--micro-batch-size 2 --train-iters 10 --lr 1e-3 --mock-data "
+         f"--log-memory-to-tensorboard --tensorboard-dir {tmp_path}").split(), world_size=2)
+    stats = {"reserved_bytes.all.current": 4096, "allocated_bytes.all.current": 1024,
+             "allocated_bytes.all.peak": 2048, "allocation.all.current": 3}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: stats)
+    writer = MetricsWriter(args)
+    writer.iteration(10, 80, 5.0, 1e-3, 1.0, 1.0, num_zeros=7.0, params_norm=2.5)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    writer.iteration(20, 160, 5.0, 1e-3, 1.0, 1.0, num_zeros=8.0, params_norm=2.0)
+    writer.close()
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"]) - MEGATRON_LM_PER_ITERATION_TAGS
+    assert tags == {"num-zeros", "num-zeros vs samples", "params-norm", "params-norm vs samples",
+                    "mem-reserved-bytes", "mem-allocated-bytes", "mem-max-allocated-bytes",
+                    "mem-allocated-count", "mem-resident-bytes", "mem-max-resident-bytes"}
+    assert [(e.step, e.value) for e in acc.Scalars("params-norm vs samples")] == [
+        (80, 2.5), (160, 2.0)]
+    assert [(e.step, e.value) for e in acc.Scalars("mem-allocated-count")] == [(10, 3.0)]
+    assert [(e.step, e.value) for e in acc.Scalars("mem-max-allocated-bytes")] == [(10, 2048)]
+    (now,) = acc.Scalars("mem-resident-bytes")
+    (peak,) = acc.Scalars("mem-max-resident-bytes")
+    assert now.step == 20 and 1e7 < now.value <= peak.value
 
 
 @pytest.mark.parametrize("split,where", [("validation", "iteration 20"),
