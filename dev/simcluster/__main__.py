@@ -161,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     port = 20000 + pid % 20000
     links, runs = [], []
     started, load_before = time.time(), os.getloadavg()[0]
-    print(f"simcluster: 2 nodes x 2 ranks, {args.model} model, rates {' '.join(args.rates)}, methods "
-          f"{' '.join(args.methods)}, {args.rounds} rounds; logs in {workdir}", flush=True)
+    print(f"simcluster: 2 nodes x 2 ranks, {args.model} model, rates {' '.join(args.rates)}, "
+          f"methods {' '.join(args.methods)}, {args.rounds} rounds; logs in {workdir}", flush=True)
     try:
         with cluster:
             for rate_text, rate in zip(args.rates, args.rate_bits):

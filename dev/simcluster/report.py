@@ -95,7 +95,8 @@ def markdown(result: dict) -> str:
     lines = ["# Simulated two-node cluster: SDP4Bit's speed on a slow link", "",
              "Two network namespaces of 2 ranks each (4 gloo processes on one machine), "
              "joined by a veth pair shaped with `tc tbf` at each rate; the same "
-             f"{result.get('model', DENSE_MODEL)} for every method. s/iter: median over the rounds of each run's median "
+             f"{result.get('model', DENSE_MODEL)} for every method. s/iter: median over the "
+             "rounds of each run's median "
              "iteration after warm-up; speed-up: baseline s/iter over the method's. Link "
              "MB/iter: bytes that crossed the link per iteration and direction, from the "
              "interface counters; counted: the trainer's own count of inter-node bytes "
