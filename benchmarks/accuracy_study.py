@@ -8,6 +8,8 @@ held-out set.
         --train-iters 100 --eval-interval 50                    # a pilot
     python -m benchmarks.accuracy_study --from-runs runs/study  # summarize runs done elsewhere
     python -m benchmarks.accuracy_study ... --write-results     # also benchmarks/accuracy_study.*
+    python -m benchmarks.accuracy_study --model moe --methods baseline SDP4Bit \\
+        --train-iters 500 --write-results                       # benchmarks/accuracy_study_moe.*
 
 Why. ``benchmarks/loss_curves.md`` trains each method once and reads differences of a few
 tenths of a percent against a band made by changing ``--seed``, which changes the
@@ -48,6 +50,14 @@ for every run at each evaluation). Measured on a shared 2-core machine (1-minute
 and the 24 runs about 75, within the budget with room for the evaluations.
 ``--train-iters`` and the seed lists scale the study up or down.
 
+The MoE study (``--model moe``): the same model, data, schedule and design with every MLP a
+MoE layer (``MOE_FLAGS``: 4 experts of the dense FFN size, top-2, the alltoall dispatcher,
+expert parallelism 2, load-balancing loss 1e-2). On the 2 x 2 layout each expert
+data-parallel group is one rank per node, so the expert gradients take SDP4Bit's 4-bit
+inter-node hop alone (no 8-bit hop first): the case to measure. Its runs go to
+``runs/accuracy_study_moe`` and its results to ``accuracy_study_moe.*``, beside the dense
+study's.
+
 Runs done elsewhere (``--from-runs DIR``): the same summary from ``DIR/<method>/<label>/``,
 each holding a ``metrics.jsonl`` (or a console log) anywhere below it, as
 ``sample_scripts/accuracy/study.sbatch`` lays them out on a SLURM cluster at the paper's
@@ -86,6 +96,13 @@ DP_RANKS_PER_NODE = 2
 VOCAB_SIZE = 2048
 EVAL_DATA_SEED = 4321  # any fixed value: the held-out samples of every run
 DATA_VERSION = 1  # bump when the tokenizer training or the preprocessing changes
+MOE_FLAGS = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size",
+             "2", "--moe-token-dispatcher-type", "alltoall", "--moe-aux-loss-coeff", "1e-2"]
+# --model: (flags added to model_flags', results file stem)
+MODELS: dict[str, tuple[list[str], str]] = {
+    "dense": ([], "accuracy_study"),
+    "moe": (MOE_FLAGS, "accuracy_study_moe"),
+}
 
 
 def model_flags(train_iters: int, eval_interval: int, eval_iters: int, seed: int) -> list[str]:
@@ -205,26 +222,29 @@ def machine() -> dict:
 
 
 def report(study_dir: Path, out_dirs: list[Path], meta: dict,
-           tokens_per_iteration: int | None = None) -> dict:
-    """Summarize ``study_dir`` and write accuracy_study.{md,json} and the two pictures into
-    every folder of ``out_dirs``; returns the record."""
+           tokens_per_iteration: int | None = None, stem: str = "accuracy_study") -> dict:
+    """Summarize ``study_dir`` and write <stem>.{md,json} and the two pictures
+    (<stem>_loss.png, <stem>_diff.png) into every folder of ``out_dirs``; returns the
+    record."""
     summary = summary_mod.summarize(summary_mod.read_study(study_dir, tokens_per_iteration))
     record = {**meta, "summary": summary}
-    text = render(record)
+    text = render(record, stem)
     for out in out_dirs:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "accuracy_study.json").write_text(json.dumps(record, indent=1) + "\n")
-        (out / "accuracy_study.md").write_text(text)
-        summary_mod.plot(summary, out / "accuracy_study_loss.png",
-                         out / "accuracy_study_diff.png")
+        (out / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
+        (out / f"{stem}.md").write_text(text)
+        summary_mod.plot(summary, out / f"{stem}_loss.png", out / f"{stem}_diff.png")
     print(text)
     return record
 
 
-def render(record: dict) -> str:
-    header = ["# Accuracy study: each method over rounding seeds, from one initialization", "",
-              "Made by `benchmarks/accuracy_study.py` (its docstring has the design). "
-              "Pictures: `accuracy_study_loss.png`, `accuracy_study_diff.png`.", "",
+def render(record: dict, stem: str = "accuracy_study") -> str:
+    moe = stem == MODELS["moe"][1]
+    header = ["# Accuracy study" + (" (mixture of experts, `--model moe`)" if moe else "")
+              + ": each method over rounding seeds, from one initialization", "",
+              "Made by `benchmarks/accuracy_study.py` (its docstring has the design"
+              + (f"; the MoE layers: `{' '.join(MOE_FLAGS)}`" if moe else "") + "). "
+              f"Pictures: `{stem}_loss.png`, `{stem}_diff.png`.", "",
               f"- command: `{record['command']}`"]
     if record.get("machine"):
         m = record["machine"]
@@ -258,11 +278,16 @@ def main(argv: list[str] | None = None) -> int:
                         "no band)")
     parser.add_argument("--seed", type=int, default=1234,
                         help="the study's --seed: every method's initialization and order")
+    parser.add_argument("--model", choices=list(MODELS), default="dense",
+                        help="dense: the study's GPT; moe: the same with MoE layers "
+                        "(4 experts, top-2, expert parallelism 2; runs in "
+                        "runs/accuracy_study_moe, results in accuracy_study_moe.*)")
     parser.add_argument("--train-iters", type=int, default=1000)
     parser.add_argument("--eval-interval", type=int, default=100)
     parser.add_argument("--eval-iters", type=int, default=20)
-    parser.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "accuracy_study",
-                        help="one folder per run, <method>/<label>/, and the summary")
+    parser.add_argument("--run-dir", type=Path, default=None,
+                        help="one folder per run, <method>/<label>/, and the summary "
+                        "(default: runs/accuracy_study, or runs/accuracy_study_moe)")
     parser.add_argument("--data-dir", type=Path, default=ROOT / "data" / "cache" / "study",
                         help="the small-vocabulary corpus (built on first use)")
     parser.add_argument("--rerun", action="store_true",
@@ -274,15 +299,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --from-runs, for runs that left a console log only "
                         "(global batch x sequence length)")
     parser.add_argument("--write-results", action="store_true",
-                        help="also write benchmarks/accuracy_study.{md,json} and the pictures")
+                        help="also write benchmarks/accuracy_study.{md,json} and the pictures "
+                        "(--model moe: accuracy_study_moe.*)")
     args = parser.parse_args(cli)
+    model_extra, stem = MODELS[args.model]
+    args.run_dir = args.run_dir or ROOT / "runs" / stem
     outs = [ROOT / "benchmarks"] if args.write_results else []
     base_meta = results.header(__file__, cli, "", os.getloadavg()[0])
     base_meta["command"] = "python -m benchmarks.accuracy_study " + " ".join(cli)
     try:
         if args.from_runs:
             meta = {**base_meta, "machine": None, "load_average": None}
-            report(args.from_runs, [args.from_runs, *outs], meta, args.tokens_per_iteration)
+            report(args.from_runs, [args.from_runs, *outs], meta, args.tokens_per_iteration,
+                   stem)
             return 0
         if args.train_iters % args.eval_interval:
             parser.error(f"--train-iters {args.train_iters} is not a multiple of "
@@ -294,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--seeds: {args.seed} is --seed itself (the baseline's ref run)")
         data = prepare_data(args.data_dir)
         runs = plan(args.methods, args.rounding_seeds, args.seeds, args.seed)
-        common = model_flags(args.train_iters, args.eval_interval, args.eval_iters, args.seed)
+        common = model_flags(args.train_iters, args.eval_interval, args.eval_iters,
+                             args.seed) + model_extra
         seconds: dict[str, float] = {}
         example = ""
         for k, (method, label, extra) in enumerate(runs, start=1):
@@ -317,8 +347,9 @@ def main(argv: list[str] | None = None) -> int:
                 "settings": {"train_iters": args.train_iters, "eval_interval": args.eval_interval,
                              "eval_iters": args.eval_iters, "seed": args.seed,
                              "rounding_seeds": args.rounding_seeds, "seeds": args.seeds,
-                             "vocab_size": VOCAB_SIZE, "eval_data_seed": EVAL_DATA_SEED}}
-        report(args.run_dir, [args.run_dir, *outs], meta)
+                             "vocab_size": VOCAB_SIZE, "eval_data_seed": EVAL_DATA_SEED,
+                             "model": args.model, "model_flags": model_extra}}
+        report(args.run_dir, [args.run_dir, *outs], meta, stem=stem)
     except summary_mod.StudyError as err:
         print(f"accuracy_study: error: {err}", file=sys.stderr)
         return 1

@@ -3,6 +3,8 @@
     sudo bash benchmarks/simcluster.sh                         # none 1gbit 300mbit 100mbit
     sudo bash benchmarks/simcluster.sh 1gbit 100mbit --rounds 5
     sudo bash benchmarks/simcluster.sh --write-results         # benchmarks/simcluster.*
+    sudo bash benchmarks/simcluster.sh 1gbit --model moe --methods baseline SDP4Bit \\
+        --write-results                                        # benchmarks/simcluster_moe.*
     python -m dev.simcluster --render benchmarks/simcluster.json   # redraw, no root needed
 
 (``benchmarks/simcluster.sh`` sets up ``.venv`` first; inside it, ``python -m dev.simcluster``.)
@@ -16,6 +18,11 @@ iteration is the median of its iterations after ``--warmup``; each method's figu
 median over the rounds, and its speed-up is the baseline's figure over its own. The bytes
 that crossed the link per iteration come from the interface counters (sampled every 20 ms
 over the timed iterations), next to what the trainer's own counters say.
+
+``--model moe`` trains a mixture-of-experts GPT instead (``MOE``: 4 experts per layer, top-2,
+expert parallelism 2 on the same 4 ranks, so each expert data-parallel group is one rank per
+node and its traffic all crosses the link); its results go to ``simcluster_moe.*``, beside
+the dense model's.
 
 Needs root and iproute2, and says so in one line otherwise. It removes its namespaces and
 ends only its own processes, on success, failure or Ctrl-C. Results are printed; they go to
@@ -43,6 +50,18 @@ MODEL = ["--num-layers", "2", "--hidden-size", "512", "--num-attention-heads", "
          "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1",
          "--global-batch-size", "4", "--lr", "1e-4", "--tokenizer-type", "NullTokenizer",
          "--vocab-size", "512", "--mock-data", "--bf16", "--use-distributed-optimizer"]
+# The MoE model: MODEL's GPT with every MLP a MoE layer, each rank holding 2 of the 4 experts.
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "1024",
+       "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+       "--moe-aux-loss-coeff", "1e-2"]
+# --model: (flags, what the report says the model is, results file stem)
+MODELS = {
+    "dense": (MODEL, report.DENSE_MODEL, "simcluster"),
+    "moe": (MODEL + MOE, "mixture-of-experts GPT (2 layers, hidden 512, 8 heads, seq 64, "
+            "global batch 4, bf16; every MLP a MoE layer of 4 experts of FFN size 1024, "
+            "top-2, the alltoall dispatcher, expert parallelism 2: expert data-parallel "
+            "groups of one rank per node)", "simcluster_moe"),
+}
 GRADS = ["--quantized-gradients", "--hadamard-transform", "--gq-group-size-intra", "128",
          "--gq-group-size-inter", "128"]
 METHODS = {
@@ -87,6 +106,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations per run")
     p.add_argument("--iters", type=int, default=8, help="timed iterations per run")
+    p.add_argument("--model", choices=list(MODELS), default="dense",
+                   help="dense: the GPT of benchmarks/simcluster.md; moe: its mixture-of-"
+                   "experts variant (results in benchmarks/simcluster_moe.*)")
     p.add_argument("--no-speed-flags", dest="speed_flags", action="store_false",
                    help=f"leave out {' '.join(SPEED_FLAGS + PIPELINE)}")
     p.add_argument("--extra-args", default="", help="more pretrain_gpt.py flags, one string")
@@ -94,7 +116,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workdir", type=Path, help="logs and metrics of every run (default: a "
                    "temporary folder, kept on failure)")
     p.add_argument("--write-results", action="store_true",
-                   help="write benchmarks/simcluster.{md,json,png}")
+                   help="write benchmarks/simcluster.{md,json,png} "
+                   "(--model moe: simcluster_moe.*)")
     p.add_argument("--out-dir", type=Path, default=report.ROOT / "benchmarks")
     p.add_argument("--render", type=Path, metavar="JSON",
                    help="only redraw the table and plot of a results file (no root needed)")
@@ -111,7 +134,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def trainer_args(method: str, args: argparse.Namespace) -> list[str]:
-    flags = MODEL + METHODS[method]
+    flags = MODELS[args.model][0] + METHODS[method]
     if args.speed_flags:
         flags += SPEED_FLAGS + (PIPELINE if "--quantized-gradients" in flags else [])
     return flags + shlex.split(args.extra_args) + ["--timing-log-level", "1",
@@ -124,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         result = json.loads(args.render.read_text())
         print(report.markdown(result))
         if args.write_results:
-            print("wrote " + ", ".join(str(p) for p in report.write(result, args.out_dir)))
+            paths = report.write(result, args.out_dir, result.get("stem", "simcluster"))
+            print("wrote " + ", ".join(str(p) for p in paths))
         return 0
     problem = netns.missing_requirements()
     if problem:
@@ -137,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     port = 20000 + pid % 20000
     links, runs = [], []
     started, load_before = time.time(), os.getloadavg()[0]
-    print(f"simcluster: 2 nodes x 2 ranks, rates {' '.join(args.rates)}, methods "
-          f"{' '.join(args.methods)}, {args.rounds} rounds; logs in {workdir}", flush=True)
+    print(f"simcluster: 2 nodes x 2 ranks, {args.model} model, rates {' '.join(args.rates)}, "
+          f"methods {' '.join(args.methods)}, {args.rounds} rounds; logs in {workdir}", flush=True)
     try:
         with cluster:
             for rate_text, rate in zip(args.rates, args.rate_bits):
@@ -171,12 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     result.update(command="sudo bash " + shlex.join(
         ["benchmarks/simcluster.sh", *(sys.argv[1:] if argv is None else argv)]),
         trainer_flags={m: trainer_args(m, args) for m in args.methods},
+        model=MODELS[args.model][1], stem=MODELS[args.model][2],
         minutes=round((time.time() - started) / 60, 1), load_before=load_before,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **report.machine())
     print(report.markdown(result))
     if args.write_results:
-        paths = report.write(result, args.out_dir)
+        paths = report.write(result, args.out_dir, result["stem"])
         print("wrote " + ", ".join(str(p) for p in paths))
     return 0
 

@@ -9,6 +9,8 @@ import statistics
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+# The model of a results file that does not name one (benchmarks/simcluster.json).
+DENSE_MODEL = "GPT (2 layers, hidden 512, 8 heads, seq 64, global batch 4, bf16, 6.7M parameters)"
 
 
 def machine() -> dict:
@@ -70,15 +72,19 @@ def _add_bound(rows: list[dict]) -> None:
       that is all wire time (the limit as the link gets slower);
     * ``model_speedup``: each method's time on the fastest link (nearly no wire time) plus
       its link bytes at the measured rate, (t_b + B_b / R) / (t_q + B_q / R): what a step
-      that does not overlap communication with computation would gain.
+      that does not overlap communication with computation would gain. Only when the run
+      measured an unshaped link: a shaped link's time already holds wire time.
     """
     if not rows or "SDP4Bit" not in rows[0]["methods"]:
         return
-    fastest = max(rows, key=lambda r: r["measured_bits"])["methods"]
+    unshaped = [r for r in rows if r["configured_bits"] is None]
+    fastest = max(unshaped, key=lambda r: r["measured_bits"])["methods"] if unshaped else None
     for row in rows:
         m = row["methods"]
         base, sdp = m["baseline"]["link_mb_per_iter"], m["SDP4Bit"]["link_mb_per_iter"]
         row["wire_bound_speedup"] = base / sdp
+        if fastest is None:
+            continue
         wire = 8e6 / row["measured_bits"]
         row["model_speedup"] = (fastest["baseline"]["s_per_iter"] + base * wire) / \
             (fastest["SDP4Bit"]["s_per_iter"] + sdp * wire)
@@ -88,9 +94,9 @@ def markdown(result: dict) -> str:
     methods = result["methods"]
     lines = ["# Simulated two-node cluster: SDP4Bit's speed on a slow link", "",
              "Two network namespaces of 2 ranks each (4 gloo processes on one machine), "
-             "joined by a veth pair shaped with `tc tbf` at each rate; the same GPT "
-             "(2 layers, hidden 512, 8 heads, seq 64, global batch 4, bf16, 6.7M parameters) "
-             "for every method. s/iter: median over the rounds of each run's median "
+             "joined by a veth pair shaped with `tc tbf` at each rate; the same "
+             f"{result.get('model', DENSE_MODEL)} for every method. s/iter: median over the "
+             "rounds of each run's median "
              "iteration after warm-up; speed-up: baseline s/iter over the method's. Link "
              "MB/iter: bytes that crossed the link per iteration and direction, from the "
              "interface counters; counted: the trainer's own count of inter-node bytes "
@@ -160,6 +166,7 @@ def plot(result: dict, path: Path) -> None:
     if all("wire_bound_speedup" in r for r in rows):
         ax.plot(x, [r["wire_bound_speedup"] for r in rows], "k--", linewidth=1,
                 label="wire-time bound (link bytes, baseline / SDP4Bit)")
+    if all("model_speedup" in r for r in rows):
         ax.plot(x, [r["model_speedup"] for r in rows], "k:", linewidth=1,
                 label="SDP4Bit, no-overlap model (time on fastest link + bytes / rate)")
     ax.axhline(1.0, color="grey", linewidth=0.8)
@@ -169,7 +176,8 @@ def plot(result: dict, path: Path) -> None:
     ax.set_ylim(bottom=0)
     ax.set_xlabel("link between the two nodes: configured rate, measured Mbit/s")
     ax.set_ylabel("speed-up over baseline (s/iter)")
-    ax.set_title("Simulated 2 nodes x 2 ranks (CPU, gloo)")
+    ax.set_title("Simulated 2 nodes x 2 ranks (CPU, gloo)"
+                 + (", MoE" if result.get("stem") == "simcluster_moe" else ""))
     ax.legend(fontsize=8)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
@@ -177,9 +185,9 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write(result: dict, out_dir: Path) -> list[Path]:
+def write(result: dict, out_dir: Path, stem: str = "simcluster") -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / "simcluster.json", out_dir / "simcluster.md", out_dir / "simcluster.png"]
+    paths = [out_dir / f"{stem}.{ext}" for ext in ("json", "md", "png")]
     paths[0].write_text(json.dumps(result, indent=1) + "\n")
     paths[1].write_text(markdown(result))
     plot(result, paths[2])

@@ -123,3 +123,17 @@ def test_the_local_plan_and_commands(tmp_path):
     metrics = tmp_path / "m.jsonl"
     metrics.write_text(json.dumps({"iteration": 100, "val_lm_loss": 5.0}) + "\n")
     assert a.finished(metrics, 100) and not a.finished(metrics, 200)
+
+
+def test_the_moe_study_writes_its_own_files(tmp_path):
+    from benchmarks import accuracy_study as a
+
+    root = _study(tmp_path / "study")
+    assert a.main(["--model", "moe", "--from-runs", str(root)]) == 0
+    names = sorted(p.name for p in root.iterdir() if p.is_file())
+    assert names == ["accuracy_study_moe.json", "accuracy_study_moe.md",
+                     "accuracy_study_moe_diff.png", "accuracy_study_moe_loss.png"]
+    md = (root / "accuracy_study_moe.md").read_text()
+    assert md.startswith("# Accuracy study (mixture of experts, `--model moe`)")
+    assert "`--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2" in md
+    assert a.MODELS["dense"] == ([], "accuracy_study")

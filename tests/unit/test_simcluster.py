@@ -46,3 +46,30 @@ def test_summary_medians_speedups_and_bounds():
     assert slow["model_speedup"] == pytest.approx((0.25 + 4.0) / (0.25 + 0.4))
     text = report.markdown(result)
     assert "| 100mbit | 100 Mbit/s | 4.450 | 0.500 | 8.90x | 10.00x | 6.54x |" in text
+
+
+def test_moe_results_go_to_their_own_files_and_a_shaped_link_alone_has_no_model(tmp_path):
+    from dev.simcluster.__main__ import MODELS, parse_args, trainer_args
+
+    args = parse_args(["1gbit", "--model", "moe", "--methods", "baseline", "SDP4Bit"])
+    flags = trainer_args("SDP4Bit", args)
+    assert flags[flags.index("--num-experts") + 1] == "4"
+    assert flags[flags.index("--expert-model-parallel-size") + 1] == "2"
+    assert "--num-experts" not in trainer_args("SDP4Bit", parse_args(["1gbit"]))
+    links = [{"rate": "1gbit", "configured_bits": 1e9, "measured_bits": 9.5e8}]
+    runs = [_run("1gbit", "baseline", [600], 40), _run("1gbit", "SDP4Bit", [300], 4)]
+    result = report.summarize(links, runs, ["baseline", "SDP4Bit"])
+    (row,) = result["links"]
+    # no unshaped link: the no-overlap model has no wire-free time to start from
+    assert row["wire_bound_speedup"] == pytest.approx(10.0) and "model_speedup" not in row
+    _, description, stem = MODELS["moe"]
+    result.update(model=description, stem=stem)
+    paths = report.write(result, tmp_path, stem)
+    assert [p.name for p in paths] == ["simcluster_moe.json", "simcluster_moe.md",
+                                       "simcluster_moe.png"]
+    text = paths[1].read_text()
+    assert f"the same {description} for every method" in text
+    assert "| 1gbit | 950 Mbit/s | 0.600 | 0.300 | 2.00x | 10.00x | - |" in text
+    assert not (tmp_path / "simcluster.md").exists()
+    # a results file that names no model (the dense one's) keeps its description
+    assert report.DENSE_MODEL in report.markdown(report.summarize(links, runs, ["baseline"]))
