@@ -31,7 +31,7 @@ def _run(monkeypatch, capsys, outcomes, *, scale=None, save_interval=1, limit=4)
     saved = []
     monkeypatch.setattr(loop, "_is_logging_rank", lambda: True)
     monkeypatch.setattr(loop.checkpoint_formats, "save",
-                        lambda args, it, *a: saved.append(it))
+                        lambda args, it, *a, **kw: saved.append(it))
     monkeypatch.setattr(loop.faults, "active", lambda *a: False)
     monkeypatch.setattr(loop.dist, "get_rank", lambda: 0)
     error = None

@@ -57,7 +57,7 @@ def test_the_loops_exit_saves_once_and_says_what_it_did(monkeypatch, capsys, cas
         state.skipped_in_a_row, state.saved_iteration = 1, 5
     written = []
     monkeypatch.setattr(loop, "_is_logging_rank", lambda: True)
-    monkeypatch.setattr(loop.checkpoint_formats, "save", lambda args, it, *a: written.append(it))
+    monkeypatch.setattr(loop.checkpoint_formats, "save", lambda args, it, *a, **kw: written.append(it))
     monkeypatch.setattr(loop.faults, "active", lambda *a: False)
     monkeypatch.setattr(loop.dist, "get_rank", lambda: 0)
     loop._exit_on_signal(args, state, ExitSignal("SIGTERM"),
