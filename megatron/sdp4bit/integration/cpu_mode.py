@@ -94,6 +94,7 @@ from megatron.sdp4bit.integration import patches
 from megatron.sdp4bit.integration.cuda_stubs import (
     SHARED_STUBS,
     Stream,
+    backward_in_mode,
     cuda_type_name,
     names_cuda,
 )
@@ -144,16 +145,8 @@ def _move_splits_to_host_cpu(tensor, as_numpy: bool = False, record_stream: bool
 
 
 def _engine_run_backward_in_mode(original):
-    """autograd's engine run (``torch.autograd.backward`` and ``torch.autograd.grad`` both
-    end there) with the device rewrite on again: [Note: the backward pass in CPU mode]."""
-
-    def run(*args, **kwargs):
-        if _mode is None:
-            return original(*args, **kwargs)
-        with _mode:
-            return original(*args, **kwargs)
-
-    return run
+    """[Note: the backward pass in CPU mode]: this module's mode, entered again."""
+    return backward_in_mode(original, lambda: _mode)
 
 
 def _te_general_gemm_undefined() -> bool:

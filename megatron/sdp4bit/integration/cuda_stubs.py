@@ -31,6 +31,7 @@ replaced in both modules.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,6 +39,24 @@ import torch
 from megatron.sdp4bit.integration.patches import CPU_MODE, DRYRUN, MODULE, both, declare, on_torch
 
 DEVICE_INDEX = [0]  # what torch.cuda.set_device chose (the dry run's stub sets it)
+
+
+def backward_in_mode(original: Callable, current_mode: Callable[[], Any]) -> Callable:
+    """autograd's engine run (``torch.autograd.backward`` and ``torch.autograd.grad`` both
+    end there) with the ``TorchFunctionMode`` that ``current_mode()`` returns entered again
+    (none: as it was). A mode is off while it handles ``torch.autograd.backward``; autograd
+    runs the backward of CPU tensors on the calling thread, where the mode lives, so this
+    makes the Python of the backward pass see it ([Note: the backward pass in CPU mode],
+    integration/cpu_mode.py). CPU mode and the CUDA dry run both wrap with it."""
+
+    def run(*args, **kwargs):
+        mode = current_mode()
+        if mode is None:
+            return original(*args, **kwargs)
+        with mode:
+            return original(*args, **kwargs)
+
+    return run
 
 
 def names_cuda(device: Any) -> bool:

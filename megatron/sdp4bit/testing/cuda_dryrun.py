@@ -61,7 +61,12 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from megatron.sdp4bit.integration import cuda_stubs, patches
-from megatron.sdp4bit.integration.cuda_stubs import SHARED_STUBS, cuda_type_name, names_cuda
+from megatron.sdp4bit.integration.cuda_stubs import (
+    SHARED_STUBS,
+    backward_in_mode,
+    cuda_type_name,
+    names_cuda,
+)
 from megatron.sdp4bit.integration.patches import DRYRUN, MODULE, both, declare, on_torch
 from megatron.sdp4bit.quantization.backend import BACKEND_ENV, KernelBackend
 
@@ -590,14 +595,7 @@ def _backward_in_mode(original):
     allocate there with ``device=torch.cuda.current_device()``) would not see it. Autograd
     runs the backward of CPU tensors on the calling thread, where the mode lives. CPU mode
     does the same ([Note: the backward pass in CPU mode], integration/cpu_mode.py)."""
-
-    def run(*args, **kwargs):
-        if _mode is None:
-            return original(*args, **kwargs)
-        with _mode:
-            return original(*args, **kwargs)
-
-    return run
+    return backward_in_mode(original, lambda: _mode)
 
 
 BACKWARD = declare("dryrun.autograd._engine_run_backward", "torch.autograd",
