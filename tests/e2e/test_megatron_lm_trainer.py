@@ -40,9 +40,11 @@ MEGATRON_LM_FLAGS = (
     "--no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-gelu-fusion "
     "--no-bias-dropout-fusion --no-persist-layer-norm --hidden-dropout 0 "
     "--attention-dropout 0 --lr-decay-style constant").split()
-# Megatron-LM's overlapped collectives, several buckets per buffer.
+# Megatron-LM's overlapped collectives, several buckets per buffer; error feedback on the
+# inter-node hop, whose state the resume below must bring back from Megatron-LM's checkpoint.
 SDP4BIT_FLAGS = ("--quantized-weights --quantized-gradients --dp-ranks-per-node 2 "
-                 "--overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 20000").split()
+                 "--overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 20000 "
+                 "--gradient-error-feedback").split()
 BYTES = ("sdp4bit/params bytes", "sdp4bit/params bytes unquantized", "sdp4bit/grads bytes",
          "sdp4bit/grads bytes unquantized")
 
@@ -93,6 +95,8 @@ def test_megatron_lm_trainer_trains_saves_and_resumes_with_sdp4bit(tmp_path):
     out = first.stdout
     assert ("SDP4Bit installed on 5 bucket(s) of Megatron-LM's trainer: weights qWD 4-bit, "
             "group 2048 | gradients TLq intra 8-bit group 512, inter 4-bit group 128") in out
+    assert re.search(r"SDP4Bit error feedback on the inter-node hop: [0-9.]+ MiB of error "
+                     r"state on this rank", out), out[-3000:]
     logged = _iterations(out)
     assert sorted(logged) == [1, 2, 3, 4]
     assert logged[4]["lm loss"] < logged[1]["lm loss"] - 0.3, logged  # 4.85 -> 4.25
@@ -128,6 +132,7 @@ def test_megatron_lm_trainer_trains_saves_and_resumes_with_sdp4bit(tmp_path):
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-5000:]
     out2 = second.stdout
     assert f"loading distributed checkpoint from {ckpt} at iteration 2" in out2
+    assert "starts from zero error" not in out2  # the error state came back
     resumed = _iterations(out2)
     assert sorted(resumed) == [3, 4]
     # The first iteration after the load logs the uninterrupted run's loss, grad norm and
@@ -140,7 +145,8 @@ def test_megatron_lm_trainer_trains_saves_and_resumes_with_sdp4bit(tmp_path):
     end2 = _end_line(out2)
     assert "model replicas on the 4 data-parallel ranks: bitwise identical" in end2
     # Bit for bit: the replica checksum after iteration 4 is the uninterrupted run's (constant
-    # learning rate: iteration 4 updates the weights).
+    # learning rate: iteration 4 updates the weights). Iteration 3's gradients carry the error
+    # fed back from iteration 2: a resume that started it from zero would differ here.
     assert f"checksum {uninterrupted}" in end2, (end, end2)
 
 
@@ -150,14 +156,19 @@ def test_megatron_lm_trainer_trains_saves_and_resumes_with_sdp4bit(tmp_path):
      "--gq-group-size-intra=96 and --gq-group-size-inter=128 must divide one another "
      "(e.g. 128 and 128, or 512 and 128)"),
     (["--use-distributed-optimizer", "--quantized-gradients", "--gradient-error-feedback",
-      "--save", "/tmp/unused"],
-     "--gradient-error-feedback cannot be combined with --save in Megatron-LM's trainer yet: "
-     "its checkpoints do not hold the error state (a resume would not be bit-exact); drop one, "
-     "or train with pretrain_gpt.py, whose checkpoints hold it"),
+      "--save", "/tmp/unused", "--ckpt-format", "torch"],
+     "--gradient-error-feedback with --save needs --ckpt-format torch_dist in Megatron-LM's "
+     "trainer (got torch): the other formats' checkpoints do not hold the error state, so a "
+     "resume would not be bit-exact"),
+    (["--use-distributed-optimizer", "--quantized-gradients", "--gradient-error-feedback",
+      "--save", "/tmp/unused", "--non-persistent-ckpt-type", "local"],
+     "--gradient-error-feedback cannot be combined with --non-persistent-ckpt-type local: "
+     "local checkpoints do not hold the error state; use global"),
     (["--use-distributed-optimizer", "--quantized-gradients",
       "--gradient-quantization-bits-intra", "2"],
      "--gradient-quantization-bits-intra=2 is not supported: use one of (4, 8)"),
-], ids=["no-distributed-optimizer", "group-sizes", "error-feedback-save", "two-bit-intra"])
+], ids=["no-distributed-optimizer", "group-sizes", "error-feedback-torch-format",
+    "error-feedback-local", "two-bit-intra"])
 def test_bad_flags_and_layouts_are_refused_in_one_line_before_anything_runs(
         change, line, monkeypatch, capsys):
     """Megatron-LM parses and validates before it starts torch.distributed: in this process,

@@ -61,6 +61,10 @@ Checked against megatron-core 0.19.2's ``megatron/training`` (``training.py``,
   ranks (qWD's invariant): a checksum of every parameter's bits on each rank, gathered over
   the data-parallel group (an object collective), printed, so that two runs (a resumed one
   and an uninterrupted one) can be compared bit for bit too.
+* ``checkpointing.generate_state_dict`` and ``checkpointing._load_base_checkpoint``: with
+  ``--gradient-error-feedback``, Megatron-LM's ``torch_dist`` checkpoints hold each rank's
+  error state and a load brings it back (``megatron_lm_checkpoint.py``; restored by the
+  install, which follows the load).
 * ``typing.override`` (added, Python < 3.12 only): ``megatron/training/models/gpt.py`` and
   ``hybrid.py`` import it, and ``megatron.training`` imports them; nothing else of
   ``megatron.training`` needs Python 3.12. The added decorator does what Python 3.12's does
@@ -92,6 +96,11 @@ from megatron.sdp4bit.config_flags import (
 )
 from megatron.sdp4bit.integration import patches
 from megatron.sdp4bit.integration.install import SDP4BitHandle, install_sdp4bit
+from megatron.sdp4bit.integration.megatron_lm_checkpoint import (
+    PendingLoad,
+    wrap_generate_state_dict,
+    wrap_load_base_checkpoint,
+)
 from megatron.sdp4bit.integration.padding import sdp4bit_padding
 from megatron.sdp4bit.integration.patches import MODULE, declare
 from megatron.sdp4bit.integration.support import Setup, check_supported
@@ -101,12 +110,22 @@ __all__ = ["BYTE_KEYS", "disable", "enable", "enabled", "replica_checksum", "run
 
 _NOTE = "[Note: where the plug-in enters Megatron-LM's trainer] (integration/megatron_lm.py)"
 _TRAINING = "megatron.training.training"
-SAVE_REFUSAL = ("--gradient-error-feedback cannot be combined with --save in Megatron-LM's "
-                "trainer yet: its checkpoints do not hold the error state (a resume would not "
-                "be bit-exact); drop one, or train with pretrain_gpt.py, whose checkpoints "
-                "hold it")
-"""The plug-in's line for both (pretrain_gpt.py's checkpoints hold the state; Megatron-LM's
-do not)."""
+_CHECKPOINTING = "megatron.training.checkpointing"
+
+
+def save_refusal(args: Any) -> str | None:
+    """Why ``--gradient-error-feedback`` cannot save with these flags (None: it can). Only
+    the ``torch_dist`` format's checkpoints hold the error state (megatron_lm_checkpoint.py)."""
+    if getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
+        return (f"--gradient-error-feedback with --save needs --ckpt-format torch_dist in "
+                f"Megatron-LM's trainer (got {args.ckpt_format}): the other formats' "
+                "checkpoints do not hold the error state, so a resume would not be bit-exact")
+    if getattr(args, "non_persistent_ckpt_type", None) == "local":
+        return ("--gradient-error-feedback cannot be combined with --non-persistent-ckpt-type "
+                "local: local checkpoints do not hold the error state; use global")
+    return None
+
+
 _ARGUMENTS = "megatron.training.arguments"
 
 BYTE_KEYS = {
@@ -131,6 +150,8 @@ class PluginRun:
     counted: dict[str, int] = dataclasses.field(default_factory=dict)
     """The byte counters when the last log line took its share."""
     iterations: int = 0
+    pending_load: PendingLoad = dataclasses.field(default_factory=PendingLoad)
+    """Error feedback's state in the checkpoint being loaded (megatron_lm_checkpoint.py)."""
 
 
 _RUN = PluginRun()
@@ -223,7 +244,9 @@ def _validate_args(original: Callable) -> Callable:
         except ValueError as err:
             _refuse(str(err))
         if config.gradient_error_feedback and getattr(args, "save", None):
-            _refuse(SAVE_REFUSAL)
+            reason = save_refusal(args)
+            if reason:
+                _refuse(reason)
         _RUN.config = config
         return original(args, defaults)
     return validate_args
@@ -266,6 +289,37 @@ def _install(model: list, optimizer, config: SDP4BitConfig) -> None:
             print(f"SDP4Bit error feedback on the inter-node hop: "
                   f"{handle.error_feedback_nbytes / 2**20:.2f} MiB of error state on this "
                   "rank", flush=True)
+    if config.gradient_error_feedback:
+        _restore_error_feedback(handle)
+
+
+def _restore_error_feedback(handle: SDP4BitHandle) -> None:
+    """The state a load brought back (kept until now: the install follows the load)."""
+    pending = _RUN.pending_load  # the wrappers hold this object: emptied, not replaced
+    reason = pending.skipped
+    if pending.ask:
+        reason = handle.load_error_feedback_state(pending.state)
+    pending.ask, pending.skipped, pending.state = False, None, None
+    if reason is not None and _rank() == 0:
+        print(f"note: --gradient-error-feedback starts from zero error: {reason}", flush=True)
+
+
+def _error_feedback_on() -> bool:
+    return _RUN.config is not None and _RUN.config.gradient_error_feedback
+
+
+def _error_feedback_now() -> Any:
+    return _RUN.handle.error_feedback_state() if _RUN.handle is not None else None
+
+
+def _generate_state_dict(original: Callable) -> Callable:
+    return functools.wraps(original)(wrap_generate_state_dict(
+        original, _error_feedback_on, _error_feedback_now, _RUN.pending_load))
+
+
+def _load_base_checkpoint(original: Callable) -> Callable:
+    return functools.wraps(original)(wrap_load_base_checkpoint(
+        original, _error_feedback_on, _RUN.pending_load))
 
 
 def _load_checkpoint(original: Callable) -> Callable:
@@ -404,6 +458,14 @@ TRAINER = (
     _declare("train_step", _TRAINING, "train_step", _train_step,
              "(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config, "
              "forward_backward_func, iteration, pg_collection, p2p_communicator)", wraps=True),
+    _declare("generate_state_dict", _CHECKPOINTING, "generate_state_dict",
+             _generate_state_dict,
+             "(args, model, optimizer, opt_param_scheduler, rng_state, iteration, "
+             "optim_sd_kwargs, model_sd_kwargs, rerun_state)", wraps=True),
+    _declare("_load_base_checkpoint", _CHECKPOINTING, "_load_base_checkpoint",
+             _load_base_checkpoint,
+             "(load_dir, args, rank0, sharded_state_dict, checkpointing_context, dp_cp_group, "
+             "expt_dp_group, gpt_compat_layer_maps)", wraps=True),
     _declare("train", _TRAINING, "train", _train,
              "(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator, "
              "valid_data_iterator, process_non_loss_data_func, config, checkpointing_context, "
