@@ -5,6 +5,8 @@
     sudo bash benchmarks/simcluster.sh --write-results         # benchmarks/simcluster.*
     sudo bash benchmarks/simcluster.sh 1gbit --model moe --methods baseline SDP4Bit \\
         --write-results                                        # benchmarks/simcluster_moe.*
+    sudo bash benchmarks/simcluster.sh none 1gbit 100mbit --methods baseline SDP4Bit \\
+        SDP4Bit-2bit baseline-bf16 baseline-bf16-a2a --write-results  # simcluster_peers.*
     python -m dev.simcluster --render benchmarks/simcluster.json   # redraw, no root needed
 
 (``benchmarks/simcluster.sh`` sets up ``.venv`` first; inside it, ``python -m dev.simcluster``.)
@@ -18,6 +20,10 @@ iteration is the median of its iterations after ``--warmup``; each method's figu
 median over the rounds, and its speed-up is the baseline's figure over its own. The bytes
 that crossed the link per iteration come from the interface counters (sampled every 20 ms
 over the timed iterations), next to what the trainer's own counters say.
+
+``--methods`` with a method beyond the paper's four (a peer: ``SDP4Bit-2bit``,
+``baseline-bf16``, ``baseline-bf16-a2a``; see ``METHODS``) writes ``simcluster_peers.*``
+(``simcluster_moe_peers.*``), one row per link and method, so the paper's table stays.
 
 ``--model moe`` trains a mixture-of-experts GPT instead (``MOE``: 4 experts per layer, top-2,
 expert parallelism 2 on the same 4 ranks, so each expert data-parallel group is one rank per
@@ -69,10 +75,21 @@ METHODS = {
     "SDP4Bit": ["--quantized-weights", *GRADS],
     "qWD": ["--quantized-weights"],
     "TLq-HS": GRADS,
+    # The peers: fewer inter-node gradient bits, and what a user would pick instead of
+    # SDP4Bit (megatron-core's own cheaper gradient collectives). Results: <stem>_peers.*
+    "SDP4Bit-2bit": ["--quantized-weights", *GRADS, "--gradient-quantization-bits-inter", "2"],
+    "baseline-bf16": ["--grad-reduce-in-bf16"],
+    "baseline-bf16-a2a": ["--grad-reduce-in-bf16",
+                          "--ddp-reduce-scatter-with-fp32-accumulation"],
 }
+PAPER_METHODS = report.PAPER_METHODS
 # What a user would pass for speed, the same for every method (see --speed-flags).
 SPEED_FLAGS = ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size",
                "1000000"]
+# megatron-core overlaps its all-to-all reduce-scatter (fp32 accumulation) with a single
+# gradient bucket only, and the trainer refuses --overlap-grad-reduce with it (and
+# --overlap-param-gather needs --overlap-grad-reduce): that method runs without both.
+NO_OVERLAP = {"baseline-bf16-a2a"}
 PIPELINE = ["--gradient-alltoall-pipeline", "2"]  # quantized gradients only
 
 
@@ -102,7 +119,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="simcluster", description=__doc__.splitlines()[0])
     p.add_argument("rates", nargs="*", default=["none", "1gbit", "300mbit", "100mbit"],
                    help="link rates: none (unshaped) or N kbit/mbit/gbit")
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--methods", nargs="+", default=PAPER_METHODS, choices=list(METHODS),
+                   help=f"default: {' '.join(PAPER_METHODS)}; with any other (a peer), the "
+                   "results go to simcluster_peers.* (--model moe: simcluster_moe_peers.*)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations per run")
     p.add_argument("--iters", type=int, default=8, help="timed iterations per run")
@@ -136,9 +155,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def trainer_args(method: str, args: argparse.Namespace) -> list[str]:
     flags = MODELS[args.model][0] + METHODS[method]
     if args.speed_flags:
-        flags += SPEED_FLAGS + (PIPELINE if "--quantized-gradients" in flags else [])
+        speed = SPEED_FLAGS[2:] if method in NO_OVERLAP else SPEED_FLAGS
+        flags += speed + (PIPELINE if "--quantized-gradients" in flags else [])
     return flags + shlex.split(args.extra_args) + ["--timing-log-level", "1",
                                                    "--no-barrier-with-level-1-timing"]
+
+
+def results_stem(args: argparse.Namespace) -> str:
+    """The model's results name; ``_peers`` appended when a method beyond the paper's runs,
+    so that a run of the peers never replaces the paper's table."""
+    stem = MODELS[args.model][2]
+    return stem + "_peers" if report.is_peers(args.methods) else stem
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     result.update(command="sudo bash " + shlex.join(
         ["benchmarks/simcluster.sh", *(sys.argv[1:] if argv is None else argv)]),
         trainer_flags={m: trainer_args(m, args) for m in args.methods},
-        model=MODELS[args.model][1], stem=MODELS[args.model][2],
+        model=MODELS[args.model][1], stem=results_stem(args),
         minutes=round((time.time() - started) / 60, 1), load_before=load_before,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **report.machine())

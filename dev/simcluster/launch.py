@@ -37,6 +37,7 @@ class RunResult:
     ms_per_iter: list[float]  # the timed iterations (after warm-up), from the log
     link_bytes_per_iter: list[float]  # per direction: node 0 -> 1, node 1 -> 0
     counted_inter_bytes_per_iter: float  # the trainer's own inter-node counters, per node
+    counted_grad_inter_bytes_per_iter: float  # its gradient part
     load_average: float  # 1-minute load average at the end of the run
     timers_ms: dict[str, float]  # --timing-log-level 1: max over ranks, mean of timed iters
 
@@ -137,8 +138,9 @@ def run(cluster: Cluster, method: str, trainer_args: list[str], *, warmup: int, 
     for i in range(2):
         samples = _read_samples(workdir / f"link{i}.txt")
         link.append((_bytes_at(samples, end, 1) - _bytes_at(samples, start, 1)) / iters)
-    counted = ranks_per_node * statistics.mean(
-        r["comm_bytes_params_inter"] + r["comm_bytes_grads_inter"] for r in timed)
+    counted_grads = ranks_per_node * statistics.mean(r["comm_bytes_grads_inter"] for r in timed)
+    counted = counted_grads + ranks_per_node * statistics.mean(
+        r["comm_bytes_params_inter"] for r in timed)
     timers = {}
     if timed[0].get("timers_ms"):
         names = set().union(*(r.get("timers_ms", {}) for r in timed))
@@ -146,4 +148,5 @@ def run(cluster: Cluster, method: str, trainer_args: list[str], *, warmup: int, 
                   for n in sorted(names)}
     return RunResult(method=method, ms_per_iter=[r["elapsed_ms"] for r in timed],
                      link_bytes_per_iter=link, counted_inter_bytes_per_iter=counted,
+                     counted_grad_inter_bytes_per_iter=counted_grads,
                      load_average=os.getloadavg()[0], timers_ms=timers)

@@ -11,6 +11,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # The model of a results file that does not name one (benchmarks/simcluster.json).
 DENSE_MODEL = "GPT (2 layers, hidden 512, 8 heads, seq 64, global batch 4, bf16, 6.7M parameters)"
+# The paper's methods, one table row per link; any other method (a peer) makes the report
+# one row per link and method, each with its own bytes.
+PAPER_METHODS = ["baseline", "SDP4Bit", "qWD", "TLq-HS"]
+PEER_NOTES = {
+    "SDP4Bit-2bit": "SDP4Bit with 2-bit inter-node gradients "
+    "(`--gradient-quantization-bits-inter 2`)",
+    "baseline-bf16": "the baseline with its gradients reduced in bf16 (`--grad-reduce-in-bf16`)",
+    "baseline-bf16-a2a": "baseline-bf16 with megatron-core's reduce-scatter that sends bf16 "
+    "in an all-to-all and sums in fp32 (`--ddp-reduce-scatter-with-fp32-accumulation`); "
+    "without `--overlap-grad-reduce` and `--overlap-param-gather`: megatron-core overlaps it "
+    "with a single gradient bucket only, and the trainer refuses the overlap with it",
+}
+# The inter-node gradient bytes of b-bit groups of 128 with an fp32 scale, against fp32.
+GRAD_BITS_ACCOUNTING = {"SDP4Bit": 4, "SDP4Bit-2bit": 2}
 
 
 def machine() -> dict:
@@ -52,13 +66,17 @@ def summarize(links: list[dict], runs: list[dict], methods: list[str]) -> dict:
                     statistics.mean(r["link_bytes_per_iter"]) for r in mine) / 1e6,
                 "counted_mb_per_iter": statistics.median(
                     r["counted_inter_bytes_per_iter"] for r in mine) / 1e6,
+                "counted_grad_mb_per_iter": statistics.median(
+                    r["counted_grad_inter_bytes_per_iter"] for r in mine) / 1e6,
+                "load_average": statistics.mean(r["load_average"] for r in mine),
                 "timers_ms": {k: round(statistics.median(r["timers_ms"].get(k, 0.0)
                                                          for r in mine), 2)
                               for k in sorted(set().union(*(r["timers_ms"] for r in mine)))},
             }
-        base = per_method["baseline"]["s_per_iter"]
+        base = per_method["baseline"]
         for values in per_method.values():
-            values["speedup"] = base / values["s_per_iter"]
+            values["speedup"] = base["s_per_iter"] / values["s_per_iter"]
+            values["wire_bound_speedup"] = base["link_mb_per_iter"] / values["link_mb_per_iter"]
         rows.append({**link, "methods": per_method,
                      "load_average": statistics.mean(r["load_average"] for r in of_link)})
     _add_bound(rows)
@@ -90,9 +108,15 @@ def _add_bound(rows: list[dict]) -> None:
             (fastest["SDP4Bit"]["s_per_iter"] + sdp * wire)
 
 
+def is_peers(methods: list[str]) -> bool:
+    return bool(set(methods) - set(PAPER_METHODS))
+
+
 def markdown(result: dict) -> str:
     methods = result["methods"]
-    lines = ["# Simulated two-node cluster: SDP4Bit's speed on a slow link", "",
+    peers = is_peers(methods)
+    title = "SDP4Bit and its peers" if peers else "SDP4Bit's speed"
+    lines = [f"# Simulated two-node cluster: {title} on a slow link", "",
              "Two network namespaces of 2 ranks each (4 gloo processes on one machine), "
              "joined by a veth pair shaped with `tc tbf` at each rate; the same "
              f"{result.get('model', DENSE_MODEL)} for every method. s/iter: median over the "
@@ -100,10 +124,14 @@ def markdown(result: dict) -> str:
              "iteration after warm-up; speed-up: baseline s/iter over the method's. Link "
              "MB/iter: bytes that crossed the link per iteration and direction, from the "
              "interface counters; counted: the trainer's own count of inter-node bytes "
-             "(ideal collectives). Wire bound: the baseline's link bytes over SDP4Bit's, "
-             "the speed-up of a step made of wire time only; no-overlap model: each "
-             "method's time on the fastest link plus its link bytes at the measured rate.",
+             "(ideal collectives). Wire bound: the baseline's link bytes over "
+             + ("the method's" if peers else "SDP4Bit's") + ", "
+             "the speed-up of a step made of wire time only"
+             + ("." if peers else "; no-overlap model: each "
+                "method's time on the fastest link plus its link bytes at the measured rate."),
              ""]
+    if peers:
+        lines += [f"- {m}: {PEER_NOTES[m]}" for m in methods if m in PEER_NOTES] + [""]
     if "machine" in result:
         lines += [f"- machine: {result['machine']}; kernel {result['kernel']}",
                   f"- versions: python {result['python']}, torch {result['torch']}, "
@@ -114,11 +142,30 @@ def markdown(result: dict) -> str:
                   + (f"; before the benchmark: {result['load_before']:.1f}"
                      if "load_before" in result else ""),
                   f"- date: {result['date']}", ""]
+    lines += _peer_table(result) if peers else _paper_table(result)
+    lines += ["", "Where the time goes (ms per iteration, max over ranks, median of the "
+              "rounds; `--timing-log-level 1`):", ""]
+    for row in result["links"]:
+        for method in methods:
+            timers = row["methods"][method]["timers_ms"]
+            if timers:
+                lines.append(f"- {row['rate']}, {method}: " + ", ".join(
+                    f"{k} {v:.0f}" for k, v in timers.items() if v >= 0.5))
+    if "trainer_flags" in result:
+        lines += ["", "Trainer flags per method:", ""]
+        lines += [f"- {k}: `{' '.join(v)}`" for k, v in result["trainer_flags"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def _paper_table(result: dict) -> list[str]:
+    """One row per link, a column per method (benchmarks/simcluster.md)."""
+    methods = result["methods"]
     head = "| link (configured) | measured | " + " | ".join(
         f"{m} s/iter" for m in methods) + " | " + " | ".join(
-        f"{m} speed-up" for m in methods if m != "baseline") + " | wire bound | no-overlap model | link MB/iter " \
-        "(baseline -> SDP4Bit) | counted MB/iter | load |"
-    lines += [head, "|" + "---|" * (head.count("|") - 1)]
+        f"{m} speed-up" for m in methods if m != "baseline") + \
+        " | wire bound | no-overlap model | link MB/iter (baseline -> SDP4Bit) | " \
+        "counted MB/iter | load |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row in result["links"]:
         m = row["methods"]
         cells = [row["rate"], f"{row['measured_bits'] / 1e6:,.0f} Mbit/s"]
@@ -133,18 +180,43 @@ def markdown(result: dict) -> str:
                      f"{sdp['counted_mb_per_iter']:.1f}")
         cells.append(f"{row['load_average']:.1f}")
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "Where the time goes (ms per iteration, max over ranks, median of the "
-              "rounds; `--timing-log-level 1`):", ""]
+    return lines
+
+
+def _peer_table(result: dict) -> list[str]:
+    """One row per link and method, each with its own bytes; then the counted inter-node
+    bytes of the quantized methods against the baseline's and the accounting's ratio."""
+    head = ("| link (configured) | measured | method | s/iter | s/iter per round | speed-up | "
+            "wire bound | link MB/iter | counted MB/iter | counted grads MB/iter | load |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row in result["links"]:
-        for method in methods:
-            timers = row["methods"][method]["timers_ms"]
-            if timers:
-                lines.append(f"- {row['rate']}, {method}: " + ", ".join(
-                    f"{k} {v:.0f}" for k, v in timers.items() if v >= 0.5))
-    if "trainer_flags" in result:
-        lines += ["", "Trainer flags per method:", ""]
-        lines += [f"- {k}: `{' '.join(v)}`" for k, v in result["trainer_flags"].items()]
-    return "\n".join(lines) + "\n"
+        for method in result["methods"]:
+            v = row["methods"][method]
+            lines.append("| " + " | ".join([
+                row["rate"], f"{row['measured_bits'] / 1e6:,.0f} Mbit/s", method,
+                f"{v['s_per_iter']:.3f}", " ".join(f"{t:.3f}" for t in v["s_per_iter_rounds"]),
+                f"{v['speedup']:.2f}x", f"{v['wire_bound_speedup']:.2f}x",
+                f"{v['link_mb_per_iter']:.1f}", f"{v['counted_mb_per_iter']:.2f}",
+                f"{v['counted_grad_mb_per_iter']:.2f}", f"{v['load_average']:.1f}"]) + " |")
+    lines += ["", "Counted inter-node bytes per node against the (fp32-gradient) baseline's, "
+              "the same at every rate (a count, not a measurement):", ""]
+    base = result["links"][0]["methods"]["baseline"]
+    for method in result["methods"]:
+        if method == "baseline":
+            continue
+        v = result["links"][0]["methods"][method]
+        text = (f"- {method}: gradients {base['counted_grad_mb_per_iter']:.2f} -> "
+                f"{v['counted_grad_mb_per_iter']:.2f} MB "
+                f"({base['counted_grad_mb_per_iter'] / v['counted_grad_mb_per_iter']:.2f}x "
+                "fewer")
+        if method in GRAD_BITS_ACCOUNTING:
+            bits = GRAD_BITS_ACCOUNTING[method]
+            text += f"; the accounting 32 / ({bits} + 32/128) = {32 / (bits + 32 / 128):.1f}x"
+        text += (f"), the whole step (parameters + gradients) {base['counted_mb_per_iter']:.2f}"
+                 f" -> {v['counted_mb_per_iter']:.2f} MB "
+                 f"({base['counted_mb_per_iter'] / v['counted_mb_per_iter']:.2f}x fewer)")
+        lines.append(text)
+    return lines
 
 
 def plot(result: dict, path: Path) -> None:
@@ -160,7 +232,9 @@ def plot(result: dict, path: Path) -> None:
     rows = sorted(result["links"], key=lambda r: r["measured_bits"])
     x = [r["measured_bits"] / 1e6 for r in rows]
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
-    for method, style in (("SDP4Bit", "o-"), ("TLq-HS", "s-"), ("qWD", "^-")):
+    for method, style in (("SDP4Bit", "o-"), ("TLq-HS", "s-"), ("qWD", "^-"),
+                          ("SDP4Bit-2bit", "D-"), ("baseline-bf16", "v--"),
+                          ("baseline-bf16-a2a", "x--")):
         if method in result["methods"]:
             ax.plot(x, [r["methods"][method]["speedup"] for r in rows], style, label=method)
     if all("wire_bound_speedup" in r for r in rows):
@@ -177,7 +251,8 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xlabel("link between the two nodes: configured rate, measured Mbit/s")
     ax.set_ylabel("speed-up over baseline (s/iter)")
     ax.set_title("Simulated 2 nodes x 2 ranks (CPU, gloo)"
-                 + (", MoE" if result.get("stem") == "simcluster_moe" else ""))
+                 + (", MoE" if "moe" in result.get("stem", "") else "")
+                 + (": SDP4Bit and its peers" if is_peers(result["methods"]) else ""))
     ax.legend(fontsize=8)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
