@@ -137,3 +137,57 @@ def test_the_moe_study_writes_its_own_files(tmp_path):
     assert md.startswith("# Accuracy study (mixture of experts, `--model moe`)")
     assert "`--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2" in md
     assert a.MODELS["dense"] == ([], "accuracy_study")
+
+
+def _numbered_corpus(prefix: Path, docs: int, length: int) -> str:
+    """``docs`` documents of ``length`` tokens, every token of document d equal to d + 1:
+    a sample's tokens name the documents it was cut from."""
+    import numpy
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=numpy.uint16)
+    for d in range(docs):
+        builder.add_document(torch.full((length,), d + 1, dtype=torch.int64), [length])
+    builder.finalize(str(prefix) + ".idx")
+    return str(prefix)
+
+
+def test_the_held_out_set_is_one_for_every_run_and_never_trained_on(tmp_path):
+    """The study's own flags (split, --eval-data-seed, sizes at 50 iterations) on a corpus
+    whose tokens name their documents, every dataset built by the trainer's builder into one
+    shared index cache: the validation samples are the same whatever --seed or
+    --train-data-seed, none of their documents is in any training sample, the training order
+    follows --train-data-seed (else --seed), and a cache filled by other seeds gives the
+    samples a fresh cache gives."""
+    from benchmarks import accuracy_study as a
+    from megatron.sdp4bit.training.cli.arguments import parse_args
+    from megatron.sdp4bit.training.data import build_datasets
+    from megatron.sdp4bit.training.tokenizers import build_tokenizer
+
+    docs = 200
+    corpus = _numbered_corpus(tmp_path / "numbered", docs, 100)
+
+    def build(cache: Path, *extra: str) -> list[list[frozenset]]:
+        args = parse_args(a.model_flags(50, 25, 10, 1234) + [
+            "--data-path", corpus, "--data-cache-path", str(cache), "--tokenizer-type",
+            "NullTokenizer", "--vocab-size", "512", *extra], world_size=a.NPROC)
+        assert args.split == "95,5,0" and args.eval_data_seed == a.EVAL_DATA_SEED
+        return [[frozenset((d["tokens"].tolist() + d["labels"].tolist())) for d in
+                 (ds[i] for i in range(len(ds)))] if ds is not None else []
+                for ds in build_datasets(args, build_tokenizer(args))]
+
+    cache = tmp_path / "index"
+    runs = {"ref": build(cache), "seed1235": build(cache, "--seed", "1235"),
+            "init1235": build(cache, "--seed", "1235", "--train-data-seed", "1234"),
+            "order1235": build(cache, "--train-data-seed", "1235")}
+    ref = runs["ref"]
+    held_out = set().union(*ref[1])
+    assert held_out == set(range(int(0.95 * docs) + 1, docs + 1))  # the last 5% of documents
+    for label, (train, valid, test) in runs.items():
+        assert valid == ref[1], label  # the same samples in the same order
+        assert len(valid) >= (50 // 25 + 1) * 10 * 16 and test == []  # whole epochs
+        assert not set().union(*train) & held_out, label  # no held-out token is trained on
+    assert runs["init1235"][0] == ref[0]  # another initialization, the same order
+    assert runs["order1235"][0] == runs["seed1235"][0] != ref[0]  # another order
+    assert build(tmp_path / "fresh", "--train-data-seed", "1235") == runs["order1235"]
