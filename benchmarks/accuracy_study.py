@@ -77,6 +77,7 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -148,6 +149,10 @@ def prepare_data(cache: Path) -> list[str]:
     if stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp:
         return data
     stamp_file.unlink(missing_ok=True)  # an interrupted rebuild must not look finished
+    # megatron-core names its cached sample indices by the corpus's path and the tokenizer
+    # files' names, not their contents: indices of the old corpus would be read as the new
+    # one's (samples cut at the old documents' lengths).
+    shutil.rmtree(cache / "index", ignore_errors=True)
     from tokenizers import ByteLevelBPETokenizer
 
     def documents():

@@ -191,3 +191,40 @@ def test_the_held_out_set_is_one_for_every_run_and_never_trained_on(tmp_path):
     assert runs["init1235"][0] == ref[0]  # another initialization, the same order
     assert runs["order1235"][0] == runs["seed1235"][0] != ref[0]  # another order
     assert build(tmp_path / "fresh", "--train-data-seed", "1235") == runs["order1235"]
+
+
+def test_a_rebuilt_corpus_drops_the_cached_sample_indices(tmp_path, monkeypatch):
+    """The cached indices are named by the corpus's path, not its contents: a corpus built
+    again (another text, vocabulary or version) must not meet the old corpus's indices; an
+    unchanged corpus keeps them. The tokenizer is trained for real on a tiny text; the
+    default corpus and the tokenization are stand-ins."""
+    import subprocess
+    from types import SimpleNamespace
+
+    from benchmarks import accuracy_study as a
+
+    text = tmp_path / "kjv.jsonl"
+    text.write_text("".join(json.dumps({"text": f"and the {w} said unto them"}) + "\n"
+                            for w in ("lord", "king", "people", "angel")))
+    tokenized = []
+
+    def run(cmd, **kwargs):
+        if "--print-flags" in cmd:
+            return SimpleNamespace(stdout=f"--data-path {tmp_path}/kjv_text_document\n")
+        tokenized.append(cmd)  # tools/preprocess_data.py
+        return SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(subprocess, "run", run)
+    cache = tmp_path / "study"
+    stale = cache / "index" / "x-GPTDataset-train-sample_index.npy"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"old")
+    flags = a.prepare_data(cache)
+    assert len(tokenized) == 1 and not stale.parent.exists()
+    assert flags[flags.index("--data-cache-path") + 1] == str(cache / "index")
+    stale.parent.mkdir()
+    stale.write_bytes(b"current")
+    assert a.prepare_data(cache) == flags and len(tokenized) == 1 and stale.is_file()
+    text.write_text(text.read_text() + json.dumps({"text": "a new chapter"}) + "\n")
+    a.prepare_data(cache)
+    assert len(tokenized) == 2 and not stale.parent.exists()
