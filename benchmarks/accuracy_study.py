@@ -19,13 +19,26 @@ the same order) and differs only in ``--rounding-seed`` (the stochastic-rounding
 spread of a method's runs is the method's own noise, and its mean difference to the baseline
 is the method's effect with a standard error. The baseline (no rounding, deterministic on
 CPU) runs once at the study's seed (``ref``) and again at other ``--seed`` values (context:
-the noise a single-seed comparison cannot separate from an effect). Every run passes
-``--eval-data-seed``, so the validation samples are the same for every run, whatever its
-``--seed`` (without it Megatron-LM shuffles the validation split with ``--seed`` too).
+the noise a single-seed comparison cannot separate from an effect), then splits that band:
+at other ``--seed`` values with the study's seed as ``--train-data-seed`` (``init<S>``:
+another initialization, the same sample order) and at the study's ``--seed`` with other
+``--train-data-seed`` values (``order<S>``: the same initialization, another order). Every
+run passes ``--eval-data-seed``, so the validation samples are the same for every run,
+whatever its ``--seed`` or ``--train-data-seed`` (without it Megatron-LM shuffles the
+validation split with ``--seed`` too); the split is by documents, so no validation token is
+trained on (``tests/unit/test_accuracy_study.py`` checks both on the study's flags).
 
 Methods (``METHODS``): the paper's Table 1 columns (baseline, qW, qWD, TLq, TLq-HS, SDP4Bit),
 qWD with its other difference target (``qWD-rounded``: ``--weight-difference-target
-rounded-main``, what the authors' code quantizes) and ULq (4 bits on both gradient hops).
+rounded-main``, what the authors' code quantizes), ULq (4 bits on both gradient hops), and
+SDP4Bit below 4 inter-node bits: with error feedback on the inter-node hop (``SDP4Bit-EF``),
+with 2-bit inter-node gradients (``SDP4Bit-2bit``) and both (``SDP4Bit-2bit-EF``).
+
+Rows measured earlier (``--carry-over FILE``, an ``accuracy_study.json``): methods and
+baseline ``seed<S>`` runs that this study did not run join its summary from the record, if
+this study's baseline ``ref`` run reproduces the record's bit for bit (every evaluation; the
+baseline is deterministic on CPU), so new rows are added without training the old ones
+again; the report names what was carried and from which record.
 
 The CPU study's settings, and why. The budget: about 90 minutes on an idle 2-core machine
 for 3 baseline runs + 7 quantized methods x 3 rounding seeds = 24 runs at >= 1,000
@@ -176,15 +189,21 @@ def prepare_data(cache: Path) -> list[str]:
     return data
 
 
-def plan(methods: list[str], rounding_seeds: list[int], seeds: list[int], seed: int
+def plan(methods: list[str], rounding_seeds: list[int], seeds: list[int], seed: int,
+         init_seeds: list[int] = (), order_seeds: list[int] = ()
          ) -> list[tuple[str, str, list[str]]]:
-    """(method, label, extra flags) of every run: the baseline once at ``seed`` (``ref``) and
-    at each of ``seeds``; every other method once per rounding seed."""
+    """(method, label, extra flags) of every run: the baseline once at ``seed`` (``ref``), at
+    each of ``seeds``, at each of ``init_seeds`` with ``seed``'s training order and at
+    ``seed`` with each of ``order_seeds``' training order; every other method once per
+    rounding seed."""
     runs = []
     for method in methods:
         if method == "baseline":
             runs.append((method, "ref", []))
             runs += [(method, f"seed{s}", ["--seed", str(s)]) for s in seeds]
+            runs += [(method, f"init{s}", ["--seed", str(s), "--train-data-seed", str(seed)])
+                     for s in init_seeds]
+            runs += [(method, f"order{s}", ["--train-data-seed", str(s)]) for s in order_seeds]
         else:
             runs += [(method, f"rs{r}", ["--rounding-seed", str(r)]) for r in rounding_seeds]
     return runs
@@ -227,11 +246,13 @@ def machine() -> dict:
 
 
 def report(study_dir: Path, out_dirs: list[Path], meta: dict,
-           tokens_per_iteration: int | None = None, stem: str = "accuracy_study") -> dict:
-    """Summarize ``study_dir`` and write <stem>.{md,json} and the two pictures
-    (<stem>_loss.png, <stem>_diff.png) into every folder of ``out_dirs``; returns the
-    record."""
-    summary = summary_mod.summarize(summary_mod.read_study(study_dir, tokens_per_iteration))
+           tokens_per_iteration: int | None = None, stem: str = "accuracy_study",
+           carry: dict | None = None) -> dict:
+    """Summarize ``study_dir`` (with the rows ``carry``, an earlier record, adds) and write
+    <stem>.{md,json} and the two pictures (<stem>_loss.png, <stem>_diff.png) into every
+    folder of ``out_dirs``; returns the record."""
+    summary = summary_mod.summarize(summary_mod.read_study(study_dir, tokens_per_iteration),
+                                    carry=carry)
     record = {**meta, "summary": summary}
     text = render(record, stem)
     for out in out_dirs:
@@ -264,6 +285,15 @@ def render(record: dict, stem: str = "accuracy_study") -> str:
     if record.get("seconds"):
         total = sum(record["seconds"].values())
         header.append(f"- wall time: {total / 60:.0f} min for {len(record['seconds'])} runs")
+    carried = record["summary"].get("carried")
+    if carried:
+        was = carried.get("machine") or {}
+        load = carried.get("load_average") or [float("nan")] * 2
+        header.append(f"- carried over (`--carry-over`) from the record of {carried['date']} "
+                      f"(`{carried['command']}`; {was.get('cpu', 'machine unrecorded')}, "
+                      f"{was.get('cores', '?')} cores, torch {was.get('torch', '?')}; load "
+                      f"{load[0]:.1f} / {load[1]:.1f}), whose baseline `ref` run this study's "
+                      f"reproduced bit for bit: {', '.join(carried['names'])}")
     if record.get("methods"):
         header += ["", "| method | flags (added to the common ones) |", "|---|---|"]
         header += [f"| {k} | `{' '.join(v) or '(none)'}` |" for k, v in record["methods"].items()]
@@ -281,6 +311,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", nargs="*", type=int, default=[1235, 1236], metavar="S",
                         help="other --seed values for the baseline (the seed band; none: "
                         "no band)")
+    parser.add_argument("--init-seeds", nargs="*", type=int, default=[1235, 1236],
+                        metavar="S", help="--seed values for the baseline with the study's "
+                        "sample order (--train-data-seed = --seed): the initialization's share "
+                        "of the seed band (none: not run)")
+    parser.add_argument("--order-seeds", nargs="*", type=int, default=[1235, 1236],
+                        metavar="S", help="--train-data-seed values for the baseline at the "
+                        "study's --seed: the sample order's share of the seed band (none: not "
+                        "run)")
     parser.add_argument("--seed", type=int, default=1234,
                         help="the study's --seed: every method's initialization and order")
     parser.add_argument("--model", choices=list(MODELS), default="dense",
@@ -303,6 +341,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens-per-iteration", type=int, default=None,
                         help="with --from-runs, for runs that left a console log only "
                         "(global batch x sequence length)")
+    parser.add_argument("--carry-over", type=Path, metavar="FILE",
+                        help="an earlier accuracy_study.json: its methods and baseline seed<S> "
+                        "runs that this study lacks join the summary, if this study's "
+                        "baseline ref run reproduces the record's exactly")
     parser.add_argument("--write-results", action="store_true",
                         help="also write benchmarks/accuracy_study.{md,json} and the pictures "
                         "(--model moe: accuracy_study_moe.*)")
@@ -312,11 +354,18 @@ def main(argv: list[str] | None = None) -> int:
     outs = [ROOT / "benchmarks"] if args.write_results else []
     base_meta = results.header(__file__, cli, "", os.getloadavg()[0])
     base_meta["command"] = "python -m benchmarks.accuracy_study " + " ".join(cli)
+    carry = None
+    if args.carry_over:
+        try:
+            carry = json.loads(args.carry_over.read_text())
+        except (OSError, ValueError) as err:
+            parser.error(f"--carry-over {args.carry_over}: not a readable accuracy_study.json "
+                         f"({err})")
     try:
         if args.from_runs:
             meta = {**base_meta, "machine": None, "load_average": None}
             report(args.from_runs, [args.from_runs, *outs], meta, args.tokens_per_iteration,
-                   stem)
+                   stem, carry)
             return 0
         if args.train_iters % args.eval_interval:
             parser.error(f"--train-iters {args.train_iters} is not a multiple of "
@@ -324,10 +373,13 @@ def main(argv: list[str] | None = None) -> int:
                          "be at the end")
         if "baseline" not in args.methods:
             parser.error("--methods needs the baseline: differences are taken against it")
-        if args.seed in args.seeds:
-            parser.error(f"--seeds: {args.seed} is --seed itself (the baseline's ref run)")
+        for name in ("seeds", "init_seeds", "order_seeds"):
+            if args.seed in getattr(args, name):
+                parser.error(f"--{name.replace('_', '-')}: {args.seed} is --seed itself (the "
+                             "baseline's ref run)")
         data = prepare_data(args.data_dir)
-        runs = plan(args.methods, args.rounding_seeds, args.seeds, args.seed)
+        runs = plan(args.methods, args.rounding_seeds, args.seeds, args.seed, args.init_seeds,
+                    args.order_seeds)
         common = model_flags(args.train_iters, args.eval_interval, args.eval_iters,
                              args.seed) + model_extra
         seconds: dict[str, float] = {}
@@ -352,9 +404,10 @@ def main(argv: list[str] | None = None) -> int:
                 "settings": {"train_iters": args.train_iters, "eval_interval": args.eval_interval,
                              "eval_iters": args.eval_iters, "seed": args.seed,
                              "rounding_seeds": args.rounding_seeds, "seeds": args.seeds,
+                             "init_seeds": args.init_seeds, "order_seeds": args.order_seeds,
                              "vocab_size": VOCAB_SIZE, "eval_data_seed": EVAL_DATA_SEED,
                              "model": args.model, "model_flags": model_extra}}
-        report(args.run_dir, [args.run_dir, *outs], meta, stem=stem)
+        report(args.run_dir, [args.run_dir, *outs], meta, stem=stem, carry=carry)
     except summary_mod.StudyError as err:
         print(f"accuracy_study: error: {err}", file=sys.stderr)
         return 1

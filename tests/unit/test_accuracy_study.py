@@ -90,7 +90,8 @@ def test_from_runs_writes_the_report_and_pictures(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("change,message", [
-    ("rename", "a run folder is named ref, rs<R> .rounding seed. or seed<S> .--seed."),
+    ("rename", "a run folder is named ref, rs<R> .rounding seed., seed<S> .--seed., init<S> "
+     ".--seed, the study's --train-data-seed. or order<S> .--train-data-seed."),
     ("short", r"the runs end their evaluations at different iterations \[50, 100\]"),
     ("nobase", "no baseline/ runs: the differences need the baseline"),
 ])
@@ -111,8 +112,11 @@ def test_a_study_that_cannot_be_summarized_is_named(tmp_path, change, message):
 def test_the_local_plan_and_commands(tmp_path):
     from benchmarks import accuracy_study as a
 
-    runs = a.plan(["baseline", "qWD-rounded"], [1, 2], [7], seed=1234)
+    runs = a.plan(["baseline", "qWD-rounded"], [1, 2], [7], seed=1234, init_seeds=[8],
+                  order_seeds=[9])
     assert runs == [("baseline", "ref", []), ("baseline", "seed7", ["--seed", "7"]),
+                    ("baseline", "init8", ["--seed", "8", "--train-data-seed", "1234"]),
+                    ("baseline", "order9", ["--train-data-seed", "9"]),
                     ("qWD-rounded", "rs1", ["--rounding-seed", "1"]),
                     ("qWD-rounded", "rs2", ["--rounding-seed", "2"])]
     flags = a.model_flags(1000, 100, 20, 1234)
@@ -120,6 +124,11 @@ def test_the_local_plan_and_commands(tmp_path):
     assert flags[flags.index("--eval-data-seed") + 1] == str(a.EVAL_DATA_SEED)
     assert a.METHODS["qWD-rounded"] == ["--quantized-weights", "--weight-difference-target",
                                         "rounded-main"]
+    sdp4bit = a.METHODS["SDP4Bit"]
+    assert a.METHODS["SDP4Bit-EF"] == sdp4bit + ["--gradient-error-feedback"]
+    assert a.METHODS["SDP4Bit-2bit"] == sdp4bit + ["--gradient-quantization-bits-inter", "2"]
+    assert a.METHODS["SDP4Bit-2bit-EF"] == a.METHODS["SDP4Bit-2bit"] + [
+        "--gradient-error-feedback"]
     metrics = tmp_path / "m.jsonl"
     metrics.write_text(json.dumps({"iteration": 100, "val_lm_loss": 5.0}) + "\n")
     assert a.finished(metrics, 100) and not a.finished(metrics, 200)
@@ -228,3 +237,38 @@ def test_a_rebuilt_corpus_drops_the_cached_sample_indices(tmp_path, monkeypatch)
     text.write_text(text.read_text() + json.dumps({"text": "a new chapter"}) + "\n")
     a.prepare_data(cache)
     assert len(tokenized) == 2 and not stale.parent.exists()
+
+
+def test_the_bands_split_the_seed_band_and_earlier_rows_are_carried_over(tmp_path):
+    """init<S> / order<S> baseline runs give the initialization's and the sample order's
+    bands; an earlier record's rows join a study that lacks them only when the baseline's
+    ref run is the record's, evaluation for evaluation."""
+    from benchmarks import accuracy_study as a
+    from benchmarks import accuracy_summary as s
+
+    old = _study(tmp_path / "old")
+    assert a.main(["--from-runs", str(old)]) == 0
+    record = json.loads((old / "accuracy_study.json").read_text())
+    new = tmp_path / "new"
+    for label, final in {"ref": 5.00, "init7": 5.20, "init8": 4.80, "order7": 5.02}.items():
+        _metrics(new / "baseline" / label, {50: final + 1.0, 100: final})
+    for r, final in ((1, 5.10), (2, 5.14)):
+        _metrics(new / "qWD-EF" / f"rs{r}", {50: final + 1.0, 100: final})
+    summary = s.summarize(s.read_study(new), carry=record)
+    assert list(summary["methods"]) == ["baseline", "qW", "qWD", "qWD-EF"]  # sorted, merged
+    assert summary["methods"]["qW"] == {**record["summary"]["methods"]["qW"]}
+    assert math.isclose(summary["methods"]["qWD-EF"]["diff"]["value"], 0.12)
+    assert summary["carried"]["names"] == ["qW", "qWD", "baseline/seed1235",
+                                           "baseline/seed1236"]
+    assert summary["seed_band"]["runs"] == {"ref": 5.0, "seed1235": 5.1, "seed1236": 4.9}
+    assert summary["init_band"]["runs"] == {"ref": 5.0, "init7": 5.2, "init8": 4.8}
+    assert math.isclose(summary["init_band"]["spread_pct"], 8.0)
+    assert math.isclose(summary["order_band"]["std"], math.sqrt(2) * 0.01)
+    md = s.render(summary, ["# t"])
+    assert ("| initialization alone (--seed, the same --train-data-seed) | 3 | ref 5.0000, "
+            "init7 5.2000, init8 4.8000 | 5.0000 | 0.2000 | 8.00 |") in md
+    shutil.rmtree(new / "baseline" / "ref")
+    _metrics(new / "baseline" / "ref", {50: 6.01, 100: 5.0})  # the final alone agrees
+    with pytest.raises(s.StudyError, match=r"does not reproduce the record's \(iteration, "
+                       r"loss\) \(50, 6.0\) \(here \(50, 6.01\)\)"):
+        s.summarize(s.read_study(new), carry=record)
