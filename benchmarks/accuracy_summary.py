@@ -13,7 +13,8 @@ the run differs from the study's reference run:
 * ``seed<S>``: ``--seed S``: another initialization and sample order (context: the spread
   that the paper's single runs could not separate from a method's effect);
 * ``init<S>``: ``--seed S`` with the study's seed as ``--train-data-seed``: another
-  initialization, the same sample order;
+  initialization (and dropout masks: ``--seed`` seeds the torch generator), the same sample
+  order;
 * ``order<S>``: ``--train-data-seed S``: the same initialization, another sample order.
 
 Per method, its ``ref`` and ``rs*`` runs give the mean and spread of the final validation
@@ -43,8 +44,8 @@ from megatron.sdp4bit.training.observe.plots import pyplot, save_small
 LABEL = re.compile(r"^(ref|rs(\d+)|seed(\d+)|init(\d+)|order(\d+))$")
 SAME_DATA = re.compile(r"^(ref|rs\d+)$")  # the study's initialization and sample order
 # the baseline's bands: label prefix -> what its runs vary
-BANDS = {"seed": "initialization and sample order (--seed)",
-         "init": "initialization alone (--seed, the same --train-data-seed)",
+BANDS = {"seed": "initialization, dropout and sample order (--seed)",
+         "init": "initialization and dropout (--seed, the same --train-data-seed)",
          "order": "sample order alone (--train-data-seed, the same --seed)"}
 # Megatron-LM's (and pretrain_gpt.py's) validation line
 VAL_LINE = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.eE+-]+)")
@@ -265,9 +266,9 @@ def render_bands(summary: dict) -> list[str]:
         return []
     lines = ["", "## What moves the baseline: initialization or sample order", "",
              "The baseline's final validation loss over runs that vary one thing from the "
-             "`ref` run (`--seed` sets the initialization and, without `--train-data-seed`, "
-             "the training order; every run has the same held-out samples, "
-             "`--eval-data-seed`).", "",
+             "`ref` run (`--seed` sets the initialization, the dropout masks and, without "
+             "`--train-data-seed`, the training order; every run has the same held-out "
+             "samples, `--eval-data-seed`).", "",
              "| what varies | runs | final validation loss of each | mean | std | range % |",
              "|---|---:|---|---:|---:|---:|"]
     for prefix, what in BANDS.items():
@@ -276,6 +277,11 @@ def render_bands(summary: dict) -> list[str]:
             each = ", ".join(f"{k} {v:.4f}" for k, v in b["runs"].items())
             lines.append(f"| {what} | {b['n']} | {each} | {b['mean']:.4f} | {b['std']:.4f} | "
                          f"{b['spread_pct']:.2f} |")
+    if bands["init"] and bands["order"]:
+        both = f" ({bands['seed']['std']:.4f} over both, --seed)" if bands["seed"] else ""
+        lines += ["", f"With the held-out samples fixed, the standard deviation of the final "
+                  f"loss is {bands['init']['std']:.4f} over initializations and "
+                  f"{bands['order']['std']:.4f} over sample orders{both}."]
     return lines
 
 

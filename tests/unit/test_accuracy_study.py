@@ -265,8 +265,10 @@ def test_the_bands_split_the_seed_band_and_earlier_rows_are_carried_over(tmp_pat
     assert math.isclose(summary["init_band"]["spread_pct"], 8.0)
     assert math.isclose(summary["order_band"]["std"], math.sqrt(2) * 0.01)
     md = s.render(summary, ["# t"])
-    assert ("| initialization alone (--seed, the same --train-data-seed) | 3 | ref 5.0000, "
-            "init7 5.2000, init8 4.8000 | 5.0000 | 0.2000 | 8.00 |") in md
+    assert ("| initialization and dropout (--seed, the same --train-data-seed) | 3 | "
+            "ref 5.0000, init7 5.2000, init8 4.8000 | 5.0000 | 0.2000 | 8.00 |") in md
+    assert ("the standard deviation of the final loss is 0.2000 over initializations and "
+            "0.0141 over sample orders (0.1000 over both, --seed)") in md
     shutil.rmtree(new / "baseline" / "ref")
     _metrics(new / "baseline" / "ref", {50: 6.01, 100: 5.0})  # the final alone agrees
     with pytest.raises(s.StudyError, match=r"does not reproduce the record's \(iteration, "
