@@ -217,17 +217,33 @@ def finished(metrics: Path, train_iters: int) -> bool:
     return any(r.get("iteration") == train_iters and "val_lm_loss" in r for r in lines)
 
 
+RUN_RECORD = "run.json"  # a run's wall time and the load around it, beside its metrics
+
+
 def run_one(cmd: list[str], folder: Path) -> float:
+    """Trains one run into ``folder`` and records its wall time and the 1-minute load average
+    before and after it (``RUN_RECORD``), so that a later study keeping the run reports
+    them; returns the seconds."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "metrics.jsonl").unlink(missing_ok=True)  # the trainer appends: start clean
+    (folder / RUN_RECORD).unlink(missing_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    start = time.monotonic()
+    load_before, start = os.getloadavg()[0], time.monotonic()
     with open(folder / "train.log", "w", encoding="utf-8") as log:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
         raise SystemExit(f"accuracy_study: a run failed (exit {proc.returncode}); see "
                          f"{folder / 'train.log'}")
-    return time.monotonic() - start
+    seconds = time.monotonic() - start
+    (folder / RUN_RECORD).write_text(json.dumps(
+        {"seconds": seconds, "load_average": [load_before, os.getloadavg()[0]]}) + "\n")
+    return seconds
+
+
+def run_records(folders: dict[str, Path]) -> dict[str, dict]:
+    """``{name: RUN_RECORD's contents}`` of the folders that hold one."""
+    return {name: json.loads((f / RUN_RECORD).read_text()) for name, f in folders.items()
+            if (f / RUN_RECORD).is_file()}
 
 
 def machine() -> dict:
@@ -285,6 +301,12 @@ def render(record: dict, stem: str = "accuracy_study") -> str:
     if record.get("seconds"):
         total = sum(record["seconds"].values())
         header.append(f"- wall time: {total / 60:.0f} min for {len(record['seconds'])} runs")
+    loads = [x for r in (record.get("runs") or {}).values() for x in r["load_average"]]
+    if loads:
+        header.append(f"- the runs' wall time and load (each run's `{RUN_RECORD}`): "
+                      f"{sum(r['seconds'] for r in record['runs'].values()) / 60:.0f} min for "
+                      f"{len(record['runs'])} runs, 1-minute load average {min(loads):.1f} to "
+                      f"{max(loads):.1f} at their starts and ends")
     carried = record["summary"].get("carried")
     if carried:
         was = carried.get("machine") or {}
@@ -383,9 +405,11 @@ def main(argv: list[str] | None = None) -> int:
         common = model_flags(args.train_iters, args.eval_interval, args.eval_iters,
                              args.seed) + model_extra
         seconds: dict[str, float] = {}
+        folders: dict[str, Path] = {}
         example = ""
         for k, (method, label, extra) in enumerate(runs, start=1):
             folder = args.run_dir / method / label
+            folders[f"{method}/{label}"] = folder
             cmd = ["torchrun", "--standalone", "--nproc-per-node", str(NPROC), "pretrain_gpt.py",
                    *common, *data, *METHODS[method], *extra,
                    "--metrics-jsonl", str(folder / "metrics.jsonl")]
@@ -399,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"   {seconds[f'{method}/{label}']:.0f} s", flush=True)
         meta = {**base_meta, "machine": machine(), "load_average": [
                     base_meta["load_average"][0], os.getloadavg()[0]],
-                "seconds": seconds, "example_run": example,
+                "seconds": seconds, "runs": run_records(folders), "example_run": example,
                 "methods": {m: METHODS[m] for m in args.methods},
                 "settings": {"train_iters": args.train_iters, "eval_interval": args.eval_interval,
                              "eval_iters": args.eval_iters, "seed": args.seed,

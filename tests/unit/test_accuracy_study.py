@@ -274,3 +274,23 @@ def test_the_bands_split_the_seed_band_and_earlier_rows_are_carried_over(tmp_pat
     with pytest.raises(s.StudyError, match=r"does not reproduce the record's \(iteration, "
                        r"loss\) \(50, 6.0\) \(here \(50, 6.01\)\)"):
         s.summarize(s.read_study(new), carry=record)
+
+
+def test_kept_runs_report_their_own_wall_time_and_load(tmp_path):
+    """A study that keeps finished runs reports the time and load each run recorded when it
+    trained, not the instant of the summary."""
+    from benchmarks import accuracy_study as a
+    from benchmarks import accuracy_summary as s
+
+    folders = {"qW/rs1": tmp_path / "qW" / "rs1", "qW/rs2": tmp_path / "qW" / "rs2"}
+    for name, load in (("qW/rs1", [2.0, 9.5]), ("qW/rs2", None)):
+        folders[name].mkdir(parents=True)
+        if load:
+            (folders[name] / a.RUN_RECORD).write_text(json.dumps(
+                {"seconds": 150.0, "load_average": load}))
+    runs = a.run_records(folders)
+    assert runs == {"qW/rs1": {"seconds": 150.0, "load_average": [2.0, 9.5]}}
+    summary = s.summarize(s.read_study(_study(tmp_path / "study")))
+    md = a.render({"command": "c", "date": "d", "runs": runs, "summary": summary})
+    assert ("- the runs' wall time and load (each run's `run.json`): 2 min for 1 runs, "
+            "1-minute load average 2.0 to 9.5 at their starts and ends") in md
