@@ -307,6 +307,7 @@ def plot(summary: dict, loss_png: Path, diff_png: Path, skip: float = 0.2) -> No
         pts = [p for p in m["curve"] if p["iteration"] >= skip * last]
         x = [p["tokens"] for p in pts]
         ax.plot(x, [p["mean"] for p in pts], color=f"C{k}", linewidth=1.2,
+                linestyle="-" if k < 10 else "--",  # C<k> repeats after 10 colours
                 label=f"{name} ({m['final']['n']} runs)")
         ax.fill_between(x, [p["min"] for p in pts], [p["max"] for p in pts], color=f"C{k}",
                         alpha=0.2, linewidth=0)
