@@ -293,7 +293,7 @@ def render(record: dict, stem: str = "accuracy_study") -> str:
         header.append(f"- machine: {m['cpu']}, {m['cores']} cores; python {m['python']}, "
                       f"torch {m['torch']}, megatron-core {m['megatron_core']}")
     if record.get("load_average"):
-        header.append(f"- 1-minute load average before / after: "
+        header.append(f"- 1-minute load average before / after the command: "
                       f"{record['load_average'][0]:.1f} / {record['load_average'][1]:.1f}")
     header.append(f"- date: {record['date']}")
     if record.get("example_run"):
@@ -314,11 +314,12 @@ def render(record: dict, stem: str = "accuracy_study") -> str:
         header.append(f"- carried over (`--carry-over`) from the record of {carried['date']} "
                       f"(`{carried['command']}`; {was.get('cpu', 'machine unrecorded')}, "
                       f"{was.get('cores', '?')} cores, torch {was.get('torch', '?')}; load "
-                      f"{load[0]:.1f} / {load[1]:.1f}), whose baseline `ref` run this study's "
+                      f"{load[0]:.1f} / {load[1]:.1f}), whose baseline `ref` run this study "
                       f"reproduced bit for bit: {', '.join(carried['names'])}")
     if record.get("methods"):
         header += ["", "| method | flags (added to the common ones) |", "|---|---|"]
-        header += [f"| {k} | `{' '.join(v) or '(none)'}` |" for k, v in record["methods"].items()]
+        header += [f"| {k} | `{' '.join(v) or '(none)'}` |" for k, v in
+                   {**record["methods"], **record.get("carried_methods", {})}.items()]
     return summary_mod.render(record["summary"], header)
 
 
@@ -425,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
                     base_meta["load_average"][0], os.getloadavg()[0]],
                 "seconds": seconds, "runs": run_records(folders), "example_run": example,
                 "methods": {m: METHODS[m] for m in args.methods},
+                **({"carried_methods": {m: f for m, f in carry.get("methods", {}).items()
+                                        if m not in args.methods}} if carry else {}),
                 "settings": {"train_iters": args.train_iters, "eval_interval": args.eval_interval,
                              "eval_iters": args.eval_iters, "seed": args.seed,
                              "rounding_seeds": args.rounding_seeds, "seeds": args.seeds,

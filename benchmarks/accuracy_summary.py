@@ -330,7 +330,7 @@ def plot(summary: dict, loss_png: Path, diff_png: Path, skip: float = 0.2) -> No
     ax.bar(range(len(names)), values, yerr=errors, capsize=4,
            color=[f"C{list(summary['methods']).index(n)}" for n in names])
     ax.axhline(0.0, color="black", linewidth=0.8)
-    ax.set_xticks(range(len(names)), names, fontsize=8)
+    ax.set_xticks(range(len(names)), names, fontsize=8, rotation=25, ha="right")
     ax.set(ylabel="final validation loss - baseline (%)",
            title=f"difference to the baseline at iteration {last} (error bars: standard error)")
     ax.grid(True, axis="y", alpha=0.3)

@@ -291,6 +291,10 @@ def test_kept_runs_report_their_own_wall_time_and_load(tmp_path):
     runs = a.run_records(folders)
     assert runs == {"qW/rs1": {"seconds": 150.0, "load_average": [2.0, 9.5]}}
     summary = s.summarize(s.read_study(_study(tmp_path / "study")))
-    md = a.render({"command": "c", "date": "d", "runs": runs, "summary": summary})
+    md = a.render({"command": "c", "date": "d", "runs": runs, "summary": summary,
+                   "methods": {"qWD": ["--quantized-weights"]},
+                   "carried_methods": {"qW": ["--weight-quantization-mode", "direct"]}})
     assert ("- the runs' wall time and load (each run's `run.json`): 2 min for 1 runs, "
             "1-minute load average 2.0 to 9.5 at their starts and ends") in md
+    # the flags of the rows run here and of those carried from an earlier record
+    assert "| qWD | `--quantized-weights` |\n| qW | `--weight-quantization-mode direct` |" in md
