@@ -3,7 +3,7 @@
 initialization and sample order, several stochastic-rounding seeds each, evaluated on one
 held-out set.
 
-    python -m benchmarks.accuracy_study                         # the CPU study (~90 min)
+    python -m benchmarks.accuracy_study                         # the CPU study (~1-2 h)
     python -m benchmarks.accuracy_study --methods baseline qWD --rounding-seeds 1 2 \\
         --train-iters 100 --eval-interval 50                    # a pilot
     python -m benchmarks.accuracy_study --from-runs runs/study  # summarize runs done elsewhere
@@ -40,9 +40,12 @@ this study's baseline ``ref`` run reproduces the record's bit for bit (every eva
 baseline is deterministic on CPU), so new rows are added without training the old ones
 again; the report names what was carried and from which record.
 
-The CPU study's settings, and why. The budget: about 90 minutes on an idle 2-core machine
-for 3 baseline runs + 7 quantized methods x 3 rounding seeds = 24 runs at >= 1,000
-iterations, i.e. under 4 minutes a run, ~0.2 s an iteration on 4 processes. With GPT-2's
+The CPU study's settings, and why. The budget (set for the first 24 runs, 3 baseline + 7
+quantized methods x 3 rounding seeds): about 90 minutes on an idle 2-core machine at >= 1,000
+iterations, i.e. under 4 minutes a run, ~0.2 s an iteration on 4 processes; the default
+study is now 37 runs (7 baseline, 10 quantized methods x 3), about 1 to 2 hours at the 1.4
+to 3.3 minutes a run of the 2026-11-26 runs (``accuracy_study.md`` records their time and
+load). With GPT-2's
 50,257-token vocabulary the output layer of a 64-wide model is 3.2 M of its 3.3 M parameters
 and most of its time (``loss_curves.md``: ~1 s an iteration), so the study trains a
 byte-level BPE of ``VOCAB_SIZE`` = 2,048 tokens on the default corpus (the King James Bible,
@@ -94,6 +97,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from megatron.sdp4bit.training.cli.methods import METHOD_FLAGS
@@ -190,7 +194,7 @@ def prepare_data(cache: Path) -> list[str]:
 
 
 def plan(methods: list[str], rounding_seeds: list[int], seeds: list[int], seed: int,
-         init_seeds: list[int] = (), order_seeds: list[int] = ()
+         init_seeds: Sequence[int] = (), order_seeds: Sequence[int] = ()
          ) -> list[tuple[str, str, list[str]]]:
     """(method, label, extra flags) of every run: the baseline once at ``seed`` (``ref``), at
     each of ``seeds``, at each of ``init_seeds`` with ``seed``'s training order and at
@@ -384,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as err:
             parser.error(f"--carry-over {args.carry_over}: not a readable accuracy_study.json "
                          f"({err})")
+        if not isinstance(carry, dict) or "methods" not in carry.get("summary", {}):
+            parser.error(f"--carry-over {args.carry_over}: not an accuracy_study.json record "
+                         "(no summary of methods in it)")
     try:
         if args.from_runs:
             meta = {**base_meta, "machine": None, "load_average": None}

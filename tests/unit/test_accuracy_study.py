@@ -239,7 +239,7 @@ def test_a_rebuilt_corpus_drops_the_cached_sample_indices(tmp_path, monkeypatch)
     assert len(tokenized) == 2 and not stale.parent.exists()
 
 
-def test_the_bands_split_the_seed_band_and_earlier_rows_are_carried_over(tmp_path):
+def test_the_bands_split_the_seed_band_and_earlier_rows_are_carried_over(tmp_path, capsys):
     """init<S> / order<S> baseline runs give the initialization's and the sample order's
     bands; an earlier record's rows join a study that lacks them only when the baseline's
     ref run is the record's, evaluation for evaluation."""
@@ -271,6 +271,11 @@ def test_the_bands_split_the_seed_band_and_earlier_rows_are_carried_over(tmp_pat
             "0.0141 over sample orders (0.1000 over both, --seed)") in md
     shutil.rmtree(new / "baseline" / "ref")
     _metrics(new / "baseline" / "ref", {50: 6.01, 100: 5.0})  # the final alone agrees
+    (tmp_path / "other.json").write_text(json.dumps({"command": "python x"}))
+    with pytest.raises(SystemExit):
+        a.main(["--from-runs", str(new), "--carry-over", str(tmp_path / "other.json")])
+    assert "not an accuracy_study.json record (no summary of methods in it)" in (
+        capsys.readouterr().err)
     with pytest.raises(s.StudyError, match=r"does not reproduce the record's \(iteration, "
                        r"loss\) \(50, 6.0\) \(here \(50, 6.01\)\)"):
         s.summarize(s.read_study(new), carry=record)
