@@ -3,7 +3,7 @@
 initialization and sample order, several stochastic-rounding seeds each, evaluated on one
 held-out set.
 
-    python -m benchmarks.accuracy_study                         # the CPU study (~90 min)
+    python -m benchmarks.accuracy_study                         # the CPU study (~1-2 h)
     python -m benchmarks.accuracy_study --methods baseline qWD --rounding-seeds 1 2 \\
         --train-iters 100 --eval-interval 50                    # a pilot
     python -m benchmarks.accuracy_study --from-runs runs/study  # summarize runs done elsewhere
@@ -19,17 +19,33 @@ the same order) and differs only in ``--rounding-seed`` (the stochastic-rounding
 spread of a method's runs is the method's own noise, and its mean difference to the baseline
 is the method's effect with a standard error. The baseline (no rounding, deterministic on
 CPU) runs once at the study's seed (``ref``) and again at other ``--seed`` values (context:
-the noise a single-seed comparison cannot separate from an effect). Every run passes
-``--eval-data-seed``, so the validation samples are the same for every run, whatever its
-``--seed`` (without it Megatron-LM shuffles the validation split with ``--seed`` too).
+the noise a single-seed comparison cannot separate from an effect), then splits that band:
+at other ``--seed`` values with the study's seed as ``--train-data-seed`` (``init<S>``:
+another initialization, the same sample order) and at the study's ``--seed`` with other
+``--train-data-seed`` values (``order<S>``: the same initialization, another order). Every
+run passes ``--eval-data-seed``, so the validation samples are the same for every run,
+whatever its ``--seed`` or ``--train-data-seed`` (without it Megatron-LM shuffles the
+validation split with ``--seed`` too); the split is by documents, so no validation token is
+trained on (``tests/unit/test_accuracy_study.py`` checks both on the study's flags).
 
 Methods (``METHODS``): the paper's Table 1 columns (baseline, qW, qWD, TLq, TLq-HS, SDP4Bit),
 qWD with its other difference target (``qWD-rounded``: ``--weight-difference-target
-rounded-main``, what the authors' code quantizes) and ULq (4 bits on both gradient hops).
+rounded-main``, what the authors' code quantizes), ULq (4 bits on both gradient hops), and
+SDP4Bit below 4 inter-node bits: with error feedback on the inter-node hop (``SDP4Bit-EF``),
+with 2-bit inter-node gradients (``SDP4Bit-2bit``) and both (``SDP4Bit-2bit-EF``).
 
-The CPU study's settings, and why. The budget: about 90 minutes on an idle 2-core machine
-for 3 baseline runs + 7 quantized methods x 3 rounding seeds = 24 runs at >= 1,000
-iterations, i.e. under 4 minutes a run, ~0.2 s an iteration on 4 processes. With GPT-2's
+Rows measured earlier (``--carry-over FILE``, an ``accuracy_study.json``): methods and
+baseline ``seed<S>`` runs that this study did not run join its summary from the record, if
+this study's baseline ``ref`` run reproduces the record's bit for bit (every evaluation; the
+baseline is deterministic on CPU), so new rows are added without training the old ones
+again; the report names what was carried and from which record.
+
+The CPU study's settings, and why. The budget (set for the first 24 runs, 3 baseline + 7
+quantized methods x 3 rounding seeds): about 90 minutes on an idle 2-core machine at >= 1,000
+iterations, i.e. under 4 minutes a run, ~0.2 s an iteration on 4 processes; the default
+study is now 37 runs (7 baseline, 10 quantized methods x 3), about 1 to 2 hours at the 1.4
+to 3.3 minutes a run of the 2026-11-26 runs (``accuracy_study.md`` records their time and
+load). With GPT-2's
 50,257-token vocabulary the output layer of a 64-wide model is 3.2 M of its 3.3 M parameters
 and most of its time (``loss_curves.md``: ~1 s an iteration), so the study trains a
 byte-level BPE of ``VOCAB_SIZE`` = 2,048 tokens on the default corpus (the King James Bible,
@@ -77,9 +93,11 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from megatron.sdp4bit.training.cli.methods import METHOD_FLAGS
@@ -148,6 +166,10 @@ def prepare_data(cache: Path) -> list[str]:
     if stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp:
         return data
     stamp_file.unlink(missing_ok=True)  # an interrupted rebuild must not look finished
+    # megatron-core names its cached sample indices by the corpus's path and the tokenizer
+    # files' names, not their contents: indices of the old corpus would be read as the new
+    # one's (samples cut at the old documents' lengths).
+    shutil.rmtree(cache / "index", ignore_errors=True)
     from tokenizers import ByteLevelBPETokenizer
 
     def documents():
@@ -171,15 +193,21 @@ def prepare_data(cache: Path) -> list[str]:
     return data
 
 
-def plan(methods: list[str], rounding_seeds: list[int], seeds: list[int], seed: int
+def plan(methods: list[str], rounding_seeds: list[int], seeds: list[int], seed: int,
+         init_seeds: Sequence[int] = (), order_seeds: Sequence[int] = ()
          ) -> list[tuple[str, str, list[str]]]:
-    """(method, label, extra flags) of every run: the baseline once at ``seed`` (``ref``) and
-    at each of ``seeds``; every other method once per rounding seed."""
+    """(method, label, extra flags) of every run: the baseline once at ``seed`` (``ref``), at
+    each of ``seeds``, at each of ``init_seeds`` with ``seed``'s training order and at
+    ``seed`` with each of ``order_seeds``' training order; every other method once per
+    rounding seed."""
     runs = []
     for method in methods:
         if method == "baseline":
             runs.append((method, "ref", []))
             runs += [(method, f"seed{s}", ["--seed", str(s)]) for s in seeds]
+            runs += [(method, f"init{s}", ["--seed", str(s), "--train-data-seed", str(seed)])
+                     for s in init_seeds]
+            runs += [(method, f"order{s}", ["--train-data-seed", str(s)]) for s in order_seeds]
         else:
             runs += [(method, f"rs{r}", ["--rounding-seed", str(r)]) for r in rounding_seeds]
     return runs
@@ -193,17 +221,33 @@ def finished(metrics: Path, train_iters: int) -> bool:
     return any(r.get("iteration") == train_iters and "val_lm_loss" in r for r in lines)
 
 
+RUN_RECORD = "run.json"  # a run's wall time and the load around it, beside its metrics
+
+
 def run_one(cmd: list[str], folder: Path) -> float:
+    """Trains one run into ``folder`` and records its wall time and the 1-minute load average
+    before and after it (``RUN_RECORD``), so that a later study keeping the run reports
+    them; returns the seconds."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "metrics.jsonl").unlink(missing_ok=True)  # the trainer appends: start clean
+    (folder / RUN_RECORD).unlink(missing_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    start = time.monotonic()
+    load_before, start = os.getloadavg()[0], time.monotonic()
     with open(folder / "train.log", "w", encoding="utf-8") as log:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
         raise SystemExit(f"accuracy_study: a run failed (exit {proc.returncode}); see "
                          f"{folder / 'train.log'}")
-    return time.monotonic() - start
+    seconds = time.monotonic() - start
+    (folder / RUN_RECORD).write_text(json.dumps(
+        {"seconds": seconds, "load_average": [load_before, os.getloadavg()[0]]}) + "\n")
+    return seconds
+
+
+def run_records(folders: dict[str, Path]) -> dict[str, dict]:
+    """``{name: RUN_RECORD's contents}`` of the folders that hold one."""
+    return {name: json.loads((f / RUN_RECORD).read_text()) for name, f in folders.items()
+            if (f / RUN_RECORD).is_file()}
 
 
 def machine() -> dict:
@@ -222,11 +266,13 @@ def machine() -> dict:
 
 
 def report(study_dir: Path, out_dirs: list[Path], meta: dict,
-           tokens_per_iteration: int | None = None, stem: str = "accuracy_study") -> dict:
-    """Summarize ``study_dir`` and write <stem>.{md,json} and the two pictures
-    (<stem>_loss.png, <stem>_diff.png) into every folder of ``out_dirs``; returns the
-    record."""
-    summary = summary_mod.summarize(summary_mod.read_study(study_dir, tokens_per_iteration))
+           tokens_per_iteration: int | None = None, stem: str = "accuracy_study",
+           carry: dict | None = None) -> dict:
+    """Summarize ``study_dir`` (with the rows ``carry``, an earlier record, adds) and write
+    <stem>.{md,json} and the two pictures (<stem>_loss.png, <stem>_diff.png) into every
+    folder of ``out_dirs``; returns the record."""
+    summary = summary_mod.summarize(summary_mod.read_study(study_dir, tokens_per_iteration),
+                                    carry=carry)
     record = {**meta, "summary": summary}
     text = render(record, stem)
     for out in out_dirs:
@@ -251,7 +297,7 @@ def render(record: dict, stem: str = "accuracy_study") -> str:
         header.append(f"- machine: {m['cpu']}, {m['cores']} cores; python {m['python']}, "
                       f"torch {m['torch']}, megatron-core {m['megatron_core']}")
     if record.get("load_average"):
-        header.append(f"- 1-minute load average before / after: "
+        header.append(f"- 1-minute load average before / after the command: "
                       f"{record['load_average'][0]:.1f} / {record['load_average'][1]:.1f}")
     header.append(f"- date: {record['date']}")
     if record.get("example_run"):
@@ -259,9 +305,25 @@ def render(record: dict, stem: str = "accuracy_study") -> str:
     if record.get("seconds"):
         total = sum(record["seconds"].values())
         header.append(f"- wall time: {total / 60:.0f} min for {len(record['seconds'])} runs")
+    loads = [x for r in (record.get("runs") or {}).values() for x in r["load_average"]]
+    if loads:
+        header.append(f"- the runs' wall time and load (each run's `{RUN_RECORD}`): "
+                      f"{sum(r['seconds'] for r in record['runs'].values()) / 60:.0f} min for "
+                      f"{len(record['runs'])} runs, 1-minute load average {min(loads):.1f} to "
+                      f"{max(loads):.1f} at their starts and ends")
+    carried = record["summary"].get("carried")
+    if carried:
+        was = carried.get("machine") or {}
+        load = carried.get("load_average") or [float("nan")] * 2
+        header.append(f"- carried over (`--carry-over`) from the record of {carried['date']} "
+                      f"(`{carried['command']}`; {was.get('cpu', 'machine unrecorded')}, "
+                      f"{was.get('cores', '?')} cores, torch {was.get('torch', '?')}; load "
+                      f"{load[0]:.1f} / {load[1]:.1f}), whose baseline `ref` run this study "
+                      f"reproduced bit for bit: {', '.join(carried['names'])}")
     if record.get("methods"):
         header += ["", "| method | flags (added to the common ones) |", "|---|---|"]
-        header += [f"| {k} | `{' '.join(v) or '(none)'}` |" for k, v in record["methods"].items()]
+        header += [f"| {k} | `{' '.join(v) or '(none)'}` |" for k, v in
+                   {**record["methods"], **record.get("carried_methods", {})}.items()]
     return summary_mod.render(record["summary"], header)
 
 
@@ -276,6 +338,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", nargs="*", type=int, default=[1235, 1236], metavar="S",
                         help="other --seed values for the baseline (the seed band; none: "
                         "no band)")
+    parser.add_argument("--init-seeds", nargs="*", type=int, default=[1235, 1236],
+                        metavar="S", help="--seed values for the baseline with the study's "
+                        "sample order (--train-data-seed = --seed): the initialization's share "
+                        "of the seed band (none: not run)")
+    parser.add_argument("--order-seeds", nargs="*", type=int, default=[1235, 1236],
+                        metavar="S", help="--train-data-seed values for the baseline at the "
+                        "study's --seed: the sample order's share of the seed band (none: not "
+                        "run)")
     parser.add_argument("--seed", type=int, default=1234,
                         help="the study's --seed: every method's initialization and order")
     parser.add_argument("--model", choices=list(MODELS), default="dense",
@@ -298,6 +368,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens-per-iteration", type=int, default=None,
                         help="with --from-runs, for runs that left a console log only "
                         "(global batch x sequence length)")
+    parser.add_argument("--carry-over", type=Path, metavar="FILE",
+                        help="an earlier accuracy_study.json: its methods and baseline seed<S> "
+                        "runs that this study lacks join the summary, if this study's "
+                        "baseline ref run reproduces the record's exactly")
     parser.add_argument("--write-results", action="store_true",
                         help="also write benchmarks/accuracy_study.{md,json} and the pictures "
                         "(--model moe: accuracy_study_moe.*)")
@@ -307,11 +381,21 @@ def main(argv: list[str] | None = None) -> int:
     outs = [ROOT / "benchmarks"] if args.write_results else []
     base_meta = results.header(__file__, cli, "", os.getloadavg()[0])
     base_meta["command"] = "python -m benchmarks.accuracy_study " + " ".join(cli)
+    carry = None
+    if args.carry_over:
+        try:
+            carry = json.loads(args.carry_over.read_text())
+        except (OSError, ValueError) as err:
+            parser.error(f"--carry-over {args.carry_over}: not a readable accuracy_study.json "
+                         f"({err})")
+        if not isinstance(carry, dict) or "methods" not in carry.get("summary", {}):
+            parser.error(f"--carry-over {args.carry_over}: not an accuracy_study.json record "
+                         "(no summary of methods in it)")
     try:
         if args.from_runs:
             meta = {**base_meta, "machine": None, "load_average": None}
             report(args.from_runs, [args.from_runs, *outs], meta, args.tokens_per_iteration,
-                   stem)
+                   stem, carry)
             return 0
         if args.train_iters % args.eval_interval:
             parser.error(f"--train-iters {args.train_iters} is not a multiple of "
@@ -319,16 +403,21 @@ def main(argv: list[str] | None = None) -> int:
                          "be at the end")
         if "baseline" not in args.methods:
             parser.error("--methods needs the baseline: differences are taken against it")
-        if args.seed in args.seeds:
-            parser.error(f"--seeds: {args.seed} is --seed itself (the baseline's ref run)")
+        for name in ("seeds", "init_seeds", "order_seeds"):
+            if args.seed in getattr(args, name):
+                parser.error(f"--{name.replace('_', '-')}: {args.seed} is --seed itself (the "
+                             "baseline's ref run)")
         data = prepare_data(args.data_dir)
-        runs = plan(args.methods, args.rounding_seeds, args.seeds, args.seed)
+        runs = plan(args.methods, args.rounding_seeds, args.seeds, args.seed, args.init_seeds,
+                    args.order_seeds)
         common = model_flags(args.train_iters, args.eval_interval, args.eval_iters,
                              args.seed) + model_extra
         seconds: dict[str, float] = {}
+        folders: dict[str, Path] = {}
         example = ""
         for k, (method, label, extra) in enumerate(runs, start=1):
             folder = args.run_dir / method / label
+            folders[f"{method}/{label}"] = folder
             cmd = ["torchrun", "--standalone", "--nproc-per-node", str(NPROC), "pretrain_gpt.py",
                    *common, *data, *METHODS[method], *extra,
                    "--metrics-jsonl", str(folder / "metrics.jsonl")]
@@ -342,14 +431,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"   {seconds[f'{method}/{label}']:.0f} s", flush=True)
         meta = {**base_meta, "machine": machine(), "load_average": [
                     base_meta["load_average"][0], os.getloadavg()[0]],
-                "seconds": seconds, "example_run": example,
+                "seconds": seconds, "runs": run_records(folders), "example_run": example,
                 "methods": {m: METHODS[m] for m in args.methods},
+                **({"carried_methods": {m: f for m, f in carry.get("methods", {}).items()
+                                        if m not in args.methods}} if carry else {}),
                 "settings": {"train_iters": args.train_iters, "eval_interval": args.eval_interval,
                              "eval_iters": args.eval_iters, "seed": args.seed,
                              "rounding_seeds": args.rounding_seeds, "seeds": args.seeds,
+                             "init_seeds": args.init_seeds, "order_seeds": args.order_seeds,
                              "vocab_size": VOCAB_SIZE, "eval_data_seed": EVAL_DATA_SEED,
                              "model": args.model, "model_flags": model_extra}}
-        report(args.run_dir, [args.run_dir, *outs], meta, stem=stem)
+        report(args.run_dir, [args.run_dir, *outs], meta, stem=stem, carry=carry)
     except summary_mod.StudyError as err:
         print(f"accuracy_study: error: {err}", file=sys.stderr)
         return 1

@@ -11,17 +11,29 @@ the run differs from the study's reference run:
 * ``rs<R>``: the study's ``--seed`` with ``--rounding-seed R``: the same initialization and
   sample order, only the stochastic-rounding noise differs;
 * ``seed<S>``: ``--seed S``: another initialization and sample order (context: the spread
-  that the paper's single runs could not separate from a method's effect).
+  that the paper's single runs could not separate from a method's effect);
+* ``init<S>``: ``--seed S`` with the study's seed as ``--train-data-seed``: another
+  initialization (and dropout masks: ``--seed`` seeds the torch generator), the same sample
+  order;
+* ``order<S>``: ``--train-data-seed S``: the same initialization, another sample order.
 
 Per method, its ``ref`` and ``rs*`` runs give the mean and spread of the final validation
 loss; its difference to the baseline is taken against the baseline's mean over its own
 ``ref`` and ``rs*`` runs (one run on CPU, where the baseline is deterministic), with the
 standard error of both means combined. The baseline's ``ref`` and ``seed*`` runs give the
-seed band.
+seed band; its ``ref`` with its ``init*`` runs, and with its ``order*`` runs, split that band
+into what the initialization and what the sample order move.
+
+Rows of an earlier record (``carry``: its ``accuracy_study.json``) join the summary when
+this study has no runs of that method or baseline label, provided this study's baseline
+``ref`` run reproduces the record's bit for bit (final loss and every evaluation): the same
+code path, data and initialization, so the rows share the reference they were measured
+against.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from pathlib import Path
@@ -29,7 +41,12 @@ from pathlib import Path
 from megatron.sdp4bit.training.observe.metrics_file import read_metrics
 from megatron.sdp4bit.training.observe.plots import pyplot, save_small
 
-LABEL = re.compile(r"^(ref|rs(\d+)|seed(\d+))$")
+LABEL = re.compile(r"^(ref|rs(\d+)|seed(\d+)|init(\d+)|order(\d+))$")
+SAME_DATA = re.compile(r"^(ref|rs\d+)$")  # the study's initialization and sample order
+# the baseline's bands: label prefix -> what its runs vary
+BANDS = {"seed": "initialization, dropout and sample order (--seed)",
+         "init": "initialization and dropout (--seed, the same --train-data-seed)",
+         "order": "sample order alone (--train-data-seed, the same --seed)"}
 # Megatron-LM's (and pretrain_gpt.py's) validation line
 VAL_LINE = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.eE+-]+)")
 
@@ -88,8 +105,9 @@ def read_study(root: Path, tokens_per_iteration: int | None = None) -> dict[str,
     for method_dir in sorted(p for p in root.iterdir() if p.is_dir()):
         for run_dir in sorted(p for p in method_dir.iterdir() if p.is_dir()):
             if not LABEL.match(run_dir.name):
-                raise StudyError(f"{run_dir}: a run folder is named ref, rs<R> (rounding seed) "
-                                 "or seed<S> (--seed)")
+                raise StudyError(f"{run_dir}: a run folder is named ref, rs<R> (rounding seed), "
+                                 "seed<S> (--seed), init<S> (--seed, the study's "
+                                 "--train-data-seed) or order<S> (--train-data-seed)")
             study.setdefault(method_dir.name, {})[run_dir.name] = read_run(
                 run_dir, tokens_per_iteration)
     if not study:
@@ -105,9 +123,60 @@ def _stats(values: list[float]) -> dict:
             "min": min(values), "max": max(values)}
 
 
-def summarize(study: dict[str, dict], baseline: str = "baseline") -> dict:
+def _band(runs: dict[str, dict], prefix: str, base_mean: float) -> dict | None:
+    """The ``ref`` run with the ``<prefix><S>`` runs of ``runs`` (``{label: {"final",
+    "curve"}}``): their finals' statistics, range in % of ``base_mean``, and curves; None
+    without a second run."""
+    picked = {k: r for k, r in sorted(runs.items(), key=lambda kv: kv[0] != "ref")
+              if k == "ref" or re.fullmatch(prefix + r"\d+", k)}  # ref first
+    if "ref" not in picked or len(picked) < 2:
+        return None
+    finals = {k: r["final"] for k, r in picked.items()}
+    band = {"runs": finals, **_stats(list(finals.values()))}
+    band["spread_pct"] = 100 * (band["max"] - band["min"]) / base_mean
+    band["curves"] = {k: r["curve"] for k, r in picked.items()}
+    return band
+
+
+def _carry(methods: dict, base_runs: dict, prior: dict, final_it: int, baseline: str
+           ) -> list[str]:
+    """Adds the rows and baseline runs of the earlier record ``prior`` that this study lacks
+    (see the module docstring); returns the names carried over (``method`` or
+    ``baseline/<label>``)."""
+    old = prior["summary"]
+    where = f"the carried record ({prior.get('date', 'undated')})"
+    if old["final_iteration"] != final_it:
+        raise StudyError(f"{where} ends at iteration {old['final_iteration']}, this study at "
+                         f"{final_it}: carry rows of the same length only")
+    ref = base_runs.get("ref")
+    old_ref = (old.get("seed_band") or {}).get("curves", {}).get("ref")
+    if ref is None or old_ref is None:
+        raise StudyError(f"{where} and this study both need the baseline's ref run (its "
+                         "curve) to carry rows over")
+    now = [(p["iteration"], p["loss"]) for p in ref["curve"]]
+    then = [(p["iteration"], p["loss"]) for p in old_ref]
+    if now != then:
+        here, there = next((a, b) for a, b in itertools.zip_longest(now, then) if a != b)
+        raise StudyError(f"{where}: this study's baseline ref run does not reproduce the "
+                         f"record's (iteration, loss) {there} (here {here}): another code "
+                         "path, data or machine; rerun the rows instead of carrying them")
+    carried = []
+    for name, m in old["methods"].items():
+        if name not in methods:
+            methods[name] = {k: m[k] for k in ("runs", "final", "curve")}
+            carried.append(name)
+    for label, final in (old.get("seed_band") or {}).get("runs", {}).items():
+        if label not in base_runs:
+            base_runs[label] = {"final": final, "curve": old["seed_band"]["curves"][label]}
+            carried.append(f"{baseline}/{label}")
+    return carried
+
+
+def summarize(study: dict[str, dict], baseline: str = "baseline",
+              carry: dict | None = None) -> dict:
     """Means, spreads and differences to ``baseline`` of the final validation loss, and the
-    per-evaluation curves (mean, min, max over a method's runs)."""
+    per-evaluation curves (mean, min, max over a method's runs); ``carry``: an earlier
+    record whose rows join (module docstring)."""
     if baseline not in study:
         raise StudyError(f"no {baseline}/ runs: the differences need the baseline")
     finals = {it for runs in study.values() for run in runs.values() for it in [max(run["val"])]}
@@ -117,7 +186,7 @@ def summarize(study: dict[str, dict], baseline: str = "baseline") -> dict:
     final_it = finals.pop()
     methods: dict[str, dict] = {}
     for name, runs in study.items():
-        same_data = {k: r for k, r in runs.items() if not k.startswith("seed")}
+        same_data = {k: r for k, r in runs.items() if SAME_DATA.match(k)}
         if not same_data:
             continue
         common = sorted(set.intersection(*(set(r["val"]) for r in same_data.values())))
@@ -131,8 +200,14 @@ def summarize(study: dict[str, dict], baseline: str = "baseline") -> dict:
                          "final": _stats([r["val"][final_it] for r in same_data.values()]),
                          "curve": curve}
     if baseline not in methods:
-        raise StudyError(f"{baseline}/ has only seed<S> runs: add its ref run (the study's "
-                         "--seed) to take differences against")
+        raise StudyError(f"{baseline}/ has only seed<S>, init<S> or order<S> runs: add its "
+                         "ref run (the study's --seed) to take differences against")
+    base_runs = {k: {"final": r["val"][final_it],
+                     "curve": [{"iteration": it, "tokens": r["tokens"][it], "loss": v}
+                               for it, v in sorted(r["val"].items())]}
+                 for k, r in study[baseline].items()}
+    carried = _carry(methods, base_runs, carry, final_it, baseline) if carry else []
+    methods = dict(sorted(methods.items()))
     base = methods[baseline]["final"]
     for name, m in methods.items():
         f = m["final"]
@@ -140,17 +215,13 @@ def summarize(study: dict[str, dict], baseline: str = "baseline") -> dict:
         err = math.sqrt(f["stderr"] ** 2 + (base["stderr"] ** 2 if name != baseline else 0.0))
         m["diff"] = {"value": diff, "stderr": err, "pct": 100 * diff / base["mean"],
                      "pct_stderr": 100 * err / base["mean"]}
-    seeds = {k: r["val"][final_it] for k, r in study[baseline].items()
-             if k == "ref" or k.startswith("seed")}
-    band = None
-    if len(seeds) > 1:
-        band = {"runs": seeds, **_stats(list(seeds.values()))}
-        band["spread_pct"] = 100 * (band["max"] - band["min"]) / base["mean"]
-        band["curves"] = {k: [{"iteration": it, "tokens": r["tokens"][it], "loss": v}
-                              for it, v in sorted(r["val"].items())]
-                          for k, r in study[baseline].items() if k in seeds}
-    return {"final_iteration": final_it, "methods": methods, "baseline": baseline,
-            "seed_band": band}
+    out = {"final_iteration": final_it, "methods": methods, "baseline": baseline,
+           **{f"{prefix}_band": _band(base_runs, prefix, base["mean"]) for prefix in BANDS}}
+    if carry:
+        out["carried"] = {"names": carried, "date": carry.get("date"),
+                          "command": carry.get("command"), "machine": carry.get("machine"),
+                          "load_average": carry.get("load_average")}
+    return out
 
 
 def render(summary: dict, header: list[str]) -> str:
@@ -175,6 +246,7 @@ def render(summary: dict, header: list[str]) -> str:
         lines += ["", f"Mean {band['mean']:.4f}, std {band['std']:.4f}, range "
                   f"{band['min']:.4f} to {band['max']:.4f} ({band['spread_pct']:.2f}% of the "
                   "baseline): the scale of a single-run comparison's noise."]
+    lines += render_bands(summary)
     its = [p["iteration"] for p in next(iter(summary["methods"].values()))["curve"]]
     lines += ["", "## Validation loss at each evaluation (mean over the runs)", "",
               "| method | " + " | ".join(f"it {it}" for it in its) + " |",
@@ -184,6 +256,33 @@ def render(summary: dict, header: list[str]) -> str:
         lines.append(f"| {name} | " + " | ".join(
             f"{row[it]:.4f}" if it in row else "-" for it in its) + " |")
     return "\n".join(lines) + "\n"
+
+
+def render_bands(summary: dict) -> list[str]:
+    """The section that splits the baseline's --seed band into initialization and sample
+    order (empty without init<S> or order<S> runs)."""
+    bands = {p: summary.get(f"{p}_band") for p in BANDS}
+    if not (bands["init"] or bands["order"]):
+        return []
+    lines = ["", "## What moves the baseline: initialization or sample order", "",
+             "The baseline's final validation loss over runs that vary one thing from the "
+             "`ref` run (`--seed` sets the initialization, the dropout masks and, without "
+             "`--train-data-seed`, the training order; every run has the same held-out "
+             "samples, `--eval-data-seed`).", "",
+             "| what varies | runs | final validation loss of each | mean | std | range % |",
+             "|---|---:|---|---:|---:|---:|"]
+    for prefix, what in BANDS.items():
+        b = bands[prefix]
+        if b:
+            each = ", ".join(f"{k} {v:.4f}" for k, v in b["runs"].items())
+            lines.append(f"| {what} | {b['n']} | {each} | {b['mean']:.4f} | {b['std']:.4f} | "
+                         f"{b['spread_pct']:.2f} |")
+    if bands["init"] and bands["order"]:
+        both = f" ({bands['seed']['std']:.4f} over both, --seed)" if bands["seed"] else ""
+        lines += ["", f"With the held-out samples fixed, the standard deviation of the final "
+                  f"loss is {bands['init']['std']:.4f} over initializations and "
+                  f"{bands['order']['std']:.4f} over sample orders{both}."]
+    return lines
 
 
 def plot(summary: dict, loss_png: Path, diff_png: Path, skip: float = 0.2) -> None:
@@ -208,6 +307,7 @@ def plot(summary: dict, loss_png: Path, diff_png: Path, skip: float = 0.2) -> No
         pts = [p for p in m["curve"] if p["iteration"] >= skip * last]
         x = [p["tokens"] for p in pts]
         ax.plot(x, [p["mean"] for p in pts], color=f"C{k}", linewidth=1.2,
+                linestyle="-" if k < 10 else "--",  # C<k> repeats after 10 colours
                 label=f"{name} ({m['final']['n']} runs)")
         ax.fill_between(x, [p["min"] for p in pts], [p["max"] for p in pts], color=f"C{k}",
                         alpha=0.2, linewidth=0)
@@ -230,7 +330,7 @@ def plot(summary: dict, loss_png: Path, diff_png: Path, skip: float = 0.2) -> No
     ax.bar(range(len(names)), values, yerr=errors, capsize=4,
            color=[f"C{list(summary['methods']).index(n)}" for n in names])
     ax.axhline(0.0, color="black", linewidth=0.8)
-    ax.set_xticks(range(len(names)), names, fontsize=8)
+    ax.set_xticks(range(len(names)), names, fontsize=8, rotation=25, ha="right")
     ax.set(ylabel="final validation loss - baseline (%)",
            title=f"difference to the baseline at iteration {last} (error bars: standard error)")
     ax.grid(True, axis="y", alpha=0.3)

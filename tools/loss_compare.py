@@ -39,8 +39,10 @@ from megatron.sdp4bit.training.observe.plots import pyplot, save_small
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Method name -> its SDP4Bit flags (the paper's Table 1 columns plus ULq, ZeRO++'s 4-bit/4-bit).
-METHODS: dict[str, list[str]] = {m: f for m, f in METHOD_FLAGS.items() if m != "qWD-rounded"}
+# Method name -> its SDP4Bit flags (the paper's Table 1 columns plus ULq, ZeRO++'s 4-bit/4-bit;
+# not the study's extra rows: qWD-rounded and SDP4Bit's -EF / -2bit variants).
+METHODS: dict[str, list[str]] = {m: f for m, f in METHOD_FLAGS.items()
+                                 if m != "qWD-rounded" and not m.startswith("SDP4Bit-")}
 
 NPROC = 4
 DP_RANKS_PER_NODE = 2

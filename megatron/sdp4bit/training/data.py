@@ -10,10 +10,19 @@ slice of each global batch in order, starting at ``consumed_samples``, so a resu
 reads exactly the samples the uninterrupted run would have read.
 
 Every split is shuffled with ``--seed`` (Megatron-LM's behaviour), so runs that differ in
-``--seed`` evaluate on different samples. ``--eval-data-seed`` shuffles the validation and
-test splits with a seed of their own: they are built a second time with it (the training
+``--seed`` train on another sample order and evaluate on different samples.
+``--train-data-seed`` shuffles the training split with a seed of its own (the first build
+uses it), so runs can differ in initialization alone (``--seed``) or in sample order alone.
+``--eval-data-seed`` shuffles the validation and test splits with a seed of their own: when
+it differs from the first build's seed they are built a second time with it (the training
 split of that second build is asked for no samples, which keeps its index one epoch long),
-and the training split is the one of the first build.
+and the training split is the one of the first build. Without ``--eval-data-seed`` the
+held-out splits follow ``--seed``, whatever ``--train-data-seed``.
+
+The split is by documents (megatron-core's builder: contiguous document ranges of
+``--split``), and each split's samples are cut from its own documents only, so no token of
+the held-out documents is trained on; the cached index files are named by a hash of the
+seed, the split, the sizes, the path and the tokenizer files' names (not their contents).
 """
 
 from __future__ import annotations
@@ -77,13 +86,16 @@ def dataset_sizes(args: argparse.Namespace) -> list[int]:
 def build_datasets(args: argparse.Namespace, tokenizer) -> list:
     """[train, valid, test]; rank 0 builds (and caches index files) before the others."""
     cls = MockGPTDataset if args.mock_data else GPTDataset
-    config = dataset_config(args, tokenizer)
     sizes = dataset_sizes(args)
+    train_seed = getattr(args, "train_data_seed", None)
+    train_seed = args.seed if train_seed is None else train_seed
     eval_seed = getattr(args, "eval_data_seed", None)
+    eval_seed = args.seed if eval_seed is None else eval_seed
+    config = dataclasses.replace(dataset_config(args, tokenizer), random_seed=train_seed)
 
     def build() -> list:
         datasets = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
-        if eval_seed is not None and eval_seed != args.seed:
+        if eval_seed != train_seed:
             held_out = dataclasses.replace(config, random_seed=eval_seed)
             datasets[1:] = BlendedMegatronDatasetBuilder(
                 cls, [0, *sizes[1:]], lambda: True, held_out).build()[1:]

@@ -96,3 +96,24 @@ def test_eval_data_seed_keeps_the_held_out_samples_across_seeds(corpora, tmp_pat
     assert fixed[0][0] != fixed[1][0]  # the training order is still --seed's
     assert fixed[0][0] == plain[0][0] and fixed[1][0] == plain[1][0]
     assert fixed[0][1] == build("--seed", "9")[1]  # the same as a run at --seed 9
+
+
+def test_train_data_seed_moves_the_training_order_alone(corpora, tmp_path):
+    """--train-data-seed shuffles the training split instead of --seed: runs that differ in
+    --seed alone then read the same training samples in the same order (they differ in
+    initialization only), runs that differ in it alone read another order, and the held-out
+    samples stay --eval-data-seed's (or --seed's without it) in every case."""
+    def build(*extra: str) -> list:
+        args = parse_args(MODEL + ["--data-path", corpora["b"], "--split", "6,3,3",
+                                   "--data-cache-path", str(tmp_path), *extra], world_size=1)
+        return [_samples(d) for d in build_datasets(args, build_tokenizer(args))]
+
+    plain = {s: build("--seed", str(s)) for s in (1, 2)}
+    # another initialization, the same order: --seed 2 reads --seed 1's training samples
+    init = build("--seed", "2", "--train-data-seed", "1")
+    assert init[0] == plain[1][0] and init[1:] == plain[2][1:]  # held out: --seed's
+    # the same initialization, another order: --seed 1 reads --seed 2's training samples
+    order = build("--seed", "1", "--train-data-seed", "2")
+    assert order[0] == plain[2][0] != plain[1][0] and order[1:] == plain[1][1:]
+    held = build("--seed", "1", "--train-data-seed", "2", "--eval-data-seed", "9")
+    assert held[0] == plain[2][0] and held[1:] == build("--seed", "9")[1:]

@@ -89,8 +89,9 @@ def data_settings(args: argparse.Namespace) -> dict:
                 for s in ("train", "valid", "test")}
     if args.split_vector is not None:  # '98,2,0' and '98, 2, 0' agree
         data["split"] = ",".join(f"{x:.6g}" for x in args.split_vector)
-    if getattr(args, "eval_data_seed", None) is not None:  # absent: the evaluations use --seed
-        data["eval_data_seed"] = args.eval_data_seed
+    for key in ("eval_data_seed", "train_data_seed"):  # absent: that split uses --seed
+        if getattr(args, key, None) is not None:
+            data[key] = getattr(args, key)
     return {**data, "seed": args.seed}
 
 
@@ -168,7 +169,7 @@ def settings_problem(saved: dict[str, Any], current: dict[str, Any], directory: 
         now = {k: new.get(k) for k in diff}
         return (f"checkpoint {directory} was trained with {describe(was)}; this run has "
                 f"{describe(now)}: resume with the checkpoint's --data-path, --split and "
-                "--seed, or pass --allow-changed-data to continue on other data")
+                "--seed (and --train-data-seed / --eval-data-seed), or pass --allow-changed-data to continue on other data")
     problem = _tokenizer_problem(saved.get("tokenizer"), current.get("tokenizer"), directory)
     if problem is not None and not allow_data_change:
         return problem

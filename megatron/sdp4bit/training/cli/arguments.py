@@ -86,7 +86,8 @@ def _add_training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-interval", type=int, default=None,
                    help="exit after the iteration that is a multiple of this (saving first)")
     g.add_argument("--seed", type=int, default=1234,
-                   help="Megatron's seed (data order, initialization); also seeds SDP4Bit's "
+                   help="Megatron's seed (initialization, data order unless --train-data-seed, "
+                   "held-out samples unless --eval-data-seed); also seeds SDP4Bit's "
                    "counter-based stochastic-rounding streams (with the iteration, bucket, rank "
                    "and hop), so a run and its resumption are reproducible")
     g.add_argument("--recompute-activations", action="store_true",
@@ -196,6 +197,11 @@ def _add_data(p: argparse.ArgumentParser) -> None:
                    help="shuffle the validation and test datasets with this seed instead of "
                    "--seed (not a Megatron-LM flag): runs that differ in --seed then evaluate "
                    "on the same samples (default: --seed, as Megatron-LM)")
+    g.add_argument("--train-data-seed", type=int, default=None,
+                   help="shuffle the training dataset with this seed instead of --seed (not a "
+                   "Megatron-LM flag): runs that differ in --seed then read the same samples "
+                   "in the same order, and runs that differ in it start from the same "
+                   "initialization (default: --seed, as Megatron-LM)")
     g.add_argument("--mock-data", action="store_true", help="synthetic data")
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--tokenizer-type", default=None, choices=list(TOKENIZER_TYPES),

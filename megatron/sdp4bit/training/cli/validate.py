@@ -57,9 +57,10 @@ def _check_required(args: argparse.Namespace) -> None:
                   "would hold the job that long; use a shorter timeout")
     if not 0 <= args.seed < 2 ** 32:
         _fail(f"--seed={args.seed} must be in 0 .. 2**32 - 1 (NumPy's seed range)")
-    if args.eval_data_seed is not None and not 0 <= args.eval_data_seed < 2 ** 32:
-        _fail(f"--eval-data-seed={args.eval_data_seed} must be in 0 .. 2**32 - 1 (NumPy's "
-              "seed range)")
+    for dest in ("eval_data_seed", "train_data_seed"):
+        value = getattr(args, dest)
+        if value is not None and not 0 <= value < 2 ** 32:
+            _fail(f"{_flag(dest)}={value} must be in 0 .. 2**32 - 1 (NumPy's seed range)")
     if args.rounding_seed is not None and not 0 <= args.rounding_seed < 2 ** 64:
         _fail(f"--rounding-seed={args.rounding_seed} must be in 0 .. 2**64 - 1")
     for dest in ("kv_channels", "ffn_hidden_size", "num_query_groups"):

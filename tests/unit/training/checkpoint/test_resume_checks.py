@@ -12,12 +12,13 @@ from megatron.sdp4bit.training.checkpoint import settings, torch_format
 from megatron.sdp4bit.training.checkpoint import files as cf
 
 
-def _data(path="data/a_text_document", split="98,2,0", seed=1234, mock=False) -> dict:
+def _data(path="data/a_text_document", split="98,2,0", seed=1234, mock=False,
+          **seeds: int) -> dict:
     from megatron.sdp4bit.training.checkpoint.settings import data_settings
     from megatron.sdp4bit.training.cli.validate import parse_split
 
     args = argparse.Namespace(mock_data=mock, data_path=path.split(), split=split, seed=seed,
-                              split_vector=parse_split(split))
+                              split_vector=parse_split(split), **seeds)
     return data_settings(args)
 
 
@@ -40,12 +41,14 @@ def test_the_data_blend_is_recorded_in_a_comparable_form(tmp_path, monkeypatch):
      "has data_path {cwd}/data/default_text_document"),
     ({"seed": 7}, "seed 1234; this run has seed 7"),
     ({"split": "90,10,0"}, "split 0.98,0.02,0; this run has split 0.9,0.1,0"),
+    ({"train_data_seed": 7}, "train_data_seed unrecorded; this run has train_data_seed 7"),
 ])
 def test_a_resume_on_other_data_is_refused_unless_asked(change, said):
     saved, now = _settings(), _settings(**change)
     problem = settings.settings_problem(saved, now, "D", False)
     assert problem == (f"checkpoint D was trained with {said.format(cwd=os.getcwd())}: resume "
-                       "with the checkpoint's --data-path, --split and --seed, or pass "
+                       "with the checkpoint's --data-path, --split and --seed (and "
+                       "--train-data-seed / --eval-data-seed), or pass "
                        "--allow-changed-data to continue on other data")
     assert settings.settings_problem(saved, now, "D", False, allow_data_change=True) is None
     assert settings.settings_problem(saved, _settings(), "D", False) is None

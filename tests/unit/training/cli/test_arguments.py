@@ -213,6 +213,8 @@ ERRORS = {
     "seed-negative": ("--seed -1", "--seed=-1 must be in 0 .. 2**32 - 1 (NumPy's seed range)"),
     "eval-seed-big": ("--eval-data-seed 4294967296", "--eval-data-seed=4294967296 must be in "
                       "0 .. 2**32 - 1 (NumPy's seed range)"),
+    "train-seed-negative": ("--train-data-seed -3", "--train-data-seed=-3 must be in 0 .. "
+                            "2**32 - 1 (NumPy's seed range)"),
     "heartbeat-nan": ("--heartbeat-timeout-seconds nan", "--heartbeat-timeout-seconds=nan is "
                       "not a number of seconds: give one >= 2, or 0 = off"),
     "heartbeat-inf": ("--heartbeat-timeout-seconds inf", "--heartbeat-timeout-seconds=inf is "
