@@ -6,7 +6,6 @@ save lines, its TensorBoard for Megatron-LM's tags."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -98,46 +97,3 @@ def test_transformer_engine_without_cuda_is_refused_before_start_up():
         "pretrain_gpt.py: error: --transformer-impl transformer_engine runs Transformer "
         "Engine's CUDA kernels and there is no CUDA device here: --transformer-impl local"]
     assert "initializing torch.distributed" not in res.stdout and "arguments" not in res.stdout
-
-
-# Megatron-LM's sizes for --rampup-batch-size 4 4 24 up to 12 (an increment every 12
-# samples): the iterations starting at 0, 4, 8 take 4, at 12 and 20 take 8, then 12; 60
-# samples are 7 iterations (52 consumed, the partial last batch dropped).
-RAMPUP = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
-          "--micro-batch-size 2 --global-batch-size 12 --train-samples 60 "
-          "--rampup-batch-size 4 4 24 --lr 1e-3 --lr-warmup-samples 16 --bf16 "
-          "--use-distributed-optimizer --mock-data --log-interval 1 --eval-interval 4 "
-          "--eval-iters 1 --distributed-timeout-minutes 3").split()
-RAMPUP_SIZES = [4, 4, 4, 8, 8, 12, 12]
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_batch_size_ramp_up_with_sdp4bit_and_a_resume_in_the_middle(tmp_path):
-    """SDP4Bit on 2 ranks (micro-batch 2: 1, 2, then 3 micro-batches per rank): the log's
-    global batch size grows as Megatron-LM's, the consumed samples and the learning rate
-    (warm-up over 16 samples, then linear decay over 60) follow the samples, the loss stays
-    finite; resumed from iteration 4 (20 samples, the batch of 8), the run logs the same
-    iterations 5 to 7 as the uninterrupted one."""
-    from tests.helpers.trainer import METHODS, torchrun, train_lines
-
-    ckpt = tmp_path / "ckpt"
-    base = RAMPUP + METHODS["SDP4Bit"]
-    first = torchrun(base + ["--save", str(ckpt), "--save-interval", "4"], nproc=2)
-    assert "(TP 1, PP 1, 1 micro-batches per step rising to 3)" in first.stdout
-    full = train_lines(first.stdout)
-    assert [m["iteration"] for m in full] == list(range(1, 8))
-    assert [m["global_batch_size"] for m in full] == RAMPUP_SIZES
-    consumed = [sum(RAMPUP_SIZES[:i + 1]) for i in range(7)]
-    assert [m["consumed_samples"] for m in full] == consumed
-    for m, samples in zip(full, consumed):
-        lr = 1e-3 * (samples / 16 if samples <= 16 else 1 - (samples - 16) / 44)
-        assert abs(m["learning_rate"] - lr) <= 1e-6 * lr, (m, lr)
-        assert math.isfinite(m["lm_loss"]) and m["nan_iterations"] == 0
-    (ckpt / "latest_checkpointed_iteration.txt").write_text("4\n")
-    resumed = train_lines(torchrun(base + ["--load", str(ckpt)], nproc=2).stdout)
-    assert [m["iteration"] for m in resumed] == [5, 6, 7]
-    for a, b in zip(full[4:], resumed):
-        for key in ("global_batch_size", "consumed_samples", "lm_loss", "grad_norm",
-                    "learning_rate", "comm_bytes_grads_intra"):
-            assert a[key] == b[key], (key, a, b)
