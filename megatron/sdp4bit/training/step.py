@@ -110,9 +110,11 @@ def train_step(args, state, data_iterator, num_microbatches: int,
     whether the weights were updated, the number of zero gradient entries with
     ``--log-num-zeros-in-grad`` when the optimizer stepped, else ``None``).
 
-    megatron-core's schedule divides each micro-batch's loss by the ``num_microbatches`` it
-    is given (without ``--calculate-per-token-loss``), so the gradient is the mean over this
-    iteration's micro-batches only when that is the number actually run."""
+    megatron-core's schedule runs that many micro-batches and divides each one's loss by
+    the same number (without ``--calculate-per-token-loss``; with it, finalize_model_grads
+    divides by the tokens of the micro-batches run), so the gradient is the mean over this
+    iteration's batch; the loop counts the same batch into the consumed samples and the
+    learning-rate schedule here, so the data read, the schedules and a resume agree."""
     for chunk in state.model:
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()

@@ -1,9 +1,10 @@
 """--rampup-batch-size in the loop and the step, without processes: each iteration hands
-megatron-core's schedule its own number of micro-batches (the schedule divides every
-micro-batch's loss by that number, so the gradient is the batch's mean only with the
-current count, not the final one), the learning-rate schedule advances by the samples
-consumed, the log line and TensorBoard show the current global batch size, and a run resumed
-mid-ramp from its consumed samples continues with the same batch sizes.
+megatron-core's schedule its own number of micro-batches (the schedule runs that many and
+averages the gradient over them; with the final number instead, the first iterations would
+read more samples than the loop counts, and a resumed run would read other data), the
+learning-rate schedule advances by the samples consumed, the log line and TensorBoard show
+the current global batch size, and a run resumed mid-ramp from its consumed samples continues
+with the same batch sizes.
 
 Megatron-LM's sizes for 4 4 24 up to --global-batch-size 12, micro-batch 2 x 2 data-parallel
 ranks (4 samples per micro-batch round): an increment every 12 samples, so the iterations
