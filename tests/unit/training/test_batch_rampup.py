@@ -122,3 +122,21 @@ def test_the_loop_grows_the_batch_and_a_resumed_run_continues_it(monkeypatch, ca
     assert [(m["iteration"], m["global_batch_size"], m["consumed_samples"]) for m in lines_r] \
         == [(m["iteration"], m["global_batch_size"], m["consumed_samples"]) for m in lines[4:]]
     assert board_r == board[4:]
+
+
+def test_evaluation_uses_the_full_global_batch_during_the_ramp_up(monkeypatch):
+    """Megatron-LM's evaluate: --eval-iters batches of --global-batch-size (3 micro-batches
+    of 2 on each of the 2 ranks), also while training still takes 4 samples."""
+    args = parse_args(ARGV[:-1] + ["2"], world_size=2)  # --eval-iters 2
+    given = []
+
+    def schedule(**kwargs):
+        given.append((kwargs["num_microbatches"], kwargs["forward_only"]))
+        return [{"lm loss": torch.tensor(7.0)}] * kwargs["num_microbatches"]
+
+    monkeypatch.setattr(step, "get_forward_backward_func", lambda: schedule)
+    monkeypatch.setattr(step, "_reported_loss", lambda args, losses, group: len(losses))
+    monkeypatch.setattr(step.parallel_state, "get_data_parallel_group", lambda: None)
+    state = types.SimpleNamespace(model=[])
+    assert step.evaluate(args, state, iter(())) == 6
+    assert given == [(3, True), (3, True)]
