@@ -29,7 +29,7 @@ import time
 
 from megatron.sdp4bit.training.cli.errors import ArgumentsError
 from megatron.sdp4bit.training.cli.megatron_lm_flags import refusal_message
-from megatron.sdp4bit.training.cli.rampup_flags import rampup_iterations
+from megatron.sdp4bit.training.cli.rampup_flags import check_rampup_values, rampup_iterations
 from megatron.sdp4bit.training.guards.exit_signal import EXIT_SIGNALS
 
 __all__ = ["NO_OP_FLAGS", "ONLY_VALUE", "REFUSED_FLAGS", "add_megatron_flags",
@@ -262,7 +262,7 @@ def _resolve_training_length(args: argparse.Namespace) -> None:
     """Megatron-LM's rules: iteration- or sample-based, never a mix."""
     if args.train_samples is None:
         if args.rampup_batch_size is not None:
-            rampup_iterations(args, 1)  # refuses iteration-based training
+            check_rampup_values(args)  # refused: it needs --train-samples
         for flag in ("--lr-decay-samples", "--lr-warmup-samples"):
             if getattr(args, _dest(flag)):
                 _fail(f"{flag} needs --train-samples (sample-based training); with "
@@ -283,13 +283,13 @@ def _resolve_training_length(args: argparse.Namespace) -> None:
     if args.micro_batch_size is None:
         _fail("missing required flag(s): --micro-batch-size")
     gbs = args.global_batch_size
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    data_parallel = max(1, args.world_size // model_parallel)  # validation checks it next
     if gbs is None:  # Megatron-LM's default, as validation derives it next
-        model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
-        gbs = args.micro_batch_size * max(1, args.world_size // model_parallel)
+        gbs = args.micro_batch_size * data_parallel
     if args.rampup_batch_size is not None:
         args.global_batch_size = gbs
-        model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
-        args.train_iters = rampup_iterations(args, max(1, args.world_size // model_parallel))
+        args.train_iters = rampup_iterations(args, data_parallel)
         return
     if args.train_samples < gbs:
         _fail(f"--train-samples={args.train_samples} is less than one global batch ({gbs})")

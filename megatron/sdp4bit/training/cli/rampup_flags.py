@@ -26,7 +26,7 @@ import argparse
 from megatron.sdp4bit.integration.microbatches import build_calculator
 from megatron.sdp4bit.training.cli.errors import ArgumentsError
 
-__all__ = ["check_rampup_sizes", "rampup_iterations"]
+__all__ = ["check_rampup_sizes", "check_rampup_values", "rampup_iterations"]
 
 FLAG = "--rampup-batch-size"
 
@@ -52,7 +52,9 @@ def _walk(args: argparse.Namespace, data_parallel_size: int) -> tuple[int, list[
     return iterations, sizes
 
 
-def _check_values(args: argparse.Namespace) -> None:
+def check_rampup_values(args: argparse.Namespace) -> None:
+    """The flag's three values against --train-samples and ``args.global_batch_size`` (set,
+    unless without --train-samples, which is refused first)."""
     start, increment, samples = args.rampup_batch_size
     given = f"{FLAG} {start} {increment} {samples}"
     if args.train_samples is None:
@@ -77,7 +79,7 @@ def _check_values(args: argparse.Namespace) -> None:
 def rampup_iterations(args: argparse.Namespace, data_parallel_size: int) -> int:
     """Check the flag's values and return the run's number of iterations (``--train-iters``
     as Megatron-LM derives it). ``args.global_batch_size`` must be set."""
-    _check_values(args)
+    check_rampup_values(args)
     return _walk(args, data_parallel_size)[0]
 
 
