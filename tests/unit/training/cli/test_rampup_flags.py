@@ -88,9 +88,9 @@ def test_the_first_case_by_hand():
      "--micro-batch-size x data-parallel size = 2 x 2 = 4: use a start and an increment "
      "that are multiples of 4"),
     ("--global-batch-size 12 --train-samples 60 --decrease-batch-size-if-needed",
-     "--decrease-batch-size-if-needed is not supported by this trainer: batch sizes are never rounded down "
-     "here (no sample is dropped): give a --global-batch-size and --rampup-batch-size sizes "
-     "that --micro-batch-size x data-parallel size divides"),
+     "--decrease-batch-size-if-needed is not supported by this trainer: batch sizes are "
+     "never rounded down here (no sample is dropped): give a --global-batch-size and "
+     "--rampup-batch-size sizes that --micro-batch-size x data-parallel size divides"),
 ])
 def test_what_cannot_run_is_refused_in_one_line(extra, message):
     assert error(extra) == message
