@@ -66,7 +66,8 @@ def _schedule_text(schedule: list[tuple[int, int]]) -> str:
 
 
 def build_calculator(global_batch_size: int, micro_batch_size: int, data_parallel_size: int,
-                     rampup: Rampup | None = None, *, rank: int = -1):
+                     rampup: Rampup | None = None, *,
+                     rank: int = -1) -> _nmc.NumMicroBatchesCalculator:
     """A megatron-core calculator of its own (not the global one); ``rank`` 0 logs as
     megatron-core does, any other rank is quiet."""
     if rampup is None:
