@@ -126,6 +126,9 @@ def _takes(action: argparse.Action) -> str:
     if action.choices:
         return ", ".join(map(str, action.choices))
     kind = getattr(action.type, "__name__", "str")
+    if isinstance(action.nargs, int) and action.nargs > 1:  # e.g. --rampup-batch-size
+        names = action.metavar if isinstance(action.metavar, tuple) else [kind] * action.nargs
+        return " ".join(f"{kind} {name}" if name != kind else kind for name in names)
     return f"{kind} ..." if action.nargs in ("*", "+") else kind
 
 

@@ -224,6 +224,21 @@ MUTATIONS = [
        "duplicated elements located by their offset in the buffer, not in the bucket",
        [Edit(TPDUP, "torch.arange(start - bucket.offset, end - bucket.offset)",
              "torch.arange(start, end)")], [TP2]),
+    # --- the batch-size ramp-up: one micro-batch count for the schedule, the data and the LR
+    _m("rampup-final-micro-batch-count",
+       "during a --rampup-batch-size the loop runs --global-batch-size's micro-batches",
+       [Edit(f"{PKG}/training/loop.py", "                                                        "
+             "num_microbatches)", "                                                        "
+             "args.num_microbatches)")],
+       [U + "training/test_batch_rampup.py",
+        "tests/e2e/test_pretrain_gpt.py::test_sdp4bit_resume_matches_uninterrupted"]),
+    _m("rampup-schedule-steps-by-final-batch",
+       "the learning-rate schedule advances by --global-batch-size during a ramp-up",
+       [Edit(f"{PKG}/training/step.py",
+             "increment=num_microbatches * args.micro_batch_size * args.data_parallel_size)",
+             "increment=args.global_batch_size)")],
+       [U + "training/test_batch_rampup.py",
+        "tests/e2e/test_pretrain_gpt.py::test_sdp4bit_resume_matches_uninterrupted"]),
 ]
 
 

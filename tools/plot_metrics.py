@@ -58,11 +58,26 @@ class Run:
         return last["consumed_tokens"] / last["iteration"]
 
     def x(self, records: list[dict], axis: str) -> list[float]:
+        """Each record's iteration, or its consumed tokens: a training record's own, a
+        validation record's interpolated between the training records' by iteration (exact
+        at a logged iteration; the tokens per iteration change with --rampup-batch-size)."""
         its = [r["iteration"] for r in records]
         if axis == "iterations":
             return its
-        per = self.tokens_per_iteration()  # constant: no batch-size ramp-up in this trainer
-        return [it * per for it in its]
+        self.tokens_per_iteration()  # every training record has consumed_tokens
+        known = sorted({0: 0, **{r["iteration"]: r["consumed_tokens"] for r in self.train}}
+                       .items())
+        return [r["consumed_tokens"] if "consumed_tokens" in r else
+                _interpolate(known, r["iteration"]) for r in records]
+
+
+def _interpolate(points: list[tuple[int, int]], at: int) -> float:
+    """The piecewise-linear function through ``points`` (sorted) at ``at``, extended by its
+    last piece beyond them."""
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if at <= x1 or (x1, y1) == points[-1]:
+            return y0 + (y1 - y0) * (at - x0) / (x1 - x0)
+    return float(points[-1][1])
 
 
 def draw(runs: list[Run], path: Path, axis: str = "iterations",

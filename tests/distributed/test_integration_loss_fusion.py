@@ -7,7 +7,13 @@ rounding that the fused backward applies to the logits' gradient (as on a GPU).
 
 --calculate-per-token-loss: the loss function hands megatron-core's schedule the token sum and
 count, and the logged loss is all ranks' summed token losses over their summed token counts
-(not the mean of per-micro-batch means), on two data-parallel ranks with unequal masks."""
+(not the mean of per-micro-batch means), on two data-parallel ranks with unequal masks.
+
+Micro-batches (--rampup-batch-size changes their number from one iteration to the next):
+megatron-core's schedule, running the trainer's forward step, runs the number of micro-batches
+it is told and divides each one's loss by that same number: one call's gradient is the mean
+over its micro-batches, whatever their number; with --calculate-per-token-loss it is their
+token sum (finalize_model_grads divides by the tokens)."""
 
 from __future__ import annotations
 
@@ -51,6 +57,44 @@ def _check(rank: int, world: int) -> None:
     bound = 2 ** -8 * plain_grad.abs().max().item() * 4
     assert (fused_grad - plain_grad).abs().max().item() <= bound
     assert not torch.equal(fused_grad, plain_grad)  # the fused kernel did run
+    _check_micro_batch_count(model, gen)
+
+
+def _check_micro_batch_count(model, gen: torch.Generator) -> None:
+    """Gradients of one schedule call over micro-batches b1, b2 against the calls over b1
+    and over b2 alone: their mean with the count 2 (the sum's halves are the same fp32
+    numbers, up to the order of the sums), their sum with --calculate-per-token-loss."""
+    from functools import partial
+
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron.sdp4bit.training import step
+
+    def micro_batch() -> dict[str, torch.Tensor]:
+        return {"tokens": torch.randint(0, 128, (2, 16), generator=gen),
+                "labels": torch.randint(0, 128, (2, 16), generator=gen),
+                "loss_mask": torch.ones(2, 16), "position_ids": torch.arange(16).expand(2, -1)}
+
+    batches = [micro_batch(), micro_batch()]
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def grads(data: list[dict], count: int, per_token: bool) -> list[torch.Tensor]:
+        model.config.calculate_per_token_loss = per_token
+        for p in params:
+            p.grad = None
+        get_forward_backward_func()(
+            forward_step_func=partial(step._forward_step, per_token=per_token),
+            data_iterator=iter(data), model=[model], num_microbatches=count, seq_length=16,
+            micro_batch_size=2, forward_only=False)
+        return [p.grad.clone() for p in params]
+
+    for per_token in (False, True):
+        both = grads(batches, 2, per_token)
+        one, two = grads(batches[:1], 1, per_token), grads(batches[1:], 1, per_token)
+        for b, x, y in zip(both, one, two):
+            want = x + y if per_token else (x + y) / 2
+            torch.testing.assert_close(b, want, rtol=1e-5, atol=1e-7)
+    model.config.calculate_per_token_loss = False
 
 
 def test_fused_cross_entropy_matches_the_unfused_one():

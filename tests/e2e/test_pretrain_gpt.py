@@ -9,6 +9,7 @@ the SDP4Bit run on preprocessed data is also the uninterrupted reference of the 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -20,11 +21,12 @@ from tests.helpers import launch as _launch
 from tests.helpers.trainer import METHODS, ROOT, TINY, free_port, torchrun, train_lines, trainer_env
 
 
-def check_run(lines: list[dict], method: str) -> None:
+def check_run(lines: list[dict], method: str, consumed: list[int] | None = None) -> None:
+    """``consumed``: the samples consumed at iterations 5, 10, 15, 20 (default 16 each)."""
     assert [m["iteration"] for m in lines] == [5, 10, 15, 20]
     assert lines[-1]["lm_loss"] < lines[0]["lm_loss"] - 0.3, [m["lm_loss"] for m in lines]
+    assert [m["consumed_samples"] for m in lines] == (consumed or [80, 160, 240, 320])
     for m in lines:
-        assert m["consumed_samples"] == 16 * m["iteration"]
         assert m["nan_iterations"] == 0 and m["skipped_iterations"] == 0
         p, pb = m["comm_bytes_params"], m["baseline_comm_bytes_params"]
         intra, intra_b = m["comm_bytes_grads_intra"], m["baseline_comm_bytes_grads_intra"]
@@ -119,15 +121,38 @@ def test_method_trains(method, data, data_prefix, tmp_path):
             assert "timers_ms" not in rec
 
 
+# Megatron-LM's batch-size ramp-up, sample-based (TINY's 20 iterations and 2 warm-up
+# iterations of 16 as samples): --rampup-batch-size 8 8 96 up to 16 gives the iterations
+# starting at 0, 8, ..., 88 samples 8 (one micro-batch per rank), those from 96 on 16 (two);
+# 224 samples are 20 iterations (Megatron-LM's count: 13 start within the 96, then 7 of 16).
+RAMPUP = ["--train-samples", "224", "--rampup-batch-size", "8", "8", "96",
+          "--lr-warmup-samples", "32"]
+
+
+def _ramped(flags: list[str]) -> list[str]:
+    out = list(flags)
+    for flag in ("--train-iters", "--lr-warmup-iters"):
+        del out[out.index(flag):out.index(flag) + 2]
+    return out + RAMPUP
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_sdp4bit_resume_matches_uninterrupted(data_prefix, tmp_path):
-    """SDP4Bit on preprocessed data, saved at 10; a second launch resumes from 10 and must log
-    the same losses and bytes at 15 and 20 as the uninterrupted run."""
+    """SDP4Bit on preprocessed data with the batch ramped up from 8 to 16, saved at 10 (80
+    samples, in the middle of the ramp-up); a second launch resumes from 10 and must log the
+    same batch sizes, losses and bytes at 15 and 20 as the uninterrupted run."""
     ckpt = tmp_path / "ckpt"
-    base = TINY + data_prefix + METHODS["SDP4Bit"] + ["--dp-ranks-per-node", "2"]
-    full = train_lines(torchrun(base + ["--save", str(ckpt), "--save-interval", "10"]).stdout)
-    check_run(full, "SDP4Bit")
+    base = _ramped(TINY) + data_prefix + METHODS["SDP4Bit"] + ["--dp-ranks-per-node", "2"]
+    first = torchrun(base + ["--save", str(ckpt), "--save-interval", "10"])
+    assert "(TP 1, PP 1, 1 micro-batches per step rising to 2)" in first.stdout
+    full = train_lines(first.stdout)
+    check_run(full, "SDP4Bit", consumed=[40, 80, 144, 224])
+    assert [m["global_batch_size"] for m in full] == [8, 8, 16, 16]
+    for m in full:  # --lr 3e-3 cosine to 3e-4 over the samples after the 32 of warm-up
+        decay = (m["consumed_samples"] - 32) / (224 - 32)
+        lr = 3e-4 + (3e-3 - 3e-4) * 0.5 * (1 + math.cos(math.pi * decay))
+        assert abs(m["learning_rate"] - lr) <= 1e-6 * lr, (m, lr)
     (ckpt / "latest_checkpointed_iteration.txt").write_text("10\n")
     resumed_run = torchrun(base + ["--load", str(ckpt)])
     assert "loaded checkpoint from" in resumed_run.stdout
@@ -135,7 +160,8 @@ def test_sdp4bit_resume_matches_uninterrupted(data_prefix, tmp_path):
     assert [m["iteration"] for m in resumed] == [15, 20]
     for a, b in zip(full[2:], resumed):
         for key in ("lm_loss", "grad_norm", "learning_rate", "consumed_samples",
-                    "comm_bytes_params", "comm_bytes_grads_intra", "comm_bytes_grads_inter"):
+                    "global_batch_size", "comm_bytes_params", "comm_bytes_grads_intra",
+                    "comm_bytes_grads_inter"):
             assert a[key] == b[key], (key, a, b)
 
 

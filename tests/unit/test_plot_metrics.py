@@ -52,6 +52,21 @@ def test_two_runs_into_one_png(tmp_path, capsys):
     assert runs[0].x(runs[0].val, "tokens") == [60 * 16 * 128]
 
 
+def test_tokens_follow_a_growing_batch(tmp_path):
+    """--rampup-batch-size: 4 samples of 128 tokens per iteration up to 20, then 8; the
+    validation loss at 30 sits between the logged 20 and 40."""
+    folder = tmp_path / "ramp"
+    folder.mkdir()
+    consumed = {10: 40, 20: 80, 40: 240}
+    lines = [{"iteration": it, "lm_loss": 5.0, "elapsed_ms": 1.0, "consumed_samples": c,
+              "consumed_tokens": 128 * c} for it, c in consumed.items()]
+    lines.append({"iteration": 30, "val_lm_loss": 4.0, "val_lm_ppl": 1.0})
+    (folder / "metrics.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
+    run = pm.Run(str(folder))
+    assert run.x(run.train, "tokens") == [128 * 40, 128 * 80, 128 * 240]
+    assert run.x(run.val, "tokens") == [128 * 160]
+
+
 def test_bad_input_is_one_line(tmp_path, capsys):
     assert pm.main([str(tmp_path / "nope"), "-o", str(tmp_path / "x.png")]) == 1
     assert capsys.readouterr().err == (f"plot_metrics.py: error: {tmp_path / 'nope'}: no such "

@@ -146,10 +146,13 @@ def print_topology(args: argparse.Namespace, ranks_per_node: int) -> None:
         vpp = args.virtual_pipeline_model_parallel_size
         chunks = f" x {vpp} model chunks" if vpp else ""
         dp = args.data_parallel_size
+        steps = f"{args.num_microbatches} micro-batches per step"
+        if args.rampup_batch_size is not None:
+            first = args.rampup_batch_size[0] // (args.micro_batch_size * dp)
+            steps = f"{first} micro-batches per step rising to {args.num_microbatches}"
         print(f"data-parallel topology: {dp} ranks = {ranks_per_node} per node x "
               f"{dp // ranks_per_node} nodes (TP {args.tensor_model_parallel_size}, "
-              f"PP {args.pipeline_model_parallel_size}{chunks}, {args.num_microbatches} "
-              "micro-batches per step)", flush=True)
+              f"PP {args.pipeline_model_parallel_size}{chunks}, {steps})", flush=True)
 
 
 def teardown(watchdog: Watchdog | None = None) -> None:

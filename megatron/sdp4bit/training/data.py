@@ -2,8 +2,9 @@
 
 Sizes follow Megatron-LM: train = ``train_iters x global batch`` samples, valid =
 ``(train_iters // eval_interval + 1) x eval_iters x global batch``, test =
-``eval_iters x global batch``. The splits come from ``--data-path`` divided by ``--split``,
-or each from its own files (``--train-data-path``, ``--valid-data-path``,
+``eval_iters x global batch`` (with ``--rampup-batch-size`` the training size is more than
+the run reads: its first batches are smaller). The splits come from ``--data-path`` divided
+by ``--split``, or each from its own files (``--train-data-path``, ``--valid-data-path``,
 ``--test-data-path``: megatron-core's ``blend_per_split``); a split without files has no
 dataset (no validation without ``--valid-data-path``). The sampler hands every DP rank its
 slice of each global batch in order, starting at ``consumed_samples``, so a resumed run

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from megatron.sdp4bit.comm.stats import CommStats
 from megatron.sdp4bit.config import SDP4BitConfig
+from megatron.sdp4bit.integration.microbatches import current_batch, install_calculator
 from megatron.sdp4bit.integration.params_norm import params_l2_norm
 from megatron.sdp4bit.training.checkpoint import formats as checkpoint_formats
 from megatron.sdp4bit.training.guards import faults
@@ -81,12 +82,18 @@ class TrainingStopped(RuntimeError):
     """The run cannot go on (non-finite gradients again and again); one line says why."""
 
 
-def _flops_per_iteration(args: argparse.Namespace, vocab: int) -> float:
-    """Model FLOPs of one training iteration (forward + backward = 3 x forward matmuls)."""
+def _flops_per_iteration(args: argparse.Namespace, vocab: int, batch_size: int) -> float:
+    """Model FLOPs of one training iteration of ``batch_size`` samples (forward + backward =
+    3 x forward matmuls)."""
     h, s, L, f = args.hidden_size, args.seq_length, args.num_layers, args.ffn_hidden_size
     mlp = (3 if args.swiglu else 2) * h * f
     per_token = L * (2 * (4 * h * h + mlp) + 4 * s * h) + 2 * h * vocab
-    return 3.0 * per_token * args.global_batch_size * s
+    return 3.0 * per_token * batch_size * s
+
+
+def _rampup(args: argparse.Namespace) -> tuple[int, int, int] | None:
+    rampup = getattr(args, "rampup_batch_size", None)
+    return None if rampup is None else tuple(rampup)
 
 
 def _is_logging_rank() -> bool:
@@ -196,12 +203,15 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None,
     quantization at ``--gradients-quantization-start-iteration``).
     """
     metrics = MetricsWriter(args) if _is_logging_rank() else None
-    gbs = args.global_batch_size
+    # Each iteration's batch: megatron-core's calculator, from the consumed samples (so a
+    # resumed run continues a --rampup-batch-size where it was)
+    install_calculator(args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
+                       _rampup(args), rank=dist.get_rank())
     train_iter = chunk_iterators(state.datasets[0], state.consumed_samples, args)
     evals_done = state.iteration // args.eval_interval
-    valid_iter = chunk_iterators(state.datasets[1], evals_done * args.eval_iters * gbs, args,
+    valid_iter = chunk_iterators(state.datasets[1],  # evaluation: full global batches
+                                 evals_done * args.eval_iters * args.global_batch_size, args,
                                  cycle=True)
-    flops = _flops_per_iteration(args, state.vocab_size)
     skipped = nan_iters = 0
     start_iteration = state.iteration
     window_loss, window_iters, window_start = 0.0, 0, time.time()
@@ -212,7 +222,9 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None,
             profiler.before_iteration(state.iteration)
             if on_iteration is not None:
                 on_iteration(state.iteration)
-            loss, grad_norm, ok, num_zeros = train_step(args, state, train_iter)
+            gbs, num_microbatches = current_batch(state.consumed_samples)
+            loss, grad_norm, ok, num_zeros = train_step(args, state, train_iter,
+                                                        num_microbatches)
             # Megatron-LM computes it every iteration, on every rank (collective)
             params_norm = (params_l2_norm(state.model, args.bf16) if args.log_params_norm
                            else None)
@@ -227,7 +239,7 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None,
                 expert=state.expert_layout)
             state.iteration += 1
             profiler.after_iteration(state.iteration)
-            moe_losses.after_iteration(state.iteration)
+            moe_losses.after_iteration(state.iteration, num_microbatches)
             state.consumed_samples += gbs
             skipped += 0 if ok else 1
             nan_iters += 0 if loss == loss else 1
@@ -242,7 +254,8 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None,
                 metrics.iteration(state.iteration, state.consumed_samples, loss,
                                   state.optimizer.param_groups[0]["lr"],
                                   state.optimizer.get_loss_scale().item(), float(grad_norm),
-                                  num_zeros=num_zeros, params_norm=params_norm)
+                                  num_zeros=num_zeros, params_norm=params_norm,
+                                  batch_size=gbs)
             if state.iteration % args.log_interval == 0:
                 elapsed = (time.time() - window_start) / window_iters
                 comm = snapshot_fields(state.comm_stats, window_iters, expert=None if
@@ -251,7 +264,8 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None,
                     "iteration": state.iteration, "train_iters": args.train_iters,
                     "time": round(time.time(), 3),
                     "consumed_samples": state.consumed_samples, "elapsed_ms": elapsed * 1e3,
-                    "tflops_per_gpu": flops / (elapsed * args.world_size * 1e12),
+                    "tflops_per_gpu": _flops_per_iteration(args, state.vocab_size, gbs)
+                    / (elapsed * args.world_size * 1e12),
                     "learning_rate": state.optimizer.param_groups[0]["lr"],
                     "global_batch_size": gbs, "lm_loss": window_loss / window_iters,
                     "loss_scale": state.optimizer.get_loss_scale().item(),

@@ -103,10 +103,18 @@ def grads_finite(model_chunks) -> bool:
     return all_finite(buffer.grad_data for chunk in model_chunks for buffer in chunk.buffers)
 
 
-def train_step(args, state, data_iterator) -> tuple[float, float, bool, float | None]:
-    """One iteration; returns (mean loss, grad norm, whether the weights were updated, the
-    number of zero gradient entries with ``--log-num-zeros-in-grad`` when the optimizer
-    stepped, else ``None``)."""
+def train_step(args, state, data_iterator, num_microbatches: int,
+               ) -> tuple[float, float, bool, float | None]:
+    """One iteration of ``num_microbatches`` micro-batches per data-parallel rank (this
+    iteration's: it grows with ``--rampup-batch-size``); returns (mean loss, grad norm,
+    whether the weights were updated, the number of zero gradient entries with
+    ``--log-num-zeros-in-grad`` when the optimizer stepped, else ``None``).
+
+    megatron-core's schedule runs that many micro-batches and divides each one's loss by
+    the same number (without ``--calculate-per-token-loss``; with it, finalize_model_grads
+    divides by the tokens of the micro-batches run), so the gradient is the mean over this
+    iteration's batch; the loop counts the same batch into the consumed samples and the
+    learning-rate schedule here, so the data read, the schedules and a resume agree."""
     for chunk in state.model:
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
@@ -115,7 +123,7 @@ def train_step(args, state, data_iterator) -> tuple[float, float, bool, float | 
     losses = get_forward_backward_func()(
         forward_step_func=partial(_forward_step, timers=timers, nan=nan,
                                   per_token=args.calculate_per_token_loss),
-        data_iterator=data_iterator, model=state.model, num_microbatches=args.num_microbatches,
+        data_iterator=data_iterator, model=state.model, num_microbatches=num_microbatches,
         seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
         forward_only=False)
     loss = _reported_loss(args, losses, parallel_state.get_data_parallel_group())
@@ -126,14 +134,17 @@ def train_step(args, state, data_iterator) -> tuple[float, float, bool, float | 
     ok, grad_norm, num_zeros = state.optimizer.step()
     if timers is not None:
         timers("optimizer").stop(barrier=args.barrier_with_L1_time)
-    if ok:
-        state.scheduler.step(increment=args.global_batch_size)
+    if ok:  # the schedules count samples: this iteration's batch (Megatron-LM's increment)
+        state.scheduler.step(
+            increment=num_microbatches * args.micro_batch_size * args.data_parallel_size)
     return (loss, (grad_norm if grad_norm is not None else float("nan")), ok,
             num_zeros if args.log_num_zeros_in_grad else None)
 
 
 @torch.no_grad()
 def evaluate(args, state, iterator) -> float | None:
+    """``--eval-iters`` batches of ``--global-batch-size`` (also during a batch-size
+    ramp-up, as Megatron-LM evaluates)."""
     if iterator is None or args.eval_iters == 0:
         return None
     for chunk in state.model:

@@ -81,7 +81,8 @@ def _add_training(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=None)
     g.add_argument("--global-batch-size", type=int, default=None,
-                   help="default micro batch x data-parallel size (no accumulation)")
+                   help="default micro batch x data-parallel size (no accumulation); the "
+                   "size a --rampup-batch-size grows to, and evaluation's batch")
     g.add_argument("--train-iters", type=int, default=None)
     g.add_argument("--exit-interval", type=int, default=None,
                    help="exit after the iteration that is a multiple of this (saving first)")

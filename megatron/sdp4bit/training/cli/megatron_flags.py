@@ -5,7 +5,8 @@ Existing Megatron-LM scripts must either run unchanged or be told in one line wh
 this trainer does not support. Three kinds, all in this module:
 
 * honoured: sample-based training (``--train-samples``, ``--lr-decay-samples``,
-  ``--lr-warmup-samples``), ``--exit-duration-in-mins``, ``--distributed-timeout-minutes``,
+  ``--lr-warmup-samples``), the batch-size ramp-up (``--rampup-batch-size``:
+  :mod:`.rampup_flags`), ``--exit-duration-in-mins``, ``--distributed-timeout-minutes``,
   the scheduler's checkpoint override, the TensorBoard logging switches, the transformer
   switches of :func:`transformer_config_overrides`, ``--exit-signal-handler`` and
   ``--exit-signal`` (training/guards/exit_signal.py), the logging and profiling flags of
@@ -28,6 +29,7 @@ import time
 
 from megatron.sdp4bit.training.cli.errors import ArgumentsError
 from megatron.sdp4bit.training.cli.megatron_lm_flags import refusal_message
+from megatron.sdp4bit.training.cli.rampup_flags import check_rampup_values, rampup_iterations
 from megatron.sdp4bit.training.guards.exit_signal import EXIT_SIGNALS
 
 __all__ = ["NO_OP_FLAGS", "ONLY_VALUE", "REFUSED_FLAGS", "add_megatron_flags",
@@ -79,10 +81,10 @@ _NO_OP_VALUES: dict[str, dict] = {
 
 # Flag -> (number of values: 0 for a switch, or an argparse nargs, why and what to do).
 REFUSED_FLAGS: dict[str, tuple[int | str, str]] = {
-    "--rampup-batch-size": (3, "batch-size ramp-up is not supported: pass a fixed "
-                            "--global-batch-size"),
-    "--decrease-batch-size-if-needed": (0, "batch-size ramp-up is not supported: pass a fixed "
-                                        "--global-batch-size"),
+    "--decrease-batch-size-if-needed": (0, "batch sizes are never rounded down here (no "
+                                        "sample is dropped): give a --global-batch-size and "
+                                        "--rampup-batch-size sizes that --micro-batch-size x "
+                                        "data-parallel size divides"),
     "--batch-size": (1, "it is Megatron-LM's removed name: use --micro-batch-size"),
     "--checkpoint-activations": (0, "it is Megatron-LM's removed name: use "
                                  "--recompute-activations or --recompute-granularity"),
@@ -152,6 +154,13 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
                    "(default --train-samples)")
     g.add_argument("--lr-warmup-samples", type=int, default=0,
                    help="with --train-samples: warm the learning rate up over this many samples")
+    g.add_argument("--rampup-batch-size", type=int, nargs=3, default=None,
+                   metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="with --train-samples: the global batch size starts at START and grows "
+                   "by INCREMENT up to --global-batch-size over SAMPLES consumed samples "
+                   "(Megatron-LM's ramp-up, on megatron-core's calculator); the micro-batches "
+                   "per iteration, the schedules and the log follow it; evaluation uses "
+                   "--global-batch-size")
     g.add_argument("--exit-duration-in-mins", type=float, default=None,
                    help="after the iteration that ends more than this many minutes after start, "
                    "save (with --save) and exit; all ranks agree on the iteration")
@@ -252,6 +261,8 @@ def _check_refused(args: argparse.Namespace) -> None:
 def _resolve_training_length(args: argparse.Namespace) -> None:
     """Megatron-LM's rules: iteration- or sample-based, never a mix."""
     if args.train_samples is None:
+        if args.rampup_batch_size is not None:
+            check_rampup_values(args)  # refused: it needs --train-samples
         for flag in ("--lr-decay-samples", "--lr-warmup-samples"):
             if getattr(args, _dest(flag)):
                 _fail(f"{flag} needs --train-samples (sample-based training); with "
@@ -272,12 +283,17 @@ def _resolve_training_length(args: argparse.Namespace) -> None:
     if args.micro_batch_size is None:
         _fail("missing required flag(s): --micro-batch-size")
     gbs = args.global_batch_size
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    data_parallel = max(1, args.world_size // model_parallel)  # validation checks it next
     if gbs is None:  # Megatron-LM's default, as validation derives it next
-        model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
-        gbs = args.micro_batch_size * max(1, args.world_size // model_parallel)
+        gbs = args.micro_batch_size * data_parallel
+    if args.rampup_batch_size is not None:
+        args.global_batch_size = gbs
+        args.train_iters = rampup_iterations(args, data_parallel)
+        return
     if args.train_samples < gbs:
         _fail(f"--train-samples={args.train_samples} is less than one global batch ({gbs})")
-    args.train_iters = args.train_samples // gbs  # no ramp-up: a fixed batch per iteration
+    args.train_iters = args.train_samples // gbs  # a fixed batch per iteration
 
 
 def _check_switches(args: argparse.Namespace) -> None:

@@ -90,6 +90,9 @@ FLAG_REASONS: dict[str, str] = {
     "--local-rank": "the local rank is read from torchrun's LOCAL_RANK",
     "--disable-log-loss-scale-to-tensorboard": "use --no-log-loss-scale-to-tensorboard",
     "--yaml-cfg": "pass the flags on the command line",
+    "--step-batch-size-schedule": "a stepwise batch-size schedule is not wired: "
+    "--rampup-batch-size START INCREMENT SAMPLES grows the batch (Megatron-LM's ramp-up, on "
+    "either megatron-core release)",
 }
 
 _NUMBER = re.compile(r"-\.?[0-9]")

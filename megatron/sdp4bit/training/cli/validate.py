@@ -13,6 +13,7 @@ from megatron.sdp4bit.training.cli.installed import uses_transformer_engine
 from megatron.sdp4bit.training.cli.megatron_flags import check_megatron_flags, scheduler_steps
 from megatron.sdp4bit.training.cli.moe_flags import check_moe_flags
 from megatron.sdp4bit.training.cli.observe_flags import check_observe_flags
+from megatron.sdp4bit.training.cli.rampup_flags import check_rampup_sizes
 from megatron.sdp4bit.training.guards import faults
 from megatron.sdp4bit.training.tokenizers import registry as tokenizer_registry
 
@@ -134,6 +135,8 @@ def _check_parallel(args: argparse.Namespace) -> None:
         _fail(f"--global-batch-size={args.global_batch_size} is not divisible by "
               f"--micro-batch-size x data-parallel size = {args.micro_batch_size} x "
               f"{args.data_parallel_size} = {per_step}")
+    # At --global-batch-size: evaluation's, and training's after a --rampup-batch-size (the
+    # loop asks megatron-core's calculator for each iteration's).
     args.num_microbatches = args.global_batch_size // per_step
     if args.ddp_reduce_scatter_with_fp32_accumulation:
         if not args.use_distributed_optimizer:
@@ -147,6 +150,7 @@ def _check_parallel(args: argparse.Namespace) -> None:
     if args.overlap_param_gather and not args.overlap_grad_reduce:
         _fail("--overlap-param-gather requires --overlap-grad-reduce")
     _check_virtual_pipeline(args)
+    check_rampup_sizes(args)  # the ramp-up's batch sizes, as the one above
 
 
 def _check_virtual_pipeline(args: argparse.Namespace) -> None:

@@ -118,9 +118,12 @@ class MetricsWriter:
 
     def iteration(self, iteration: int, consumed_samples: int, loss: float,
                   learning_rate: float, loss_scale: float, grad_norm: float,
-                  num_zeros: float | None = None, params_norm: float | None = None) -> None:
+                  num_zeros: float | None = None, params_norm: float | None = None,
+                  batch_size: int | None = None) -> None:
         """One training iteration's values, written every ``--tensorboard-log-interval``
-        iterations (``num_zeros`` and ``params_norm`` when their flags ask for them)."""
+        iterations (``num_zeros`` and ``params_norm`` when their flags ask for them);
+        ``batch_size``: this iteration's global batch size (``--rampup-batch-size``), by
+        default ``--global-batch-size``."""
         if not self.iteration_due(iteration):
             return
         if self._wandb is not None:
@@ -128,7 +131,7 @@ class MetricsWriter:
         values: dict[str, float] = {}
         if self._lr:
             values["learning-rate"] = learning_rate
-        values["batch-size"] = self._batch_size
+        values["batch-size"] = self._batch_size if batch_size is None else batch_size
         values["lm loss"] = loss
         if self._loss_scale:
             values["loss-scale"] = loss_scale

@@ -24,14 +24,15 @@ class MoELosses:
         self.names = moe_track_names(args)
         self._totals: dict = {}
 
-    def after_iteration(self, iteration: int) -> None:
-        """Collective: every rank, after every training iteration."""
+    def after_iteration(self, iteration: int, num_microbatches: int) -> None:
+        """Collective: every rank, after every training iteration (of ``num_microbatches``
+        micro-batches: the routers' losses were recorded once per micro-batch)."""
         if not self.names:
             return
         from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 
         args = self._args
-        track_moe_metrics(loss_scale=1.0 / args.num_microbatches, iteration=iteration,
+        track_moe_metrics(loss_scale=1.0 / num_microbatches, iteration=iteration,
                           total_loss_dict=self._totals, force_initialize=True,
                           track_names=self.names, num_layers=args.num_layers,
                           moe_layer_freq=args.moe_layer_freq)
