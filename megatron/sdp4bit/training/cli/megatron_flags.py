@@ -98,8 +98,6 @@ REFUSED_FLAGS: dict[str, tuple[int | str, str]] = {
     "--use-checkpoint-args": (0, "pass the model flags on the command line"),
     "--use-dist-ckpt": (0, "it is Megatron-LM's removed name: --ckpt-format torch_dist is "
                         "the default"),
-    "--async-save": (0, "checkpoints are saved synchronously (megatron-core's background "
-                     "writer needs CUDA and forked writer processes; docs/checkpoints.md)"),
     "--skip-train": (0, "evaluation runs every --eval-interval during training"),
     "--log-progress": (0, "--metrics-jsonl records every logged iteration instead"),
     "--tp-comm-overlap": (0, "Transformer Engine's userbuffer overlap is not wired up"),
