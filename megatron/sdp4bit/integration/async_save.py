@@ -25,22 +25,33 @@ every rank if one failed; ``.metadata``; ``metadata.json``) and then the trainer
 
 What differs here from Megatron-LM's use of it:
 
-* the results queue is this object's: a ``spawn`` manager started with the first save and
-  shut down by :meth:`BackgroundWriter.close` (the trainer ends with ``os._exit``, which
-  would leave megatron-core's own manager process running), set in place of megatron-core's
-  module-level queue for the save's synchronous part, where its writer picks it up
-  (``checkpoint.results_queue`` of the table). A spawned manager imports the main script
-  again, as every ``spawn`` child does: a script without an ``if __name__ == "__main__":``
-  guard starts training again in it, and the save waits forever for the manager to answer.
-  That, not torchrun, is why the save looked like a hang: ``pretrain_gpt.py`` has the guard.
+* the results queue is this object's: a manager started with the first save and shut down
+  by :meth:`BackgroundWriter.close` (the trainer ends with ``os._exit``, which would leave
+  megatron-core's own manager process running), set in place of megatron-core's module-level
+  queue for the save's synchronous part, where its writer picks it up
+  (``checkpoint.results_queue`` of the table). It is forked, not spawned as megatron-core's
+  is (0.19's ``get_write_results_queue(mp_mode)`` leaves the choice to its caller): a spawned
+  manager imports the main script again, and it slowed the first save down by 10 s on a
+  loaded 2-core machine (4 ranks of ``pretrain_gpt.py``), 15 s in the 2-rank test
+  (``tests/distributed/test_async_save.py``), against 0.3 s forked. It ends with the training
+  process however that ends (``megatron/sdp4bit/helper_processes.py``), so the ``--save``
+  lock it inherits is never held past the run. A script without an
+  ``if __name__ == "__main__":`` guard would start training again in a spawned manager, and
+  the save would wait forever for it to answer: that, not torchrun, is the hang once blamed
+  on megatron-core's writer (``pretrain_gpt.py`` has the guard; with it megatron-core's own
+  spawned manager works under torchrun too, only slower).
 * ``torch.cuda.synchronize()``, which the scheduling calls after the preload, is a no-op in
   CPU mode (``cpu.cuda.synchronize``: there is no device work to wait for);
 * megatron-core 0.19 defaults to nvidia-resiliency-ext's asynchronous writer (``"nvrx"``),
   which is not a requirement here: its own (``async_strategy="mcore"``) is asked for, the one
   0.16.1 has;
 * :meth:`BackgroundWriter.close` with ``abort`` kills the writer processes of the pending
-  saves (``AsyncCallsQueue.close(abort=True)`` leaves a fresh-fork writer running): a run
-  that fails leaves no process behind and publishes nothing.
+  saves and the processes they forked (``AsyncCallsQueue.close(abort=True)`` leaves a
+  fresh-fork writer running, and killing only the writer left 0.16.1's per-bucket child
+  waiting forever for it): a run that fails leaves no process behind and publishes nothing.
+  The manager ends with the training process however that ends
+  (``megatron/sdp4bit/helper_processes.py``); a writer whose training process was killed
+  finishes its files and exits.
 """
 
 from __future__ import annotations
@@ -49,13 +60,32 @@ import contextlib
 import inspect
 import multiprocessing
 from collections.abc import Iterator
+from multiprocessing.managers import SyncManager
+
+import psutil
 
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
+from megatron.sdp4bit.helper_processes import exit_with_parent
 from megatron.sdp4bit.integration import patches
 from megatron.sdp4bit.integration.dist_checkpointing import RESULTS_QUEUE
+
+
+def _kill_writer(caller) -> None:
+    """Kill a pending save's writer and the processes it forked (0.16.1 writes each bucket
+    from a child of the writer, which would wait forever for its killed parent)."""
+    process = getattr(caller, "process", None)
+    children = []
+    if process is not None and process.pid is not None:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            children = psutil.Process(process.pid).children(recursive=True)
+    caller.close(abort=True)  # kills the writer and joins it
+    for child in children:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    psutil.wait_procs(children, timeout=10)
 
 
 def save_keywords() -> dict[str, str]:
@@ -82,8 +112,9 @@ class BackgroundWriter:
         for one ``dist_checkpointing.save(..., async_sharded_save=True)``; one file per rank,
         as the synchronous save writes."""
         if self._manager is None:
-            self._manager = multiprocessing.get_context("spawn").Manager()
-            self._results = self._manager.Queue()
+            manager = SyncManager(ctx=multiprocessing.get_context("fork"))  # see the Note
+            manager.start(initializer=exit_with_parent)
+            self._manager, self._results = manager, manager.Queue()
         with patches.applied([RESULTS_QUEUE.on(results=self._results)]):
             yield TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
 
@@ -109,7 +140,7 @@ class BackgroundWriter:
         results queue's manager."""
         if abort:
             for call in list(self._calls.async_calls):
-                call.async_caller.close(abort=True)
+                _kill_writer(call.async_caller)
             self._calls.async_calls.clear()
         else:
             self.finalize(blocking=True)
