@@ -33,8 +33,8 @@ What differs here from Megatron-LM's use of it:
   is (0.19's ``get_write_results_queue(mp_mode)`` leaves the choice to its caller): a spawned
   manager imports the main script again, and it slowed the first save down by 10 s on a
   loaded 2-core machine (4 ranks of ``pretrain_gpt.py``), 15 s in the 2-rank test
-  (``tests/distributed/test_async_save.py``), against 0.3 s forked. It ends with the training
-  process however that ends (``megatron/sdp4bit/helper_processes.py``), so the ``--save``
+  (``tests/distributed/test_async_save_writer.py``), against 0.3 s forked. It ends with the
+  training process however that ends (``megatron/sdp4bit/helper_processes.py``), so the ``--save``
   lock it inherits is never held past the run. A script without an
   ``if __name__ == "__main__":`` guard would start training again in a spawned manager, and
   the save would wait forever for it to answer: that, not torchrun, is the hang once blamed

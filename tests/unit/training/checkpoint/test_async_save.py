@@ -1,7 +1,7 @@
 """``--async-save``'s bookkeeping without processes: the order of the finalize step, what a
 failed write or an abort publishes (nothing), and where the loop finalizes (before the next
 save, on exit, at the end; a failing run aborts). megatron-core's queue is a stand-in that
-says when a write is done; the real writer runs in tests/distributed/test_async_save.py."""
+says when a write is done; the real writer runs in tests/distributed/test_async_save_writer.py."""
 
 from __future__ import annotations
 
