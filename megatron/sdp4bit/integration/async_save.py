@@ -35,11 +35,11 @@ What differs here from Megatron-LM's use of it:
   loaded 2-core machine (4 ranks of ``pretrain_gpt.py``), 15 s in the 2-rank test
   (``tests/distributed/test_async_save_writer.py``), against 0.3 s forked. It ends with the
   training process however that ends (``megatron/sdp4bit/helper_processes.py``), so the ``--save``
-  lock it inherits is never held past the run. A script without an
-  ``if __name__ == "__main__":`` guard would start training again in a spawned manager, and
-  the save would wait forever for it to answer: that, not torchrun, is the hang once blamed
-  on megatron-core's writer (``pretrain_gpt.py`` has the guard; with it megatron-core's own
-  spawned manager works under torchrun too, only slower).
+  lock it inherits is never held past the run. A spawned child runs the main script's
+  top-level code again: in a script without an ``if __name__ == "__main__":`` guard the
+  manager would run the training code instead of answering, and the save would wait for it;
+  that, not torchrun, is the hang once blamed on megatron-core's writer (``pretrain_gpt.py``
+  has the guard; with it a spawned manager works under torchrun too, only slower).
 * ``torch.cuda.synchronize()``, which the scheduling calls after the preload, is a no-op in
   CPU mode (``cpu.cuda.synchronize``: there is no device work to wait for);
 * megatron-core 0.19 defaults to nvidia-resiliency-ext's asynchronous writer (``"nvrx"``),
