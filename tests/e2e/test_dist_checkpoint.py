@@ -134,9 +134,11 @@ def test_error_feedback_resume_is_bit_exact_in_both_formats(tmp_path, data_prefi
     """--gradient-error-feedback (int8 state, reset every 4 calls: the saved call count
     matters) on 2 x 2 ranks: each rank's error state is in the checkpoint, so a resume
     continues bit for bit. An uninterrupted 6-iteration run saves --ckpt-format torch at 3;
-    a resume from it converts to torch_dist, saving at 4, 5 and 6; a resume from that
-    torch_dist iteration 4 runs 5 and 6. Both must repeat the uninterrupted run exactly (a
-    state restored as zero changes the inter-node messages, hence the gradient norm)."""
+    a resume from it converts to torch_dist, saving at 4, 5 and 6 with --async-save (each
+    save written in the background while the next iteration runs, published before the next
+    save: what a save holds is taken when it is scheduled); a resume from that torch_dist
+    iteration 4 runs 5 and 6. Both must repeat the uninterrupted run exactly (a state
+    restored as zero changes the inter-node messages, hence the gradient norm)."""
     nproc, flags = LAYOUTS["dp4"]
     ef = ["--gradient-error-feedback", "--gradient-error-feedback-reset-interval", "4"]
     base = [*BASE, *data_prefix, *flags, *ef]
@@ -149,8 +151,14 @@ def test_error_feedback_resume_is_bit_exact_in_both_formats(tmp_path, data_prefi
     (torch_ckpt / "latest_checkpointed_iteration.txt").write_text("3\n")
     runs = {}
     res = torchrun(base + ["--load", str(torch_ckpt), "--auto-detect-ckpt-format",
-                           "--save", str(dist_ckpt), "--save-interval", "1"], nproc=nproc)
+                           "--save", str(dist_ckpt), "--save-interval", "1", "--async-save"],
+                   nproc=nproc)
     runs["torch"] = train_lines(res.stdout)
+    for it in (4, 5, 6):  # scheduled, then published (the last one before the run ended)
+        assert res.stdout.index(f"successfully saved checkpoint from iteration {it:7d}") > \
+            res.stdout.index(f"scheduled an async checkpoint save at iteration {it:7d}")
+    assert sorted(os.listdir(dist_ckpt)) == [".lock", "iter_0000004", "iter_0000005",
+                                             "iter_0000006", "latest_checkpointed_iteration.txt"]
     (dist_ckpt / "latest_checkpointed_iteration.txt").write_text("4\n")
     res = torchrun(base + ["--load", str(dist_ckpt)], nproc=nproc)
     runs["torch_dist"] = train_lines(res.stdout)

@@ -67,6 +67,16 @@ replacement of the table (``patches.py``) but items 2 and 3, a mode:
    the replacement computes the same products in the router dtype with torch (applied only
    where the name is undefined; 0.19.2 defines it as None and takes the same torch path).
 
+9. ``torch.cuda.synchronize()`` returns at once.
+   [Note: synchronize in CPU mode]
+   CPU work is done when the call that does it returns, so there is nothing to wait for;
+   without CUDA the call raises instead. megatron-core's asynchronous checkpoint save calls
+   it when it schedules the write (after copying the tensors to the host, and before
+   forking the writer: ``TemporalAsyncCaller.schedule_async_call``,
+   ``FileSystemWriterAsync.preload_tensors``), so ``--async-save`` needs it
+   (integration/async_save.py). The trainer's own calls are guarded by
+   ``torch.cuda.is_available()`` and never reach it.
+
 What it needs from the caller, through ordinary megatron-core options (no patch):
 ``TransformerConfig(use_cpu_initialization=True)``, ``get_gpt_layer_local_spec()``
 (no Transformer Engine), no fused kernels (``masked_softmax_fusion``,
@@ -161,7 +171,14 @@ def _default_causal_mask_cpu(sq: int) -> torch.Tensor:
 
 _MASK_NOTE = "[Note: the causal mask in the backward pass] (integration/cpu_mode.py)"
 _MOE_NOTE = "[Note: mixture-of-experts on the CPU] (integration/cpu_mode.py)"
+def _synchronize_nothing(device=None) -> None:
+    """[Note: synchronize in CPU mode]: no device work to wait for."""
+
+
 CPU_MODE_STUBS = SHARED_STUBS + (
+    declare("cpu.cuda.synchronize", "torch.cuda", "synchronize", MODULE, _synchronize_nothing,
+            note="[Note: synchronize in CPU mode] (integration/cpu_mode.py)",
+            checked=on_torch("(device)"), scope=CPU_MODE),
     declare("cpu.cuda.Stream", "torch.cuda", "Stream", MODULE, Stream, note=_MOE_NOTE,
             checked=on_torch("(device, priority, **kwargs)"), scope=CPU_MODE),
     declare("cpu.moe_router.router_gating_linear", "megatron.core.transformer.moe.router",

@@ -17,14 +17,16 @@ the only one that replaces megatron-core attributes:
 
 [Note: the writer on CPU]
 megatron-core's ``torch_dist`` save prepares the write plan, then hands the writing to
-forked processes fed through a ``spawn`` multiprocessing manager, after a
-``torch.cuda.synchronize()``. Without CUDA the synchronize raises, and the spawned manager
-hangs under torchrun. The in-process writer keeps megatron-core's plan,
+forked processes that report through a queue of a ``spawn`` multiprocessing manager, after a
+``torch.cuda.synchronize()``. A synchronous save gains nothing from the processes (it waits
+for them), and the manager is a process per rank that imports the main script again. The
+in-process writer keeps megatron-core's plan,
 metadata and file layout but writes the buckets in this process, one after another, with
 megatron-core's own per-bucket writer (``FileSystemWriterAsync.write_preloaded_data``,
 fsync included), and gives the writer a local results queue instead of the spawned
 manager's. :func:`in_process_writer` binds that on one strategy, for one save. It is used
-on CPU and on GPU alike: saves are synchronous here. A bucket that fails to write (a full
+on CPU and on GPU alike for the synchronous save; ``--async-save`` uses megatron-core's own
+writer processes instead (integration/async_save.py). A bucket that fails to write (a full
 disk) is put in that queue as the writer processes put theirs, so megatron-core's finalize
 step still gathers every rank's result and raises on every rank together.
 
@@ -104,10 +106,12 @@ def _in_process_callbacks(strategy: TorchDistSaveShardedStrategy):
     return _get_save_and_finalize_callbacks
 
 
-def _local_results_queue(original: Any) -> queue.Queue:
+def _local_results_queue(original: Any, results: Any = None) -> Any:
     # FileSystemWriterAsync asks a module-level getter for its results queue, which starts a
-    # spawn-context manager process the first time; our writer replaces the queue anyway.
-    return queue.Queue()
+    # spawn-context manager process the first time. The in-process writer replaces the queue
+    # anyway; the asynchronous save's forked writer needs one across processes, and gets
+    # ``results``, the one --async-save owns (integration/async_save.py).
+    return queue.Queue() if results is None else results
 
 
 _WRITER_NOTE = "[Note: the writer on CPU] (integration/dist_checkpointing.py)"

@@ -16,6 +16,7 @@ from megatron.sdp4bit.config import SDP4BitConfig
 from megatron.sdp4bit.integration.microbatches import current_batch, install_calculator
 from megatron.sdp4bit.integration.params_norm import params_l2_norm
 from megatron.sdp4bit.training.checkpoint import formats as checkpoint_formats
+from megatron.sdp4bit.training.checkpoint.async_save import AsyncSaves
 from megatron.sdp4bit.training.guards import faults
 from megatron.sdp4bit.training.guards.exit_conditions import exit_duration_reached
 from megatron.sdp4bit.training.guards.exit_signal import ExitSignal
@@ -30,6 +31,7 @@ from megatron.sdp4bit.training.observe.logging import (
     format_eval_lines,
     format_saved,
     format_saving,
+    format_scheduled,
     format_train_line,
 )
 from megatron.sdp4bit.training.observe.memory import memory_scalars
@@ -76,6 +78,8 @@ class TrainState:
     sdp4bit_handle: Any = None
     """The installed SDP4Bit (None without): checkpoints hold its per-rank error-feedback
     state."""
+    async_saves: AsyncSaves | None = None
+    """``--async-save``: the saves being written in the background (set by :func:`train`)."""
 
 
 class TrainingStopped(RuntimeError):
@@ -113,16 +117,35 @@ def _save(args, state: TrainState) -> None:
     if faults.active("nan-weight", state.iteration, dist.get_rank()):
         with torch.no_grad():
             next(state.model[0].parameters()).view(-1)[0] = float("nan")
-    # Megatron-LM's two lines, from rank 0 as there: cluster tooling waits for the second.
+    if state.async_saves is not None:  # one save in flight at a time
+        _finalize_saves(args, state, blocking=True)
+    # Megatron-LM's two lines, from rank 0 as there: cluster tooling waits for the second
+    # (printed when an asynchronous save is published).
     if dist.get_rank() == 0:
         print(format_saving(state.iteration, args.save, args.ckpt_format), flush=True)
     checkpoint_formats.save(args, state.iteration, state.consumed_samples, state.model,
                             state.optimizer, state.scheduler, state.settings,
-                            sdp4bit_handle=state.sdp4bit_handle)
-    state.saved_iteration = state.iteration
+                            sdp4bit_handle=state.sdp4bit_handle, background=state.async_saves)
+    if state.async_saves is not None:
+        if dist.get_rank() == 0:
+            print(format_scheduled(state.iteration, args.save), flush=True)
+        return
+    _saved(args, state, state.iteration)
+
+
+def _saved(args, state: TrainState, iteration: int) -> None:
+    state.saved_iteration = iteration
     if dist.get_rank() == 0:
-        print(format_saved(state.iteration, args.save, args.tensor_model_parallel_size,
+        print(format_saved(iteration, args.save, args.tensor_model_parallel_size,
                            args.pipeline_model_parallel_size), flush=True)
+
+
+def _finalize_saves(args, state: TrainState, blocking: bool) -> None:
+    """Collective (``--async-save``): publish the saves whose writers have finished on every
+    rank; ``blocking``: wait for all (training/checkpoint/async_save.py)."""
+    if state.async_saves is not None:
+        for iteration in state.async_saves.finalize(blocking):
+            _saved(args, state, iteration)
 
 
 def _exit_on_signal(args, state: TrainState, signal: ExitSignal, saved: bool) -> None:
@@ -130,6 +153,7 @@ def _exit_on_signal(args, state: TrainState, signal: ExitSignal, saved: bool) ->
     start = time.monotonic()
     if args.save and not saved:
         _save(args, state)
+    _finalize_saves(args, state, blocking=True)  # the exit waits for an asynchronous save
     if _is_logging_rank():
         if not args.save:
             done = "no --save: nothing saved"
@@ -196,6 +220,33 @@ def _check_progress(state: TrainState, start_iteration: int) -> None:
 
 def train(args: argparse.Namespace, state: TrainState, on_iteration=None,
           exit_signal: ExitSignal | None = None) -> TrainState:
+    """:func:`_train`, and with ``--async-save`` its saves' background writing: the pending
+    save is published before this returns; a run that fails publishes nothing of it
+    (training/checkpoint/async_save.py)."""
+    state.async_saves = AsyncSaves() if args.async_save and args.save else None
+    try:
+        _train(args, state, on_iteration, exit_signal)
+    except TrainingStopped:  # every rank stops together: the last save is still good
+        _close_saves(args, state)
+        raise
+    except BaseException:
+        if state.async_saves is not None:
+            state.async_saves.close(abort=True)
+            state.async_saves = None
+        raise
+    _close_saves(args, state)
+    return state
+
+
+def _close_saves(args, state: TrainState) -> None:
+    if state.async_saves is not None:
+        for iteration in state.async_saves.close():
+            _saved(args, state, iteration)
+        state.async_saves = None
+
+
+def _train(args: argparse.Namespace, state: TrainState, on_iteration=None,
+           exit_signal: ExitSignal | None = None) -> TrainState:
     """Run from ``state.iteration`` to ``--train-iters`` (or ``--exit-interval``, or the
     iteration at whose end the ranks agree that ``exit_signal`` came).
 
@@ -220,6 +271,7 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None,
     try:
         while state.iteration < args.train_iters:
             profiler.before_iteration(state.iteration)
+            _finalize_saves(args, state, blocking=False)  # --async-save's finished saves
             if on_iteration is not None:
                 on_iteration(state.iteration)
             gbs, num_microbatches = current_batch(state.consumed_samples)

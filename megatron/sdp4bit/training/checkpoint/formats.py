@@ -29,6 +29,7 @@ import torch.distributed as dist
 from megatron.sdp4bit.integration.version import megatron_core_version
 from megatron.sdp4bit.training.checkpoint import (files, torch_dist_format, torch_format,
                                                   weights_only)
+from megatron.sdp4bit.training.checkpoint.async_save import AsyncSaves
 from megatron.sdp4bit.training.checkpoint.files import CheckpointError
 
 def sharding_type(args: argparse.Namespace) -> str:
@@ -36,14 +37,19 @@ def sharding_type(args: argparse.Namespace) -> str:
 
 
 def save(args: argparse.Namespace, iteration: int, consumed_samples: int, model_chunks,
-         optimizer, scheduler, settings: dict[str, Any], sdp4bit_handle=None) -> str:
+         optimizer, scheduler, settings: dict[str, Any], sdp4bit_handle=None,
+         background: AsyncSaves | None = None) -> str:
     """Collective: save in ``--ckpt-format``; returns the folder. ``sdp4bit_handle``: the
-    installed SDP4Bit, whose per-rank state (error feedback) the checkpoint holds too."""
+    installed SDP4Bit, whose per-rank state (error feedback) the checkpoint holds too.
+    ``background`` (``--async-save``, torch_dist only): schedule the save there instead of
+    writing it now (:mod:`.async_save`)."""
     if args.ckpt_format == "torch_dist":
         return torch_dist_format.save_checkpoint(
             args.save, iteration, consumed_samples, model_chunks, optimizer, scheduler,
             settings, sharding_type=sharding_type(args),
-            fully_parallel=args.ckpt_fully_parallel_save, sdp4bit_handle=sdp4bit_handle)
+            fully_parallel=args.ckpt_fully_parallel_save, sdp4bit_handle=sdp4bit_handle,
+            background=background)
+    assert background is None, "--async-save is refused with --ckpt-format torch"
     return torch_format.save_checkpoint(args.save, iteration, consumed_samples, model_chunks,
                                          optimizer, scheduler, settings,
                                          sdp4bit_handle=sdp4bit_handle)

@@ -34,7 +34,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
 from megatron.sdp4bit import atomic_files
-from megatron.sdp4bit.integration import checkpoint_space
+from megatron.sdp4bit.integration import async_save, checkpoint_space
 from megatron.sdp4bit.integration.dist_checkpointing import (
     MEGATRON_INTEGRITY,
     bucket_space_world_tensors,
@@ -44,6 +44,7 @@ from megatron.sdp4bit.integration.dist_checkpointing import (
     tolerate_missing_step,
 )
 from megatron.sdp4bit.training.checkpoint import common, disk_space, files, integrity, safe_load
+from megatron.sdp4bit.training.checkpoint.async_save import AsyncSaves, PendingSave
 from megatron.sdp4bit.training.checkpoint import settings as settings_contract
 from megatron.sdp4bit.training.checkpoint.files import CheckpointError
 from megatron.sdp4bit.training.guards import faults
@@ -127,9 +128,14 @@ def _sharded_state(model_chunks, optimizer, sharding_type: str, *, is_loading: b
 
 def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chunks, optimizer,
                     scheduler, settings: dict[str, Any], *, sharding_type: str,
-                    fully_parallel: bool = False, sdp4bit_handle=None) -> str:
+                    fully_parallel: bool = False, sdp4bit_handle=None,
+                    background: AsyncSaves | None = None) -> str:
     """Collective: write this iteration's torch_dist checkpoint; returns its folder.
-    ``sdp4bit_handle``: the installed SDP4Bit (its error-feedback state is this rank's)."""
+    ``sdp4bit_handle``: the installed SDP4Bit (its error-feedback state is this rank's).
+    ``background`` (``--async-save``): the state is taken now and megatron-core's forked
+    writer writes it while training goes on; :func:`publish` (manifest, rename, tracker)
+    runs in the save's finalize step (:mod:`.async_save`), so the folder returned exists
+    only once ``background`` has finalized the save."""
     if not common.weights_finite(model_chunks, optimizer):
         raise CheckpointError(f"not saving iteration {iteration}: the weights hold NaN or Inf; "
                               f"the last complete checkpoint in {root} stays current")
@@ -139,6 +145,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
     dist.barrier()
+    # taken now (the error state is a copy): an asynchronous save writes it later
     error_feedback = common.error_feedback_state(sdp4bit_handle)
     state = _sharded_state(model_chunks, optimizer, sharding_type, is_loading=False,
                            with_optimizer=True, with_rng=True, error_feedback=error_feedback)
@@ -147,36 +154,57 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
     disk_space.check_space(root, partial, iteration, checkpoint_space.written_bytes(state))
     if faults.active("fill-disk-saving", iteration, dist.get_rank()):
         faults.fill_disk(root)
+    manifest_settings = {**settings, "ckpt_format": FORMAT_NAME, "optim_sharding": sharding_type,
+                         # a load asks for the state only where it was written
+                         **({EF_KEY: True} if error_feedback is not None else {})}
+    extra = {"verify_integrity": True} if megatron_integrity_check() else {}
+    if background is not None:
+        with background.strategy() as strategy:
+            request = dist_checkpointing.save(
+                state, partial, sharded_strategy=_parallel(strategy, fully_parallel),
+                validate_access_integrity=True, async_sharded_save=True, **extra,
+                **async_save.save_keywords())
+        background.schedule(request, PendingSave(root, partial, iteration, manifest_settings),
+                            publish)
+        return final
     try:
         with in_process_writer() as strategy:
-            if fully_parallel:
-                strategy = FullyParallelSaveStrategyWrapper(
-                    strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
-            extra = {"verify_integrity": True} if megatron_integrity_check() else {}
-            dist_checkpointing.save(state, partial, sharded_strategy=strategy,
+            dist_checkpointing.save(state, partial,
+                                    sharded_strategy=_parallel(strategy, fully_parallel),
                                     validate_access_integrity=True, **extra)
     except CheckpointException as err:  # a write failed: raised on every rank together
         raise disk_space.failed_save(root, partial, iteration, err) from err
-    if faults.active("die-saving", iteration, dist.get_rank()):
+    publish(PendingSave(root, partial, iteration, manifest_settings))
+    return final
+
+
+def _parallel(strategy, fully_parallel: bool):
+    if not fully_parallel:
+        return strategy
+    return FullyParallelSaveStrategyWrapper(
+        strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
+
+
+def publish(save: PendingSave) -> None:
+    """Collective, once every rank's files of ``save`` are written and megatron-core has
+    finalized them: hash them into the manifest, rename the partial folder to its iteration's
+    and point the tracker at it, in that order ([Note: what survives a crash], files.py)."""
+    if faults.active("die-saving", save.iteration, dist.get_rank()):
         os._exit(17)
     dist.barrier()
-    entries = integrity.hash_shares(partial, integrity.shared_listing(partial))
+    entries = integrity.hash_shares(save.partial, integrity.shared_listing(save.partial))
     if dist.get_rank() == 0:
-        files.write_manifest(partial, iteration, entries,
-                             {**settings, "ckpt_format": FORMAT_NAME,
-                              "optim_sharding": sharding_type,
-                              # a load asks for the state only where it was written
-                              **({EF_KEY: True} if error_feedback is not None else {})})
+        final = files.iteration_dir(save.root, save.iteration)
+        files.write_manifest(save.partial, save.iteration, entries, save.settings)
         old = final + ".old"
         if os.path.isdir(final):  # the same iteration saved again: keep it until replaced
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
-        os.replace(partial, final)
-        atomic_files.fsync_dir(root)
+        os.replace(save.partial, final)
+        atomic_files.fsync_dir(save.root)
         shutil.rmtree(old, ignore_errors=True)
-        files.write_tracker(root, iteration)
+        files.write_tracker(save.root, save.iteration)
     dist.barrier()
-    return final
 
 
 def settings_problem(saved: dict[str, Any], current: dict[str, Any], directory: str,

@@ -257,6 +257,12 @@ def _add_checkpoint_and_logging(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
                    help="torch_dist: save the optimizer state per parameter, so that TP and PP "
                    "may change on resume too (gathers the state on each DP group's rank 0)")
+    g.add_argument("--async-save", action="store_true",
+                   help="torch_dist: write checkpoints in the background with megatron-core's "
+                   "asynchronous writer while training goes on; a save is published (manifest, "
+                   "folder renamed, tracker) once every rank's files are written, at the "
+                   "start of a later iteration, before the next save or before the run exits "
+                   "(docs/checkpoints.md)")
     g.add_argument("--ckpt-fully-parallel-save", action="store_true",
                    help="torch_dist: spread the writing of replicated tensors over the "
                    "data-parallel ranks")

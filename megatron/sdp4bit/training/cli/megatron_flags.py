@@ -69,6 +69,10 @@ NO_OP_FLAGS: dict[str, str] = {
     "whatever this flag says",
     "--log-batch-size-to-tensorboard": "the batch size is always written to TensorBoard (tag "
     "batch-size), as Megatron-LM does since it dropped this flag",
+    "--use-persistent-ckpt-worker": "--async-save's writer is a process forked per save "
+    "(megatron-core's temporal caller); a persistent worker would change only how the writer "
+    "process starts, not what a checkpoint holds or when it is published (Megatron-LM 0.19 "
+    "needs this flag for --async-save; here --async-save alone is asynchronous)",
 }
 # No-op flags that take a value: flag -> argparse keywords.
 _NO_OP_VALUES: dict[str, dict] = {
@@ -100,8 +104,6 @@ REFUSED_FLAGS: dict[str, tuple[int | str, str]] = {
     "--use-checkpoint-args": (0, "pass the model flags on the command line"),
     "--use-dist-ckpt": (0, "it is Megatron-LM's removed name: --ckpt-format torch_dist is "
                         "the default"),
-    "--async-save": (0, "checkpoints are saved synchronously (megatron-core's background "
-                     "writer needs CUDA and forked writer processes; docs/checkpoints.md)"),
     "--skip-train": (0, "evaluation runs every --eval-interval during training"),
     "--log-progress": (0, "--metrics-jsonl records every logged iteration instead"),
     "--tp-comm-overlap": (0, "Transformer Engine's userbuffer overlap is not wired up"),
@@ -134,6 +136,8 @@ ONLY_VALUE: dict[str, tuple[type, object, str]] = {
     "--dataloader-type": (str, "single", "the training data is read once, in order"),
     "--empty-unused-memory-level": (int, 0, "the CUDA caching allocator is never emptied"),
     "--rerun-mode": (str, "disabled", "the rerun state machine is not used"),
+    "--async-strategy": (str, "mcore", "--async-save uses megatron-core's own asynchronous "
+                         "writer; nvidia-resiliency-ext's is not a requirement here"),
 }
 
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")

@@ -42,7 +42,8 @@ GROUP_REASONS: dict[str, str] = {
     "regularization": "an optimizer option that this trainer does not wire: its optimizers are "
     "Adam and SGD (--optimizer)",
     "checkpointing": "a checkpoint option that this trainer does not implement: checkpoints "
-    "are synchronous torch_dist or torch saves with a verified manifest (docs/checkpoints.md)",
+    "are torch_dist saves (asynchronous with --async-save) or torch saves, with a verified "
+    "manifest (docs/checkpoints.md)",
     "data and dataloader": "a data option of Megatron-LM's other datasets or loaders: this "
     "trainer reads GPT data from --data-path or --train/valid/test-data-path",
     "tokenizer": "a tokenizer option that this trainer does not wire (docs/flags.md lists the "

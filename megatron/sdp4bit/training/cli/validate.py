@@ -412,6 +412,11 @@ def _check_logging(args: argparse.Namespace) -> None:
 
 
 def _check_checkpoint(args: argparse.Namespace) -> None:
+    if args.async_save and args.ckpt_format != "torch_dist":
+        _fail(f"--async-save needs --ckpt-format torch_dist (the {args.ckpt_format} format is "
+              "saved synchronously, as in Megatron-LM)")
+    if args.async_save and not args.save:
+        _fail("--async-save needs --save (the folder its checkpoints are written to)")
     if args.ckpt_step is not None:
         if not args.load:
             _fail(f"--ckpt-step {args.ckpt_step} needs --load (the folder holding iter_"

@@ -150,6 +150,12 @@ def format_saving(iteration: int, save_dir: str, ckpt_format: str) -> str:
             f"{ckpt_format} format")
 
 
+def format_scheduled(iteration: int, save_dir: str) -> str:
+    """Megatron-LM's line after an asynchronous save (``--async-save``) was scheduled; its
+    :func:`format_saved` line follows when the save is published."""
+    return f"  scheduled an async checkpoint save at iteration {iteration:7d} to {save_dir}"
+
+
 def format_saved(iteration: int, save_dir: str, tp: int, pp: int) -> str:
     """Megatron-LM's line after every rank wrote its part and the tracker file names the
     iteration (what cluster tooling waits for). Rank 0 prints it, so its own position, 1 of

@@ -25,6 +25,10 @@ deprecated" (and ``all_gather_into_tensor``)           names; nothing a user can
                                                        a user has nothing to change
 "DistributedDataParallel: full_param_layout not        DDP computes the same layout itself
 provided ..." (0.19.2)                                 (inside ``sdp4bit_padding``, padded)
+"MCore's async save is deprecated ..." (0.19.2)        ``--async-save`` asks for megatron-core's
+                                                       own writer on purpose: the one it
+                                                       advises, nvidia-resiliency-ext's, is not
+                                                       a requirement here
 =====================================================  ========================================
 
 Every other warning still shows on rank 0, once per place it comes from (Python's default).
@@ -65,6 +69,7 @@ RELEASE_SPECIFIC: dict[str, str] = {
     r"MimoModelConfig is experimental": "0.19.2",
     r"GPTModel IS DEPRECATED": "0.19.2",
     r"DistributedDataParallel: full_param_layout not provided": "0.19.2",
+    r"MCore's async save is deprecated": "0.19.2",
 }
 # logging records: logger name -> message regexes.
 NOISE_LOGS: dict[str, tuple[str, ...]] = {
@@ -76,6 +81,7 @@ NOISE_LOGS: dict[str, tuple[str, ...]] = {
     "megatron.core.models.gpt.gpt_model": (r"GPTModel IS DEPRECATED",),
     "megatron.core.distributed.distributed_data_parallel": (
         r"DistributedDataParallel: full_param_layout not provided",),
+    "megatron.core.dist_checkpointing.strategies.torch": (r"MCore's async save is deprecated",),
 }
 
 

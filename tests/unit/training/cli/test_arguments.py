@@ -342,3 +342,14 @@ def test_ckpt_step_needs_load_and_a_non_negative_iteration():
     with pytest.raises(ArgumentsError, match=re.escape("--ckpt-step=-1 must be an iteration "
                                                        "number >= 0")):
         parse("--load x --ckpt-step -1")
+
+
+def test_async_save_needs_torch_dist_and_save():
+    assert parse("--save x --async-save").async_save
+    with pytest.raises(ArgumentsError, match=re.escape(
+            "--async-save needs --ckpt-format torch_dist (the torch format is saved "
+            "synchronously, as in Megatron-LM)")):
+        parse("--save x --async-save --ckpt-format torch")
+    with pytest.raises(ArgumentsError, match=re.escape(
+            "--async-save needs --save (the folder its checkpoints are written to)")):
+        parse("--async-save")

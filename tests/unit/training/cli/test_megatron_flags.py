@@ -179,11 +179,11 @@ def test_several_refusals_are_named_in_one_message():
 
     fsdp, rl = "--use-torch-fsdp2", "--grpo-group-size"
     assert mlm.MEGATRON_LM_FLAGS[rl] == "rl"
-    got = error(f"--async-save {rl} 4 --rerun-mode validate_results {fsdp} --no-such-flag 3")
+    got = error(f"--no-save-optim {rl} 4 --rerun-mode validate_results {fsdp} --no-such-flag 3")
     assert got == (
         "5 problems with this command line; drop or replace each: "
         f"(1) {rl}: {mlm.GROUP_REASONS['rl']}; (2) {fsdp}: {mlm.FLAG_REASONS[fsdp]}; "
-        f"(3) --async-save: {mf.REFUSED_FLAGS['--async-save'][1]}; "
+        f"(3) --no-save-optim: {mf.REFUSED_FLAGS['--no-save-optim'][1]}; "
         f"(4) --rerun-mode=validate_results: only disabled ({mf.ONLY_VALUE['--rerun-mode'][2]}); "
         "(5) unrecognized arguments: --no-such-flag 3")
 

@@ -1,0 +1,199 @@
+"""``--async-save``'s bookkeeping without processes: the order of the finalize step, what a
+failed write or an abort publishes (nothing), and where the loop finalizes (before the next
+save, on exit, at the end; a failing run aborts). megatron-core's queue is a stand-in that
+says when a write is done; the real writer runs in tests/distributed/test_async_save_writer.py."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from torch.distributed.checkpoint.api import CheckpointException
+
+from megatron.sdp4bit.training import loop
+from megatron.sdp4bit.training.checkpoint import disk_space
+from megatron.sdp4bit.training.checkpoint.async_save import AsyncSaves, PendingSave
+from megatron.sdp4bit.training.checkpoint.files import CheckpointError
+
+
+class _Request:
+    """megatron-core's ``AsyncRequest``: its finalize functions, megatron-core's first."""
+
+    def __init__(self, log: list) -> None:
+        self.finalize_fns = [lambda: log.append("megatron-core finalize")]
+
+    def add_finalize_fn(self, fn) -> None:
+        self.finalize_fns.append(fn)
+
+
+class _Writer:
+    """``BackgroundWriter``: ``done`` says how many scheduled writes have exited."""
+
+    def __init__(self, log: list) -> None:
+        self.log, self.requests, self.done, self.fail = log, [], 0, None
+        self.closed = None
+
+    def schedule(self, request) -> None:
+        self.requests.append(request)
+        self.log.append("fork writer")
+
+    def finalize(self, blocking: bool) -> list[int]:
+        self.log.append(f"agree (blocking={blocking})")
+        if self.fail is not None:
+            self.requests.pop(0)
+            raise self.fail
+        ready = len(self.requests) if blocking else min(self.done, len(self.requests))
+        finished = []
+        for _ in range(ready):
+            for fn in self.requests.pop(0).finalize_fns:
+                fn()
+            finished.append(len(finished))
+        self.done -= min(self.done, ready)
+        return finished
+
+    def close(self, abort: bool = False) -> None:
+        self.closed = "abort" if abort else "closed"
+
+
+def _saves(log):
+    writer = _Writer(log)
+    return AsyncSaves(writer), writer
+
+
+def _schedule(saves, log, iteration):
+    saves.schedule(_Request(log), PendingSave("CK", f"CK/iter_{iteration}.partial", iteration, {}),
+                   lambda save: log.append(f"publish {save.iteration}"))
+
+
+def test_a_save_is_published_only_by_its_finalize_after_megatron_cores():
+    log = []
+    saves, writer = _saves(log)
+    assert saves.finalize() == [] and log == []  # nothing pending: not even the agreement
+    _schedule(saves, log, 4)
+    assert saves.finalize() == [] and saves.pending == [4]  # still writing on some rank
+    assert "publish 4" not in log
+    writer.done = 1
+    assert saves.finalize() == [4] and saves.pending == []
+    assert log == ["fork writer", "agree (blocking=False)", "agree (blocking=False)",
+                   "megatron-core finalize", "publish 4"]
+    _schedule(saves, log, 8)
+    assert saves.close() == [8] and writer.closed == "closed"
+    assert log[-3:] == ["agree (blocking=True)", "megatron-core finalize", "publish 8"]
+
+
+def test_a_failed_write_publishes_nothing_and_names_the_save(monkeypatch, tmp_path):
+    log = []
+    saves, writer = _saves(log)
+    monkeypatch.setattr(disk_space.dist, "get_rank", lambda: 0)
+    partial = tmp_path / "iter_0000004.partial"
+    partial.mkdir()
+    saves.schedule(_Request(log), PendingSave(str(tmp_path), str(partial), 4, {}),
+                   lambda save: log.append("publish"))
+    writer.fail = CheckpointException("write", {1: (OSError(28, "No space left on device"),
+                                                    None)})
+    with pytest.raises(CheckpointError, match=r"^saving iteration 4 to .* failed \(No space "
+                       r"left on device\): its partial folder is removed and .* holds no "
+                       r"complete checkpoint yet"):
+        saves.finalize()
+    assert "publish" not in log and not partial.exists() and saves.pending == []
+
+
+def test_abort_publishes_nothing_and_a_failed_close_aborts():
+    log = []
+    saves, writer = _saves(log)
+    _schedule(saves, log, 4)
+    assert saves.close(abort=True) == [] and writer.closed == "abort"
+    assert log == ["fork writer"]  # no agreement (other ranks may be gone), no publish
+    saves, writer = _saves(log)
+    _schedule(saves, log, 6)
+    writer.fail = RuntimeError("a rank was lost")
+    with pytest.raises(RuntimeError):
+        saves.close()
+    assert writer.closed == "abort" and "publish 6" not in log
+
+
+class _LoopSaves:
+    """What the loop sees of :class:`AsyncSaves`: a save is done when finalized."""
+
+    def __init__(self, log: list) -> None:
+        self.log, self._pending = log, []
+
+    def finalize(self, blocking: bool = False) -> list[int]:
+        self.log.append(f"finalize blocking={blocking}")
+        done, self._pending = (self._pending, []) if blocking else ([], self._pending)
+        return done
+
+    def close(self, abort: bool = False) -> list[int]:
+        self.log.append(f"close abort={abort}")
+        return [] if abort else self.finalize(True)
+
+
+def _loop_state(monkeypatch, log):
+    args = argparse.Namespace(save="CK", ckpt_format="torch_dist", async_save=True,
+                              tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    state = loop.TrainState(model=[], optimizer=None, scheduler=None, datasets=[],
+                            vocab_size=0)
+    state.async_saves = _LoopSaves(log)
+
+    def save(args, iteration, *a, background=None, **kw):
+        log.append(f"schedule {iteration}")
+        background._pending.append(iteration)
+
+    monkeypatch.setattr(loop.checkpoint_formats, "save", save)
+    monkeypatch.setattr(loop.faults, "active", lambda *a: False)
+    monkeypatch.setattr(loop.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(loop, "_is_logging_rank", lambda: True)
+    return args, state
+
+
+def test_the_loop_finishes_a_pending_save_before_the_next_and_says_when_it_is_saved(
+        monkeypatch, capsys):
+    log = []
+    args, state = _loop_state(monkeypatch, log)
+    state.iteration = 3
+    loop._save(args, state)
+    out = capsys.readouterr().out
+    assert "scheduled an async checkpoint save at iteration       3 to CK" in out
+    assert "successfully saved" not in out and state.saved_iteration is None
+    state.iteration = 6
+    loop._save(args, state)  # the save of 3 is published first
+    assert log == ["finalize blocking=True", "schedule 3", "finalize blocking=True",
+                   "schedule 6"]
+    out = capsys.readouterr().out
+    assert out.index("successfully saved checkpoint from iteration       3 to CK") < \
+        out.index("saving checkpoint at iteration       6")
+    assert state.saved_iteration == 3
+
+
+def test_an_exit_signal_waits_for_the_save_it_asked_for(monkeypatch, capsys):
+    log = []
+    args, state = _loop_state(monkeypatch, log)
+    state.iteration = 5
+    signal = argparse.Namespace(name="SIGTERM")
+    loop._exit_on_signal(args, state, signal, saved=False)
+    assert log[-2:] == ["schedule 5", "finalize blocking=True"]
+    assert state.saved_iteration == 5
+    out = capsys.readouterr().out
+    assert "exiting program after receiving SIGTERM at iteration 5 (checkpoint saved in" in out
+
+
+@pytest.mark.parametrize("error,closed", [(loop.TrainingStopped("diverged"), "close abort=False"),
+                                          (RuntimeError("lost a rank"), "close abort=True")])
+def test_train_publishes_on_an_agreed_stop_and_aborts_on_a_failure(monkeypatch, error, closed):
+    log = []
+    args, state = _loop_state(monkeypatch, log)
+    saves = state.async_saves
+    monkeypatch.setattr(loop, "AsyncSaves", lambda: saves)
+
+    def run(*a):
+        raise error
+
+    monkeypatch.setattr(loop, "_train", run)
+    with pytest.raises(type(error)):
+        loop.train(args, state)
+    assert log[0] == closed and state.async_saves is None
+    monkeypatch.setattr(loop, "_train", lambda *a: None)
+    log.clear()
+    assert loop.train(args, state) is state
+    assert log == ["close abort=False", "finalize blocking=True"]
+
