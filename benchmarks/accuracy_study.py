@@ -284,6 +284,13 @@ def report(study_dir: Path, out_dirs: list[Path], meta: dict,
     return record
 
 
+def carried_methods(carry: dict, ran: list[str]) -> dict[str, list[str]]:
+    """The flags of the methods a study carries from the record ``carry``: the record's own
+    and those it carried itself, but the methods the study ran (``ran``)."""
+    return {m: f for m, f in {**carry.get("carried_methods", {}),
+                              **carry.get("methods", {})}.items() if m not in ran}
+
+
 def render(record: dict, stem: str = "accuracy_study") -> str:
     moe = stem == MODELS["moe"][1]
     header = ["# Accuracy study" + (" (mixture of experts, `--model moe`)" if moe else "")
@@ -311,15 +318,17 @@ def render(record: dict, stem: str = "accuracy_study") -> str:
                       f"{sum(r['seconds'] for r in record['runs'].values()) / 60:.0f} min for "
                       f"{len(record['runs'])} runs, 1-minute load average {min(loads):.1f} to "
                       f"{max(loads):.1f} at their starts and ends")
-    carried = record["summary"].get("carried")
-    if carried:
+    carried, by = record["summary"].get("carried"), "this study"
+    while carried:  # the record carried from, then the one that record carried from, ...
         was = carried.get("machine") or {}
         load = carried.get("load_average") or [float("nan")] * 2
-        header.append(f"- carried over (`--carry-over`) from the record of {carried['date']} "
-                      f"(`{carried['command']}`; {was.get('cpu', 'machine unrecorded')}, "
-                      f"{was.get('cores', '?')} cores, torch {was.get('torch', '?')}; load "
-                      f"{load[0]:.1f} / {load[1]:.1f}), whose baseline `ref` run this study "
-                      f"reproduced bit for bit: {', '.join(carried['names'])}")
+        header.append(f"- carried over (`--carry-over`) by {by} from the record of "
+                      f"{carried['date']} (`{carried['command']}`; "
+                      f"{was.get('cpu', 'machine unrecorded')}, {was.get('cores', '?')} "
+                      f"cores, torch {was.get('torch', '?')}; load {load[0]:.1f} / "
+                      f"{load[1]:.1f}), whose baseline `ref` run {by} reproduced bit for bit: "
+                      f"{', '.join(carried['names'])}")
+        carried, by = carried.get("earlier"), f"the record of {carried['date']}"
     if record.get("methods"):
         header += ["", "| method | flags (added to the common ones) |", "|---|---|"]
         header += [f"| {k} | `{' '.join(v) or '(none)'}` |" for k, v in
@@ -433,8 +442,8 @@ def main(argv: list[str] | None = None) -> int:
                     base_meta["load_average"][0], os.getloadavg()[0]],
                 "seconds": seconds, "runs": run_records(folders), "example_run": example,
                 "methods": {m: METHODS[m] for m in args.methods},
-                **({"carried_methods": {m: f for m, f in carry.get("methods", {}).items()
-                                        if m not in args.methods}} if carry else {}),
+                **({"carried_methods": carried_methods(carry, args.methods)}
+                   if carry else {}),
                 "settings": {"train_iters": args.train_iters, "eval_interval": args.eval_interval,
                              "eval_iters": args.eval_iters, "seed": args.seed,
                              "rounding_seeds": args.rounding_seeds, "seeds": args.seeds,

@@ -165,11 +165,18 @@ def _carry(methods: dict, base_runs: dict, prior: dict, final_it: int, baseline:
         if name not in methods:
             methods[name] = {k: m[k] for k in ("runs", "final", "curve")}
             carried.append(name)
-    for label, final in (old.get("seed_band") or {}).get("runs", {}).items():
-        if label not in base_runs:
-            base_runs[label] = {"final": final, "curve": old["seed_band"]["curves"][label]}
-            carried.append(f"{baseline}/{label}")
+    for prefix in BANDS:  # the baseline's other runs, whichever band they make
+        band = old.get(f"{prefix}_band") or {}
+        for label, final in band.get("runs", {}).items():
+            if label not in base_runs:
+                base_runs[label] = {"final": final, "curve": band["curves"][label]}
+                carried.append(f"{baseline}/{label}")
     return carried
+
+
+def old_carried(record: dict) -> dict | None:
+    """The provenance of the rows ``record`` itself carried over (None if it carried none)."""
+    return (record.get("summary") or {}).get("carried")
 
 
 def summarize(study: dict[str, dict], baseline: str = "baseline",
@@ -220,7 +227,9 @@ def summarize(study: dict[str, dict], baseline: str = "baseline",
     if carry:
         out["carried"] = {"names": carried, "date": carry.get("date"),
                           "command": carry.get("command"), "machine": carry.get("machine"),
-                          "load_average": carry.get("load_average")}
+                          "load_average": carry.get("load_average"),
+                          # where the record's own carried rows came from, and so on
+                          "earlier": old_carried(carry)}
     return out
 
 

@@ -90,6 +90,11 @@ class SDP4BitConfig:
     gradient_error_feedback_storage: Literal["int8", "fp32"] = "int8"
     """Error feedback: keep the error at 8 bits (groups of the inter hop) or in fp32."""
 
+    gradient_error_feedback_rounding: Literal["stochastic", "nearest"] = "stochastic"
+    """Error feedback: rounding of the compensated inter-node quantization: stochastic
+    (as --quantization-rounding) or round-to-nearest, the classic form of error feedback
+    (the other quantizers keep --quantization-rounding)."""
+
     hadamard_transform: bool = False
     """TLq-HS: smooth gradient outliers with a block Hadamard transform before quantizing."""
 
@@ -185,7 +190,8 @@ class SDP4BitConfig:
             )
         ef_knobs = {"gradient_error_feedback_decay": 0.0,
                     "gradient_error_feedback_reset_interval": 0,
-                    "gradient_error_feedback_storage": "int8"}
+                    "gradient_error_feedback_storage": "int8",
+                    "gradient_error_feedback_rounding": "stochastic"}
         if not self.gradient_error_feedback:
             for name, default in ef_knobs.items():
                 if getattr(self, name) != default:
@@ -203,6 +209,10 @@ class SDP4BitConfig:
         if self.gradient_error_feedback_storage not in ("int8", "fp32"):
             raise ValueError("gradient_error_feedback_storage="
                              f"{self.gradient_error_feedback_storage!r}: use 'int8' or 'fp32'")
+        if self.gradient_error_feedback_rounding not in ("stochastic", "nearest"):
+            raise ValueError("gradient_error_feedback_rounding="
+                             f"{self.gradient_error_feedback_rounding!r}: use 'stochastic' or "
+                             "'nearest'")
         if self.dp_ranks_per_node is not None and self.dp_ranks_per_node < 1:
             raise ValueError(f"dp_ranks_per_node={self.dp_ranks_per_node} must be >= 1")
 
@@ -238,7 +248,9 @@ class SDP4BitConfig:
                    f"{self.gradient_error_feedback_decay}, "
                    + (f"reset every {self.gradient_error_feedback_reset_interval} calls"
                       if self.gradient_error_feedback_reset_interval else "never reset")
-                   + f", {self.gradient_error_feedback_storage} storage)"
+                   + f", {self.gradient_error_feedback_storage} storage"
+                   + (", round-to-nearest" if self.gradient_error_feedback_rounding == "nearest"
+                      else "") + ")"
                    if self.gradient_error_feedback else ""))
         parts.append(f"{self.quantization_rounding} rounding, {self.kernel_backend} kernels")
         return " | ".join(parts)

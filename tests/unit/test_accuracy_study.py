@@ -281,6 +281,45 @@ def test_the_bands_split_the_seed_band_and_earlier_rows_are_carried_over(tmp_pat
         s.summarize(s.read_study(new), carry=record)
 
 
+def test_a_record_that_carried_rows_passes_them_on_with_their_bands_and_origin(tmp_path):
+    """Carrying over from a record that itself carried rows keeps all of them: its methods
+    and carried methods, the baseline's seed, init and order runs, and where each came from
+    (the record's date and command, then the earlier record's)."""
+    from benchmarks import accuracy_study as a
+    from benchmarks import accuracy_summary as s
+
+    old = _study(tmp_path / "old")
+    assert a.main(["--from-runs", str(old)]) == 0
+    record = json.loads((old / "accuracy_study.json").read_text())
+    record.update(date="2026-01-01", command="python old")
+    mid = tmp_path / "mid"
+    for label, final in {"ref": 5.00, "init7": 5.20, "order7": 5.02}.items():
+        _metrics(mid / "baseline" / label, {50: final + 1.0, 100: final})
+    _metrics(mid / "qWD-EF" / "rs1", {50: 6.1, 100: 5.1})
+    mid_record = {"summary": s.summarize(s.read_study(mid), carry=record),
+                  "date": "2026-02-02", "command": "python mid",
+                  "methods": {"baseline": [], "qWD-EF": ["--ef"]},
+                  "carried_methods": {"qW": ["--qw"], "qWD": ["--qwd"]}}
+    new = tmp_path / "new"
+    _metrics(new / "baseline" / "ref", {50: 6.0, 100: 5.0})
+    _metrics(new / "qWD-2bit" / "rs1", {50: 6.2, 100: 5.2})
+    summary = s.summarize(s.read_study(new), carry=mid_record)
+    assert list(summary["methods"]) == ["baseline", "qW", "qWD", "qWD-2bit", "qWD-EF"]
+    assert summary["seed_band"]["runs"] == {"ref": 5.0, "seed1235": 5.1, "seed1236": 4.9}
+    assert summary["init_band"]["runs"] == {"ref": 5.0, "init7": 5.2}
+    assert summary["order_band"]["runs"] == {"ref": 5.0, "order7": 5.02}
+    assert summary["carried"]["date"] == "2026-02-02"
+    assert summary["carried"]["earlier"]["date"] == "2026-01-01"
+    md = a.render({"command": "python new", "date": "2026-03-03", "summary": summary,
+                   "methods": {"baseline": [], "qWD-2bit": ["--two"]},
+                   "carried_methods": a.carried_methods(mid_record, ["baseline", "qWD-2bit"])})
+    assert "by this study from the record of 2026-02-02 (`python mid`" in md
+    assert "by the record of 2026-02-02 from the record of 2026-01-01 (`python old`" in md
+    for row in ("| qW | `--qw` |", "| qWD | `--qwd` |", "| qWD-EF | `--ef` |",
+                "| qWD-2bit | `--two` |"):
+        assert row in md
+
+
 def test_kept_runs_report_their_own_wall_time_and_load(tmp_path):
     """A study that keeps finished runs reports the time and load each run recorded when it
     trained, not the instant of the summary."""

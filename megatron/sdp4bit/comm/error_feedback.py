@@ -11,6 +11,9 @@ lost and adds it back at the next call of the same bucket (LoCo's form of error 
 * ``e <- decay * e + (1 - decay) * (v - sent)``   (update; ``decay = 0``: classic feedback)
 * ``e <- 0`` before every ``reset_interval``-th call (0 = never): an old error need not fit
   the current gradients;
+* ``Q`` rounds as the hop does (stochastic by default) or, with ``rounding="nearest"``
+  (``--gradient-error-feedback-rounding nearest``), to nearest: the classic form, where the
+  feedback corrects the rounding's bias instead of adding a second source of noise;
 * ``e`` is stored at 8 bits (``int8``: the 8-bit group quantizer, round to nearest, groups
   of the inter hop) or in fp32.
 
@@ -54,6 +57,10 @@ class ErrorFeedbackConfig:
     storage: Literal["int8", "fp32"] = "int8"
     """How the error is kept between calls."""
 
+    rounding: Literal["stochastic", "nearest"] = "stochastic"
+    """Rounding of the compensated quantization: ``stochastic`` follows the hop's (the
+    gradient config's), ``nearest`` rounds to nearest whatever the hop's."""
+
     def __post_init__(self) -> None:
         if not 0.0 <= self.decay < 1.0:
             raise ValueError(f"decay={self.decay} must be in [0, 1)")
@@ -61,6 +68,8 @@ class ErrorFeedbackConfig:
             raise ValueError(f"reset_interval={self.reset_interval} must be an integer >= 0")
         if self.storage not in ("int8", "fp32"):
             raise ValueError(f"storage={self.storage!r}: use 'int8' or 'fp32'")
+        if self.rounding not in ("stochastic", "nearest"):
+            raise ValueError(f"rounding={self.rounding!r}: use 'stochastic' or 'nearest'")
 
     @classmethod
     def from_sdp4bit(cls, config: SDP4BitConfig) -> "ErrorFeedbackConfig | None":
@@ -69,7 +78,8 @@ class ErrorFeedbackConfig:
             return None
         return cls(decay=config.gradient_error_feedback_decay,
                    reset_interval=config.gradient_error_feedback_reset_interval,
-                   storage=config.gradient_error_feedback_storage)
+                   storage=config.gradient_error_feedback_storage,
+                   rounding=config.gradient_error_feedback_rounding)
 
 
 def check_two_hops(ranks_per_node: int, nodes: int) -> None:
@@ -155,7 +165,8 @@ class ErrorFeedback:
         v = total + error
         ops.tlq_sender(v, send, num_dests=nodes, blocks_per_dest=1, slices=1,
                        bits=cfg.inter_bits, group_size=cfg.inter_group_size, hadamard_block=0,
-                       stochastic=cfg.stochastic, seed=seed, backend=backend)
+                       stochastic=cfg.stochastic and self.config.rounding == "stochastic",
+                       seed=seed, backend=backend)
         sent = torch.empty_like(total)
         ops.qwd_receiver(send, sent, world=nodes, bits=cfg.inter_bits,
                          group_size=cfg.inter_group_size, accumulate=False, backend=backend)

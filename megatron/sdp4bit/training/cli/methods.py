@@ -1,6 +1,7 @@
 """The paper's methods as ``pretrain_gpt.py`` flags: Table 1's columns, ZeRO++'s ULq, qWD
 with its rounded target, and SDP4Bit below its 4 inter-node bits: error feedback on the
-inter-node hop (``-EF``, the option's defaults) and 2-bit inter-node gradients (``-2bit``).
+inter-node hop (``-EF``, the option's defaults; ``-EF-nearest`` with its round-to-nearest
+compensated quantization) and 2-bit inter-node gradients (``-2bit``).
 
 Shared by the tools that run every method on the same model (``tools/loss_compare.py``,
 ``benchmarks/accuracy_study.py``). Gradient groups of 128 on both hops, as every released
@@ -27,5 +28,7 @@ METHOD_FLAGS: dict[str, list[str]] = {
     "SDP4Bit-EF": _SDP4BIT + _EF,
     "SDP4Bit-2bit": _SDP4BIT + _2BIT,
     "SDP4Bit-2bit-EF": _SDP4BIT + _2BIT + _EF,
+    "SDP4Bit-2bit-EF-nearest": _SDP4BIT + _2BIT + _EF
+    + ["--gradient-error-feedback-rounding", "nearest"],
 }
 """Method name -> its SDP4Bit flags (the rest of the command line is the caller's)."""

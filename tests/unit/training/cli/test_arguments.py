@@ -135,6 +135,10 @@ ERRORS = {
     "ef-knob-alone": ("--use-distributed-optimizer --quantized-gradients "
                       "--gradient-error-feedback-decay 0.5",
                       "--gradient-error-feedback-decay=0.5 needs --gradient-error-feedback=True"),
+    "ef-rounding-alone": ("--use-distributed-optimizer --quantized-gradients "
+                          "--gradient-error-feedback-rounding nearest",
+                          "--gradient-error-feedback-rounding=nearest needs "
+                          "--gradient-error-feedback=True"),
     "ef-decay": ("--use-distributed-optimizer --quantized-gradients --gradient-error-feedback "
                  "--gradient-error-feedback-decay 1",
                  "--gradient-error-feedback-decay=1.0 must be in [0, 1)"),
