@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 from megatron.core.dist_checkpointing.strategies.state_dict_saver import (
@@ -258,3 +259,16 @@ def restore_steps(opts: list, loaded: dict[str, Any]) -> None:
         for state in opt.optimizer.state.values():
             if "step" in state:
                 state["step"] = torch.tensor(step, dtype=torch.float32)
+
+
+EF_KEY = "sdp4bit_error_feedback"
+"""The key of ``--gradient-error-feedback``'s state in a ``torch_dist`` checkpoint (this
+trainer's and, through the plug-in, Megatron-LM's)."""
+
+
+def error_feedback_sharded(state: Any) -> ShardedObject:
+    """The error state as one entry per global rank: the error is of what this rank sent on
+    the inter hop, so it has no replica (unlike the RNG's, context- and expert-parallel ranks
+    keep their own)."""
+    return ShardedObject(EF_KEY, state, (torch.distributed.get_world_size(),),
+                         (torch.distributed.get_rank(),), replica_id=0)

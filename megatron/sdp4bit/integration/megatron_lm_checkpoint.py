@@ -8,16 +8,17 @@ at call time, so the plug-in wraps them (entries of the replacement table, decla
 ``megatron_lm.py``):
 
 * saving (``torch_dist``, Megatron-LM's default format; the plug-in refuses the flag with
-  ``--save`` in another): the state dict gains :data:`EF_KEY`, one ``ShardedObject`` per
-  global rank (:func:`error_feedback_sharded`, the same entry ``pretrain_gpt.py``'s
-  checkpoints hold), and :data:`LAYOUT_KEY`, the parallel layout it was saved with (in the
-  checkpoint's common part). The state is copied when the dict is built, so Megatron-LM's
-  ``--async-save`` writes the state of the iteration it saved;
+  ``--save`` in another): the state dict gains ``EF_KEY``, one ``ShardedObject`` per
+  global rank (``dist_checkpointing.error_feedback_sharded``, the same entry
+  ``pretrain_gpt.py``'s checkpoints hold), and :data:`LAYOUT_KEY`, the parallel layout it
+  was saved with (in the checkpoint's common part). The state is copied when the dict is
+  built, so Megatron-LM's ``--async-save`` writes the state of the iteration it saved;
 * loading: Megatron-LM first reads the common part (``rank0=True``); when it holds
   :data:`LAYOUT_KEY` for this run's layout, the dict Megatron-LM loads into asks for
-  :data:`EF_KEY` too, and what comes back is kept until SDP4Bit is installed (after the load:
+  ``EF_KEY`` too, and what comes back is kept until SDP4Bit is installed (after the load:
   ``megatron_lm.py``), which restores it. A checkpoint saved without the flag, with another
-  layout or by ``--finetune``'s load starts the error from zero, and rank 0 says so in one line.
+  layout or by ``--finetune``'s load starts the error from zero, and rank 0 says so in one
+  line.
 """
 
 from __future__ import annotations
@@ -26,26 +27,17 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-import torch.distributed as dist
-from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.sdp4bit.integration.dist_checkpointing import EF_KEY, error_feedback_sharded
 
-__all__ = ["EF_KEY", "LAYOUT_KEY", "PendingLoad", "error_feedback_sharded", "layout_of_args",
-           "wrap_generate_state_dict", "wrap_load_base_checkpoint"]
+__all__ = ["LAYOUT_KEY", "PendingLoad", "layout_of_args", "wrap_generate_state_dict",
+           "wrap_load_base_checkpoint"]
 
-EF_KEY = "sdp4bit_error_feedback"
 LAYOUT_KEY = "sdp4bit_error_feedback_layout"
 
 _LAYOUT_ARGS = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
                 "virtual_pipeline_model_parallel_size", "context_parallel_size",
                 "expert_model_parallel_size", "data_parallel_size", "ddp_bucket_size",
                 "dp_ranks_per_node")
-
-
-def error_feedback_sharded(state: Any) -> ShardedObject:
-    """One entry per global rank: the error is of what this rank sent on the inter hop, so it
-    has no replica (context- and expert-parallel ranks keep their own)."""
-    return ShardedObject(EF_KEY, state, (dist.get_world_size(),), (dist.get_rank(),),
-                         replica_id=0)
 
 
 def layout_of_args(args: Any) -> dict[str, Any]:
@@ -58,7 +50,7 @@ class PendingLoad:
     """The plug-in's view of the checkpoint being loaded."""
 
     ask: bool = False
-    """Whether the load asks for :data:`EF_KEY` (the checkpoint holds it for this layout)."""
+    """Whether the load asks for ``EF_KEY`` (the checkpoint holds it for this layout)."""
     skipped: str | None = None
     """Why the state will not be loaded, when it will not."""
     state: Any = None

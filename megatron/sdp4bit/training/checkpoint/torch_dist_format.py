@@ -36,8 +36,10 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShard
 from megatron.sdp4bit import atomic_files
 from megatron.sdp4bit.integration import async_save, checkpoint_space
 from megatron.sdp4bit.integration.dist_checkpointing import (
+    EF_KEY,
     MEGATRON_INTEGRITY,
     bucket_space_world_tensors,
+    error_feedback_sharded,
     in_process_writer,
     megatron_integrity_check,
     restore_steps,
@@ -78,16 +80,6 @@ def _rng_object() -> ShardedObject:
     return ShardedObject("rng_state", common.rng_state(), shape, (pp, tp, dp), replica_id=0)
 
 
-EF_KEY = "sdp4bit_error_feedback"
-
-
-def _error_feedback_object(state: dict[str, Any]) -> ShardedObject:
-    # One entry per global rank: the error is of what this rank sent on the inter hop, so it
-    # has no replica (unlike the RNG's, context- and expert-parallel ranks keep their own).
-    return ShardedObject(EF_KEY, state, (dist.get_world_size(),), (dist.get_rank(),),
-                         replica_id=0)
-
-
 def error_feedback_skipped(saved: dict[str, Any], same_layout: bool) -> str | None:
     """Why a run with error feedback does not read the state of a checkpoint whose manifest
     recorded ``saved`` (None: it reads it). Like the RNG's, the state is the error of what
@@ -122,7 +114,7 @@ def _sharded_state(model_chunks, optimizer, sharding_type: str, *, is_loading: b
     if with_rng:
         state["rng_state"] = _rng_object()
     if error_feedback is not None:
-        state[EF_KEY] = _error_feedback_object(error_feedback)
+        state[EF_KEY] = error_feedback_sharded(error_feedback)
     return state
 
 
