@@ -139,13 +139,16 @@ def _ramped(flags: list[str]) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_sdp4bit_resume_matches_uninterrupted(data_prefix, tmp_path):
-    """SDP4Bit on preprocessed data with the batch ramped up from 8 to 16, saved at 10 (80
-    samples, in the middle of the ramp-up); a second launch resumes from 10 and must log the
-    same batch sizes, losses and bytes at 15 and 20 as the uninterrupted run."""
+    """SDP4Bit on preprocessed data with the batch ramped up from 8 to 16 (from iteration
+    13). Saved every 5 iterations and at 12, before the batch grows, as Megatron-LM saves
+    then. A second launch resumes from 10 (80 samples, in the middle of the ramp-up) and must
+    log the same batch sizes, losses and bytes at 15 and 20 as the uninterrupted run."""
     ckpt = tmp_path / "ckpt"
     base = _ramped(TINY) + data_prefix + METHODS["SDP4Bit"] + ["--dp-ranks-per-node", "2"]
-    first = torchrun(base + ["--save", str(ckpt), "--save-interval", "10"])
+    first = torchrun(base + ["--save", str(ckpt), "--save-interval", "5"])
     assert "(TP 1, PP 1, 1 micro-batches per step rising to 2)" in first.stdout
+    assert re.findall(r"successfully saved checkpoint from iteration +(\d+)", first.stdout) \
+        == ["5", "10", "12", "15", "20"], first.stdout[-3000:]
     full = train_lines(first.stdout)
     check_run(full, "SDP4Bit", consumed=[40, 80, 144, 224])
     assert [m["global_batch_size"] for m in full] == [8, 8, 16, 16]

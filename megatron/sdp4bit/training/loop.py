@@ -364,6 +364,12 @@ def _train(args: argparse.Namespace, state: TrainState, on_iteration=None,
             if args.save and args.save_interval and state.iteration % args.save_interval == 0:
                 _save(args, state)
                 saved = True
+            # Megatron-LM saves when a --rampup-batch-size is about to grow the batch (at the
+            # start of its next iteration there; once here, when no other save just ran)
+            if (args.save and not saved and state.iteration < args.train_iters
+                    and current_batch(state.consumed_samples)[1] != num_microbatches):
+                _save(args, state)
+                saved = True
             if exit_signal is not None and exit_signal.agreed():  # collective
                 _exit_on_signal(args, state, exit_signal, saved)
                 return state
