@@ -17,6 +17,7 @@ docs' code"):
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import re
 from pathlib import Path
@@ -41,6 +42,16 @@ def _later_release_module(name: str) -> bool:
     major, minor = (int(x) for x in package_info.__version__.split(".")[:2])
     return (major, minor) < (0, 17) and any(
         name == m or name.startswith(m + ".") for m in LATER_RELEASE_MODULES)
+
+
+def _bridged(name: str):
+    """Where a release ships one of LATER_RELEASE_MODULES: the Python 3.11 bridge that
+    ``megatron_lm.enable()`` applies first (a snippet importing them calls it before)."""
+    if not any(name == m or name.startswith(m + ".") for m in LATER_RELEASE_MODULES):
+        return contextlib.nullcontext()
+    from megatron.sdp4bit.integration import megatron_lm, patches
+
+    return patches.applied([megatron_lm.PYTHON_312])
 
 
 def pages(root: Path = ROOT) -> list[Path]:
@@ -113,7 +124,8 @@ def snippet_problem(code: str) -> str | None:
             if _later_release_module(node.module or ""):
                 continue
             try:
-                module = importlib.import_module(node.module or "")
+                with _bridged(node.module or ""):
+                    module = importlib.import_module(node.module or "")
             except ImportError as err:
                 return f"from {node.module} import ...: {err}"
             for alias in node.names:
