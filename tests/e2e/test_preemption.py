@@ -7,8 +7,9 @@ logged, no periodic save):
 1. the uninterrupted run to ``ITERS``, the reference;
 2. real ``torchrun``, SIGTERM to the agent once iteration 2 is logged; it forwards the
    signal to every worker;
-3. real ``torchrun`` resuming from 2's checkpoint, SIGTERM to one worker alone once two
-   more iterations are logged; the other ranks learn it at the end-of-step agreement;
+3. real ``torchrun`` resuming from 2's checkpoint, with ``--async-save``, SIGTERM to one
+   worker alone once two more iterations are logged; the other ranks learn it at the
+   end-of-step agreement, and the exit waits for the asynchronous save to be published;
 4. a resume from 3's checkpoint to ``ITERS``.
 
 The logged losses (and gradient norms, learning rates, byte counts) of 2, 3 and 4 must be
@@ -89,7 +90,7 @@ def runs(tmp_path_factory) -> dict:
     result["agent"] = _signalled_run(FLAGS + ["--save", ckpt], after=2, target="agent")
     with open(tracker) as f:
         result["agent"]["tracker"] = int(f.read())
-    resume = FLAGS + ["--save", ckpt, "--load", ckpt]
+    resume = FLAGS + ["--save", ckpt, "--load", ckpt, "--async-save"]
     result["worker"] = _signalled_run(resume, after=result["agent"]["tracker"] + 2,
                                       target="worker")
     with open(tracker) as f:
@@ -130,7 +131,12 @@ def test_sigterm_to_one_worker_saves_and_every_rank_exits_0(runs):
     run = runs["worker"]
     start = runs["agent"]["tracker"]
     assert "loaded checkpoint from" in run["stdout"]
-    _check_saved_and_exited(run, start)
+    stop = _check_saved_and_exited(run, start)
+    # --async-save: scheduled, then published (renamed, tracker written) before the exit
+    out = run["stdout"]
+    scheduled = out.index(f"scheduled an async checkpoint save at iteration {stop:7d}")
+    assert scheduled < out.index(f"successfully saved checkpoint from iteration {stop:7d}"), \
+        out[-2000:]
     # torchrun saw nothing: it exits 0 only when every worker did
     assert run["rc"] == 0, run["stderr"][-3000:]
     assert "Traceback" not in run["stderr"]
