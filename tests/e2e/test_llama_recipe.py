@@ -22,8 +22,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from megatron.sdp4bit.training.checkpoint import files, integrity
 from tests.helpers import launch as _launch
-from tests.helpers.corpora import TEXT, write_hf_tokenizer
-from tests.helpers.trainer import METHODS, ROOT, torchrun, train_lines, trainer_env
+from tests.helpers.trainer import (METHODS, ROOT, build_hf_corpus, torchrun, train_lines,
+                                   trainer_env)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.release_independent]
 
@@ -54,20 +54,13 @@ RECIPE = (
 def test_llama3_recipe_runs_with_sdp4bit_and_exports_its_tokenizer(tmp_path):
     from transformers import AutoTokenizer
 
-    folder = write_hf_tokenizer(tmp_path / "tokenizer")
+    folder, docs, prefix = build_hf_corpus(tmp_path)
     tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    docs = [" ".join(TEXT[(i + k) % len(TEXT)] for k in range(3)) for i in range(40)]
-    with open(tmp_path / "corpus.jsonl", "w", encoding="utf-8") as f:
-        f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
     tokenizer = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", folder]
-    res = _launch.python(os.path.join(ROOT, "tools", "preprocess_data.py"), [
-        "--input", str(tmp_path / "corpus.jsonl"), "--output-prefix", str(tmp_path / "corpus"),
-        "--append-eod", "--workers", "1", *tokenizer], env=trainer_env(), cwd=ROOT, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
 
     save, tb = tmp_path / "ckpt", tmp_path / "tb"
     res = torchrun(RECIPE + METHODS["SDP4Bit"] + tokenizer + [
-        "--dp-ranks-per-node", "2", "--data-path", str(tmp_path / "corpus_text_document"),
+        "--dp-ranks-per-node", "2", "--data-path", prefix,
         "--data-cache-path", str(tmp_path / "cache"), "--save", str(save),
         "--tensorboard-dir", str(tb)], nproc=4)
     lines = train_lines(res.stdout)

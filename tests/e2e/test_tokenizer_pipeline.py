@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from tests.helpers import launch as _launch
-from tests.helpers.corpora import TEXT, write_hf_tokenizer
-from tests.helpers.trainer import METHODS, ROOT, torchrun, train_lines, trainer_env
+from tests.helpers.trainer import (METHODS, ROOT, build_hf_corpus, torchrun, train_lines,
+                                   trainer_env)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -30,18 +28,9 @@ def test_a_huggingface_tokenizer_is_preprocessed_trained_with_and_exported(tmp_p
     from megatron.core.datasets.indexed_dataset import IndexedDataset
     from transformers import AutoTokenizer
 
-    folder = write_hf_tokenizer(tmp_path / "tokenizer")
+    folder, docs, prefix = build_hf_corpus(tmp_path)
     tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    docs = [" ".join(TEXT[(i + k) % len(TEXT)] for k in range(3)) for i in range(40)]
-    with open(tmp_path / "corpus.jsonl", "w", encoding="utf-8") as f:
-        f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
     flags = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", folder]
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"),
-                          "--input", str(tmp_path / "corpus.jsonl"), "--output-prefix",
-                          str(tmp_path / "corpus"), "--append-eod", *flags],
-                         capture_output=True, text=True, timeout=300, env=trainer_env())
-    assert res.returncode == 0, res.stderr
-    prefix = str(tmp_path / "corpus_text_document")
     data = IndexedDataset(prefix)
     assert len(data) == len(docs)
     assert data[5].tolist() == tok(docs[5]).input_ids + [tok.eos_token_id]

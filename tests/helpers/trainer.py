@@ -4,7 +4,8 @@
 (torchrun's worker contract, ranks forked ready from the session's fork server), or the real
 ``torchrun`` with ``real=True``; ``launch`` is the same without the exit-code check, and
 ``one_error_line`` asserts the trainer's one-line failure. ``build_corpus`` writes the tests'
-small preprocessed corpus.
+small preprocessed corpus (GPT-2's tokenizer format), ``build_hf_corpus`` the same documents
+with a Hugging Face tokenizer.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from megatron.sdp4bit.training.cli.methods import METHOD_FLAGS
 from megatron.sdp4bit.training.observe.logging import parse_log_line
 
 from tests.helpers import launch as _launch
-from tests.helpers.corpora import TEXT, write_gpt2_vocab
+from tests.helpers.corpora import TEXT, write_gpt2_vocab, write_hf_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
@@ -67,21 +68,42 @@ def train_lines(stdout: str) -> list[dict]:
     return [m for m in map(parse_log_line, stdout.splitlines()) if m is not None]
 
 
+def documents(n: int) -> list[str]:
+    """The tests' ``n`` documents: three consecutive lines of :data:`TEXT` each."""
+    return [" ".join(TEXT[(i + k) % len(TEXT)] for k in range(3)) for i in range(n)]
+
+
+def preprocess(d, docs: list[str], tokenizer: list[str]) -> str:
+    """``docs`` written to ``d/corpus.jsonl`` and preprocessed with ``tools/preprocess_data.py``
+    (``--append-eod``, the ``tokenizer`` flags); returns the data prefix."""
+    with open(d / "corpus.jsonl", "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({"text": doc}) + "\n" for doc in docs)
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"),
+                          "--input", str(d / "corpus.jsonl"), "--output-prefix", str(d / "corpus"),
+                          *tokenizer, "--append-eod"],
+                         capture_output=True, text=True, timeout=300, env=trainer_env())
+    assert res.returncode == 0, res.stderr
+    return str(d / "corpus_text_document")
+
+
 def build_corpus(d) -> list[str]:
     """The tests' corpus in folder ``d`` (a ``pathlib.Path``); returns the flags that use it
     (also used by benchmarks/noise_spread.py, which measures on the tests' runs)."""
     vocab, merges = write_gpt2_vocab(d)
-    with open(d / "corpus.jsonl", "w", encoding="utf-8") as f:
-        for i in range(60):
-            f.write(json.dumps({"text": " ".join(TEXT[(i + k) % len(TEXT)] for k in range(3))}) + "\n")
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"),
-                          "--input", str(d / "corpus.jsonl"), "--output-prefix", str(d / "corpus"),
-                          "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab,
-                          "--merge-file", merges, "--append-eod"],
-                         capture_output=True, text=True, timeout=120, env=trainer_env())
-    assert res.returncode == 0, res.stderr
-    return ["--data-path", str(d / "corpus_text_document"), "--vocab-file", vocab,
-            "--merge-file", merges, "--data-cache-path", str(d / "cache")]
+    prefix = preprocess(d, documents(60), ["--tokenizer-type", "GPT2BPETokenizer",
+                                           "--vocab-file", vocab, "--merge-file", merges])
+    return ["--data-path", prefix, "--vocab-file", vocab, "--merge-file", merges,
+            "--data-cache-path", str(d / "cache")]
+
+
+def build_hf_corpus(d) -> tuple[str, list[str], str]:
+    """A Hugging Face tokenizer made offline in ``d/tokenizer`` and 40 of the tests' documents
+    preprocessed with it; returns (tokenizer folder, documents, data prefix)."""
+    folder = write_hf_tokenizer(d / "tokenizer")
+    docs = documents(40)
+    prefix = preprocess(d, docs, ["--tokenizer-type", "HuggingFaceTokenizer",
+                                  "--tokenizer-model", folder])
+    return folder, docs, prefix
 
 
 def launch(args: list[str], env: dict | None = None, nproc: int = 4, timeout: int = 300,
