@@ -84,7 +84,7 @@ def test_graph_is_read_from_the_source():
     graph = _graph()
     # A few arrows that must be there, so an empty graph cannot pass the checks below.
     assert "megatron.sdp4bit.training.cli.errors" in graph["megatron.sdp4bit.training.cli.validate"]
-    assert "megatron.sdp4bit.training.guards.faults" in graph["megatron.sdp4bit.training.step"]
+    assert "megatron.sdp4bit.training.guards.hooks" in graph["megatron.sdp4bit.training.step"]
     assert "megatron.sdp4bit.comm" in graph["megatron.sdp4bit.integration.install"]
     assert sum(len(v) for v in graph.values()) > 80
 
