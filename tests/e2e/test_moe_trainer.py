@@ -15,10 +15,10 @@ import shutil
 
 import pytest
 
+from benchmarks.noise_spread import BASE  # the resume tests' run: tiny GPT, SDP4Bit
 from megatron.sdp4bit.training.cli.arguments import parse_args
 from megatron.sdp4bit.training.cli.errors import ArgumentsError
 
-from tests.helpers.resume_layouts import BASE
 from tests.helpers.trainer import torchrun, train_lines
 
 
