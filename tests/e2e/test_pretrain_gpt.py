@@ -242,6 +242,13 @@ BAD = {
     "fp16-bf16": (["--fp16", "--bf16"], "--fp16 and --bf16 are mutually exclusive: pass one"),
     "batch": (["--global-batch-size", "3"], "--global-batch-size=3 is not divisible by "
               "--micro-batch-size x data-parallel size = 2 x 1 = 2"),
+    # a refused flag, a contradiction and what this machine lacks, named at once
+    "several": (["--no-save-optim", "--fp16", "--bf16", "--attention-backend", "fused"],
+                "3 problems with this command line; drop or replace each: (1) --no-save-optim: "
+                "checkpoints always hold the optimizer state: a resumed run repeats the "
+                "uninterrupted one only with it; (2) --fp16 and --bf16 are mutually exclusive: "
+                "pass one; (3) --attention-backend fused (or --use-flash-attn) runs Transformer "
+                "Engine's CUDA kernels and there is no CUDA device here: drop the flag"),
 }
 
 
