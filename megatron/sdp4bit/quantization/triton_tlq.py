@@ -18,6 +18,10 @@ from megatron.sdp4bit.quantization import format as fmt
 from megatron.sdp4bit.quantization import triton_common as tc
 from megatron.sdp4bit.quantization.hadamard import block_scale
 
+# Messages _dequantize_sum decodes per iteration of its loop (the PTX budget test divides
+# the loop's static counts by this, plus one for the remainder loop).
+MESSAGES_PER_PASS = 4
+
 
 @triton.jit
 def _source_index(o, msg_numel, chunk, num_dests, slices):
@@ -108,8 +112,8 @@ def _dequantize_sum(wire_ptr, n_in, msg_nbytes, groups_per_msg, start, row_valid
     ``start[r] + 0..TILE_G-1`` (messages of groups of ``G_MSG``).
 
     Starts from +0 as torch.sum does (so that -0 + +0 = +0 matches bit for bit). Four
-    messages per iteration, so that each thread has four loads in flight; the additions stay
-    in message order. ``k`` is a loop counter (int32): byte offsets are formed in int64
+    messages per iteration (``MESSAGES_PER_PASS``), so that each thread has four messages'
+    loads in flight; the additions stay in message order. ``k`` is a loop counter (int32): byte offsets are formed in int64
     (triton_common's [Note: 64-bit offsets])."""
     acc = tl.zeros([start.shape[0], TILE_GP], tl.float32)
     payload = 4 * tl.cast(groups_per_msg, tl.int64)
