@@ -132,7 +132,8 @@ def quantize_tile(x, start, k0, k1, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr
     # absmax on the bit patterns, as the CPU kernels do: with the sign cleared IEEE order is
     # integer order and NaN/Inf are the patterns >= 0x7F800000 (a float max on a GPU does not
     # promise to propagate NaN); one integer reduction instead of two.
-    mag = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+    bits = x.to(tl.int32, bitcast=True)
+    mag = tl.max(bits & 0x7FFFFFFF, axis=1)
     bad = mag >= 0x7F800000
     scale = tl.math.div_rn(mag.to(tl.float32, bitcast=True),
                            tl.full(mag.shape, QMAX, tl.float32))
@@ -143,9 +144,13 @@ def quantize_tile(x, start, k0, k1, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr
         u = uniform_tile(start, k0, k1, x.shape[1])
     else:
         u = 0.5
-    # a group that is not usable (zeros, NaN/Inf) codes q = 0; select before the conversion,
-    # which a NaN would not survive
-    q = tl.where(usable[:, None], tl.floor(x * inv[:, None] + u), 0.0).to(tl.int32)
+    # A group holding NaN/Inf codes q = 0: its values are cleared to +0 (an integer mask per
+    # row, so that no NaN reaches the conversion and the compiler keeps one instruction per
+    # element instead of moving a select into the packed bytes), and floor(0 + u) = 0. A
+    # group of zeros gets q = 0 the same way (inv = 1).
+    keep = tl.where(bad, 0, -1)[:, None]
+    x = (bits & keep).to(tl.float32, bitcast=True)
+    q = tl.floor(x * inv[:, None] + u).to(tl.int32)
     q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
     return q + (QMAX + 1), scale
 
