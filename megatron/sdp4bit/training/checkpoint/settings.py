@@ -60,6 +60,14 @@ LATER_MODEL_DEFAULTS = {"openai_gelu": False, "qk_layernorm": False, "use_rope_s
 # an older manifest lacks them and is read as having that value.
 LATER_SDP4BIT_SETTINGS = {"weight_difference_target": "main"}
 
+# Error feedback, part of the method since it was recorded (before, switching it on or off,
+# or its storage, rounding, decay or reset, on resume went unnoticed): a manifest without
+# gradient_error_feedback is an older trainer's, whose runs may have had it, so these are
+# not compared with it.
+ERROR_FEEDBACK_KEYS = ("gradient_error_feedback", "gradient_error_feedback_decay",
+                       "gradient_error_feedback_reset_interval",
+                       "gradient_error_feedback_storage", "gradient_error_feedback_rounding")
+
 
 def run_settings(args: argparse.Namespace, sdp4bit_config: SDP4BitConfig,
                  vocab: int, tokenizer_vocab: int | None = None,
@@ -153,6 +161,8 @@ def method_settings(config: SDP4BitConfig) -> dict:
                  "gradients_quantization_start_iteration"]
         if config.hadamard_transform:
             keys.append("hadamard_block_size")
+        keys += ERROR_FEEDBACK_KEYS if config.gradient_error_feedback else \
+            ERROR_FEEDBACK_KEYS[:1]
     if config.enabled:
         keys.append("quantization_rounding")
     return {k: c[k] for k in keys}
@@ -228,10 +238,14 @@ def settings_problem(saved: dict[str, Any], current: dict[str, Any], directory: 
     if "sdp4bit" in saved:
         saved = {**saved, "sdp4bit": {**{k: v for k, v in LATER_SDP4BIT_SETTINGS.items()
                                          if k in current["sdp4bit"]}, **saved["sdp4bit"]}}
+        if ERROR_FEEDBACK_KEYS[0] not in saved["sdp4bit"]:  # an older trainer's manifest
+            current = {**current, "sdp4bit": {k: v for k, v in current["sdp4bit"].items()
+                                               if k not in ERROR_FEEDBACK_KEYS}}
     if saved.get("sdp4bit") != current["sdp4bit"] and not allow_sdp4bit_change:
         old, new = saved.get("sdp4bit", {}), current["sdp4bit"]
         diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-        switches = [k for k in ("quantized_weights", "quantized_gradients") if k in diff]
+        switches = [k for k in ("quantized_weights", "quantized_gradients") if k in diff] or [
+            k for k in ERROR_FEEDBACK_KEYS[:1] if k in diff]
         diff = switches or diff  # a part switched on or off: its own flags follow it
         was = {k: old.get(k, "off") for k in diff}
         now = {k: new.get(k, "off") for k in diff}
