@@ -165,8 +165,8 @@ def render(report: dict) -> str:
     lines += ["", "## 1. Kernels against the torch references (bit for bit)", "",
               f"`{report['commands']['kernels']}`", ""] + _kernel_lines(report["kernels"])
     t = report["gpu_tests"]
-    lines += ["GPU tests (`tests/gpu/test_training_cuda.py`: one-GPU training with every "
-              "SDP4Bit flag against the baseline): "
+    lines += ["GPU tests (`tests/gpu/test_training_cuda.py`: 4 ranks sharing the GPU, every "
+              "SDP4Bit flag, the Triton kernels against the torch references): "
               + ("not run" if t is None else
                  f"{t['tests']} tests, {t['failures']} failures, {t['errors']} errors, "
                  f"{t['skipped']} skipped"), ""]
