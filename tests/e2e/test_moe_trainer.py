@@ -19,11 +19,11 @@ import shutil
 
 import pytest
 
+from benchmarks.noise_spread import BASE  # the resume tests' run: tiny GPT, SDP4Bit
 from megatron.sdp4bit.training.cli.arguments import parse_args
 from megatron.sdp4bit.training.cli.errors import ArgumentsError
 
 from tests.helpers.hf_checkpoint import check_export, export_hf, init_one_rank
-from tests.helpers.resume_layouts import BASE
 from tests.helpers.spawn import spawn
 from tests.helpers.trainer import launch, one_error_line, torchrun, train_lines
 

@@ -105,6 +105,19 @@ def bucket_infos(bucket_groups: Iterable, config: SDP4BitConfig) -> Buckets:
     return Buckets(infos)
 
 
+def main_shard_numel(buffers: Iterable) -> int:
+    """Elements of the fp32 main parameters that this rank's distributed optimizer keeps for
+    the DDP ``buffers`` (its shard of each bucket, parameter by parameter), from
+    megatron-core's own shard ranges (``DistributedOptimizer._build_gbuf_range_map``, a
+    classmethod: no optimizer and no collective needed), so that a caller can size a layout
+    it never steps (``benchmarks/scale.py``)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return sum(r["param"].size for buffer in buffers
+               for ranges in DistributedOptimizer._build_gbuf_range_map(buffer).values()
+               for bucket in ranges for r in bucket["param_map"].values())
+
+
 def dense_buffers(chunk) -> list:
     """megatron-core DDP ``chunk``'s dense buffers (on the data-parallel group)."""
     return list(chunk.buffers)

@@ -19,7 +19,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from megatron.sdp4bit.training import build, loop, step
+from megatron.sdp4bit.training import build, loop, metrics_step, step
 from megatron.sdp4bit.training.cli.arguments import parse_args
 from megatron.sdp4bit.training.observe.logging import parse_log_line
 
@@ -70,7 +70,6 @@ def test_the_step_runs_this_iterations_micro_batches_and_the_schedule_counts_sam
     monkeypatch.setattr(step, "_reported_loss", lambda args, losses, group: 7.0)
     monkeypatch.setattr(step.parallel_state, "get_data_parallel_group", lambda: None)
     monkeypatch.setattr(step, "grads_finite", lambda model: True)
-    monkeypatch.setattr(step.faults, "active", lambda *a: False)
     monkeypatch.setattr(step.dist, "get_rank", lambda: 0)
     for size in SIZES:
         step.train_step(args, state, iter(()), size // 4)
@@ -92,10 +91,9 @@ def _train(monkeypatch, capsys, tmp_path, iteration: int = 0, consumed: int = 0,
         return 7.0, 1.0, True, None
 
     monkeypatch.setattr(loop, "train_step", train_step)
-    monkeypatch.setattr(loop, "add_unquantized_iteration", lambda *a, **k: None)
-    monkeypatch.setattr(loop, "_is_logging_rank", lambda: True)
+    monkeypatch.setattr(metrics_step, "add_unquantized_iteration", lambda *a, **k: None)
+    monkeypatch.setattr(metrics_step, "is_logging_rank", lambda: True)
     monkeypatch.setattr(loop.dist, "get_rank", lambda: 0)
-    monkeypatch.setattr(loop.faults, "active", lambda *a: False)
     state = loop.TrainState(model=[], optimizer=_Optimizer(), scheduler=None,
                             datasets=[None] * 3, vocab_size=1152, iteration=iteration,
                             consumed_samples=consumed)

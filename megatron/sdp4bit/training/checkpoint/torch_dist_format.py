@@ -49,7 +49,7 @@ from megatron.sdp4bit.training.checkpoint import common, disk_space, files, inte
 from megatron.sdp4bit.training.checkpoint.async_save import AsyncSaves, PendingSave
 from megatron.sdp4bit.training.checkpoint import settings as settings_contract
 from megatron.sdp4bit.training.checkpoint.files import CheckpointError
-from megatron.sdp4bit.training.guards import faults
+from megatron.sdp4bit.training.guards import hooks
 
 FORMAT_NAME = "torch_dist"
 SHARDING_TYPES = ("dp_reshardable", "fully_reshardable")
@@ -151,8 +151,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
     state.update(iteration=iteration, consumed_samples=consumed_samples,
                  opt_param_scheduler=scheduler.state_dict(), checkpoint_version=3.0)
     disk_space.check_space(root, partial, iteration, checkpoint_space.written_bytes(state))
-    if faults.active("fill-disk-saving", iteration, dist.get_rank()):
-        faults.fill_disk(root)
+    hooks.fire("save-space-checked", root, iteration)
     manifest_settings = {**settings, "ckpt_format": FORMAT_NAME, "optim_sharding": sharding_type,
                          # a load asks for the state only where it was written
                          **({EF_KEY: True} if error_feedback is not None else {})}
@@ -188,8 +187,7 @@ def publish(save: PendingSave) -> None:
     """Collective, once every rank's files of ``save`` are written and megatron-core has
     finalized them: hash them into the manifest, rename the partial folder to its iteration's
     and point the tracker at it, in that order ([Note: what survives a crash], files.py)."""
-    if faults.active("die-saving", save.iteration, dist.get_rank()):
-        os._exit(17)
+    hooks.fire("save-files-written", save.iteration)
     dist.barrier()
     entries = integrity.hash_shares(save.partial, integrity.shared_listing(save.partial))
     if dist.get_rank() == 0:
