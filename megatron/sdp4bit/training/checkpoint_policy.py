@@ -42,7 +42,9 @@ class CheckpointPolicy:
     def __init__(self, args: argparse.Namespace, state) -> None:
         self._args = args
         self._state = state
-        self.saves: AsyncSaves | None = AsyncSaves() if args.async_save and args.save else None
+        self.saves: AsyncSaves | None = (
+            AsyncSaves(timeout_seconds=args.async_save_timeout_seconds)
+            if args.async_save and args.save else None)
         """``--async-save``: the saves being written in the background."""
         self.saved_now = False
         """Whether the iteration that just ended was saved (by :meth:`after_iteration`)."""

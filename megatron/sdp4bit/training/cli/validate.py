@@ -417,6 +417,10 @@ def _check_checkpoint(args: argparse.Namespace) -> None:
               "saved synchronously, as in Megatron-LM)")
     if args.async_save and not args.save:
         _fail("--async-save needs --save (the folder its checkpoints are written to)")
+    timeout = args.async_save_timeout_seconds
+    if not (math.isfinite(timeout) and 0 < timeout <= WEEK_SECONDS):
+        _fail(f"--async-save-timeout-seconds={timeout:g} must be a number of seconds above 0 "
+              "and at most a week")
     if args.ckpt_step is not None:
         if not args.load:
             _fail(f"--ckpt-step {args.ckpt_step} needs --load (the folder holding iter_"
