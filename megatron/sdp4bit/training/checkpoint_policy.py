@@ -80,8 +80,9 @@ class CheckpointPolicy:
             return "no --save: nothing saved"
         if state.saved_iteration != state.iteration:  # save() said why it did not
             return "this iteration not saved"
-        if self.saved_now:
+        if self.saved_now and self.saves is None:  # written by the interval's save
             return "checkpoint saved"
+        # what the exit took: the save, or the wait for --async-save's to be published
         return f"checkpoint saved in {time.monotonic() - start:.1f} s"
 
     def at_end(self, start_iteration: int) -> None:

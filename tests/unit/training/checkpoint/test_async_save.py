@@ -214,6 +214,14 @@ def test_an_exit_signal_waits_for_the_save_it_asked_for(monkeypatch, capsys):
     assert state.saved_iteration == 5
     assert "successfully saved checkpoint from iteration       5 to CK" in \
         capsys.readouterr().out
+    # the interval's save of the iteration the signal stops at is still being written: the
+    # exit publishes it without saving twice, and says how long it waited
+    state.iteration = 8
+    checkpoints.save()
+    checkpoints.saved_now = True
+    log.clear()
+    assert checkpoints.before_exit(wait=True).startswith("checkpoint saved in ")
+    assert log == ["finalize blocking=True"] and state.saved_iteration == 8
 
 
 @pytest.mark.parametrize("error,closed", [(loop.TrainingStopped("diverged"), "close abort=False"),
