@@ -127,7 +127,7 @@ def _worker(rank: int, world: int, root: str, markers: str) -> None:
     # is not one
     multiprocessing.current_process().daemon = False
     enable_cpu_mode()
-    saves = AsyncSaves()
+    saves = AsyncSaves(timeout_seconds=600.0)
     tensor = torch.arange(4, dtype=torch.float32) + 10 * rank
 
     _schedule(saves, root, 1, tensor)
@@ -186,7 +186,7 @@ def _killed_and_stuck_writers(rank: int, root: str, tensor, markers: str) -> Non
     tree = []
     try:
         # iteration 4: rank 1's writer killed in the middle of its write
-        saves = AsyncSaves()
+        saves = AsyncSaves(timeout_seconds=600.0)
         _schedule(saves, root, 4, tensor)
         if rank == 1:
             tree = _writer_in_the_middle(markers)

@@ -193,14 +193,14 @@ def test_sigterm_to_one_worker_saves_and_every_rank_exits_0(runs):
     assert "loaded checkpoint from" in run["stdout"]
     stop = _check_saved_and_exited(run, start)
     # --async-save: the save in flight when the signal came (its writer still asleep) is
-    # published before the exit, then the iteration the run stops at (the same one, if the
-    # ranks agreed on the signal at its end)
+    # published, then the iteration the run stops at (the same one, if the ranks agreed on
+    # the signal at its end), before the exit: the tracker names it (rank 0 prints the
+    # saves' lines, the last rank the exit's: their order in the output is not the ranks')
     out = run["stdout"]
     for saved in sorted({run["in_flight"], stop}):
         scheduled = out.index(f"scheduled an async checkpoint save at iteration {saved:7d}")
         assert scheduled < out.index(f"successfully saved checkpoint from iteration "
-                                     f"{saved:7d}") < out.index("exiting program after"), \
-            out[-2000:]
+                                     f"{saved:7d}"), out[-2000:]
     # torchrun saw nothing: it exits 0 only when every worker did
     assert run["rc"] == 0, run["stderr"][-3000:]
     assert "Traceback" not in run["stderr"]

@@ -36,14 +36,18 @@ def _sleep() -> None:
     time.sleep(120)
 
 
+def _report_and_sleep(report) -> None:
+    report.send(os.getpid())  # after the at-fork hooks: its parent's death is armed
+    time.sleep(120)
+
+
 def _writer(parent: int, report) -> None:
     """An ``--async-save`` writer's shape: dies with its parent, forks a child that does too
-    (through the at-fork hook), reports the child's pid and waits for it."""
+    (through the at-fork hook), which reports its pid; waits for it."""
     die_with_parent(parent)
     children_die_with_this_process()
-    child = FORK.Process(target=_sleep)
+    child = FORK.Process(target=_report_and_sleep, args=(report,))
     child.start()
-    report.send(child.pid)
     child.join()
 
 

@@ -46,8 +46,6 @@ from megatron.sdp4bit.integration.async_save import BackgroundWriter, WriterFail
 from megatron.sdp4bit.training.checkpoint import disk_space
 from megatron.sdp4bit.training.guards import hooks
 
-DEFAULT_TIMEOUT_S = 600.0
-"""``--async-save-timeout-seconds``' default."""
 WRITE_RATE_FLOOR = 10 * 2**20
 """Bytes per second: the writer's time limit grows by one second per this many bytes the
 rank writes (a slow shared file system's rate per writer)."""
@@ -65,10 +63,10 @@ class PendingSave(NamedTuple):
 
 class AsyncSaves:
     """The run's scheduled saves, finalized in order (see the module docstring). Every method
-    but ``close(abort=True)`` is a collective."""
+    but ``close(abort=True)`` is a collective. ``timeout_seconds``:
+    ``--async-save-timeout-seconds``."""
 
-    def __init__(self, writer: BackgroundWriter | None = None,
-                 timeout_seconds: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, timeout_seconds: float, writer: BackgroundWriter | None = None) -> None:
         self._writer = writer if writer is not None else BackgroundWriter()
         self._timeout = timeout_seconds
         self._pending: list[PendingSave] = []

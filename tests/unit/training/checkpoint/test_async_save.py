@@ -58,7 +58,7 @@ class _Writer:
 
 def _saves(log):
     writer = _Writer(log)
-    return AsyncSaves(writer), writer
+    return AsyncSaves(timeout_seconds=600.0, writer=writer), writer
 
 
 def _schedule(saves, log, iteration):
@@ -117,7 +117,7 @@ def test_a_writer_that_ended_badly_is_named_not_the_disk(monkeypatch, tmp_path, 
                                                          fix):
     log = []
     writer = _Writer(log)
-    saves = AsyncSaves(writer, timeout_seconds=5.0)
+    saves = AsyncSaves(timeout_seconds=5.0, writer=writer)
     monkeypatch.setattr(disk_space.dist, "get_rank", lambda: 0)
     root = tmp_path / "CK"
     partial = root / "iter_0000010.partial"
