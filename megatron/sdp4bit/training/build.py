@@ -116,8 +116,9 @@ def start_watchdog(args: argparse.Namespace) -> Watchdog | None:
 
 
 def claim_save_dir(args: argparse.Namespace) -> SaveDirLock | None:
-    """Rank 0 locks ``--save`` for this run and refuses another run's checkpoints there
-    (unless resumed or ``--overwrite-checkpoints``); every rank learns the verdict."""
+    """Rank 0 locks ``--save`` for this run, refuses another run's checkpoints there (unless
+    resumed or ``--overwrite-checkpoints``) and moves aside the folder of a first save that
+    never finished (saying so); every rank learns the verdict."""
     if not args.save:
         return None
     lock, verdict = None, [None]
@@ -126,7 +127,13 @@ def claim_save_dir(args: argparse.Namespace) -> SaveDirLock | None:
         try:
             lock = checkpoint_files.claim_save_dir(args.save, resuming_here=resuming,
                                                    overwrite=args.overwrite_checkpoints)
+            note = checkpoint_files.set_aside_interrupted_saves(args.save)
+            if note is not None:
+                print(note, flush=True)
         except CheckpointError as err:
+            if lock is not None:
+                lock.release()
+                lock = None
             verdict[0] = str(err)
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0] is not None:

@@ -150,7 +150,8 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
                            with_optimizer=True, with_rng=True, error_feedback=error_feedback)
     state.update(iteration=iteration, consumed_samples=consumed_samples,
                  opt_param_scheduler=scheduler.state_dict(), checkpoint_version=3.0)
-    disk_space.check_space(root, partial, iteration, checkpoint_space.written_bytes(state))
+    local_bytes = checkpoint_space.written_bytes(state)
+    disk_space.check_space(root, partial, iteration, local_bytes)
     hooks.fire("save-space-checked", root, iteration)
     manifest_settings = {**settings, "ckpt_format": FORMAT_NAME, "optim_sharding": sharding_type,
                          # a load asks for the state only where it was written
@@ -162,8 +163,8 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
                 state, partial, sharded_strategy=_parallel(strategy, fully_parallel),
                 validate_access_integrity=True, async_sharded_save=True, **extra,
                 **async_save.save_keywords())
-        background.schedule(request, PendingSave(root, partial, iteration, manifest_settings),
-                            publish)
+        background.schedule(request, PendingSave(root, partial, iteration, manifest_settings,
+                                                 local_bytes), publish)
         return final
     try:
         with in_process_writer() as strategy:

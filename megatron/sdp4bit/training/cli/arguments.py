@@ -268,6 +268,12 @@ def _add_checkpoint_and_logging(p: argparse.ArgumentParser) -> None:
                    "folder renamed, tracker) once every rank's files are written, at the "
                    "start of a later iteration, before the next save or before the run exits "
                    "(docs/checkpoints.md)")
+    g.add_argument("--async-save-timeout-seconds", type=float, default=None,
+                   help="--async-save: the time a save's writer may take, plus 1 s per 10 MiB "
+                   "its rank writes, counted from the save's iteration; a writer still running "
+                   "then (stopped, or on a hung file system) ends the run with a line naming "
+                   "the rank and the save, the previous checkpoint current (default 600; not "
+                   "a Megatron-LM flag)")
     g.add_argument("--ckpt-fully-parallel-save", action="store_true",
                    help="torch_dist: spread the writing of replicated tensors over the "
                    "data-parallel ranks")
