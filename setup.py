@@ -8,7 +8,7 @@ from setuptools import find_namespace_packages, setup
 
 setup(
     name="sdp4bit-megatron",
-    version="0.1.0",
+    version="0.2.0",
     description="SDP4Bit: 4-bit communication quantization for Megatron-Core's distributed optimizer",
     license="Apache-2.0",
     python_requires=">=3.10",

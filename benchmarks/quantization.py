@@ -196,9 +196,12 @@ def render_markdown(runs: dict) -> str:
              "compiled CPU kernels, one thread, next to a one-thread copy), every operation "
              ">= 20% of the copy. Every backend produces the same bytes.", ""]
     if not any(kind.startswith("cuda") for kind in runs):
-        lines += ["**GPU figures are not yet measured**: no GPU was available when this file "
-                  "was written. Run `python -m benchmarks.quantization` on a CUDA machine "
-                  "(Triton backend) to add them.", ""]
+        lines += ["**GPU figures are not in this file**: no GPU was available when it was "
+                  "written. The first GPU figures of the same kernels (one H200, `bash "
+                  "dev/gpu_check.sh`'s bandwidth step at megatron-core's bucket sizes) are in "
+                  "[gpu_h200_2026-11-28](gpu_h200_2026-11-28/README.md); `python -m "
+                  "benchmarks.quantization` on a CUDA machine (Triton backend) adds this "
+                  "file's table for a GPU.", ""]
     for kind in sorted(runs):
         r = runs[kind]
         lines += [f"## {r['device_kind'].upper()}, {r['backend']} backend: {r['device']}", "",

@@ -78,8 +78,10 @@ SEED_PARTS = "parts = (self.config.seed, iteration, bucket_id, kind, group_id)"
 BIAS = {
     "reference": Edit(REF, "u = uniform(seed, stream_start, x.numel(), x.device).view(x.shape)",
                       "u = 0.95 * uniform(seed, stream_start, x.numel(), x.device).view(x.shape)"),
-    "triton": Edit(TC, "u = uniform_tile(idx, k0, k1)", "u = 0.95 * uniform_tile(idx, k0, k1)"),
-    "cpu": Edit(CK, "u_ = (float)(h_ >> 8) * 0x1p-24f;", "u_ = (float)(h_ >> 8) * 0x1p-24f * 0.95f;"),
+    "triton": Edit(TC, "u = uniform_tile(start, k0, k1, x.shape[1])",
+                   "u = 0.95 * uniform_tile(start, k0, k1, x.shape[1])"),
+    "cpu": Edit(CK, "return (float)(2u * m + 1u) * 0x1p-17f;",
+                "return (float)(2u * m + 1u) * 0x1p-17f * 0.95f;"),
 }
 
 MUTATIONS = [
@@ -165,8 +167,8 @@ MUTATIONS = [
        [Edit(f"{PKG}/config.py", "if intra % inter and inter % intra:", "if False:")],
        [U + "training/cli/test_arguments.py"]),
     _m("rng-unchunked-off-cpu", "the references' hash scratch is the whole tensor on CUDA",
-       [Edit(f"{PKG}/quantization/rng.py", "    chunk = chunk_elements(device)\n",
-             "    chunk = numel if torch.device(device).type == \"cuda\" else _CHUNK\n")],
+       [Edit(f"{PKG}/quantization/rng.py", "    chunk = min(chunk_pairs(device), end - first)\n",
+             "    chunk = end - first if torch.device(device).type == \"cuda\" else _CHUNK\n")],
        [U + "test_kernel_backend.py"]),
     _m("silent-reference-on-cuda", "auto falls back to the references on CUDA without triton",
        [Edit(f"{PKG}/quantization/backend.py", "            if not triton_available():\n",
@@ -191,7 +193,7 @@ MUTATIONS = [
     _m("scale-over-qmax-plus-one", "the group scale divides absmax by qmax + 1 (all backends)",
        [Edit(REF, "absmax / qm,", "absmax / (qm + 1),"),
         Edit(CK, "bits_to_f32(m) / fqm;", "bits_to_f32(m) / (fqm + 1.0f);"),
-        Edit(TC, "tl.full(absmax.shape, QMAX, tl.float32)", "tl.full(absmax.shape, QMAX + 1, tl.float32)")],
+        Edit(TC, "tl.full(mag.shape, QMAX, tl.float32)", "tl.full(mag.shape, QMAX + 1, tl.float32)")],
        [U + "test_quantization.py", U + "test_rounding_statistics.py"]),
     _m("reference-sum-order-reversed", "the reference sums incoming messages in reverse order",
        [Edit(REF, "    for row in values:\n", "    for row in values.flip(0):\n")],

@@ -8,4 +8,4 @@ Importing this package installs nothing into megatron-core; see
 ``megatron.sdp4bit.integration.install_sdp4bit``.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

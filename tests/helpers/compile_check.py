@@ -6,10 +6,14 @@ compiled ahead of time for ``--arch`` (e.g. 90 = Hopper) instead of being run. T
 specialised as Triton's launcher specialises it (its own binder: 16-byte divisibility of
 aligned pointers and of integers, integers equal to 1 as constants), so what compiles here
 is what a GPU would run for the same arguments; the sizes below are chosen so that no size
-argument is 1 (production sizes never are). Prints one JSON line per compiled kernel: name,
-arch, cubin size, the PTX facts the numerics rely on (IEEE division, no approximate
-instructions, where fused multiply-adds appear) and the 32-bit offset arithmetic of the IR
-(``triton_ir.offset_violations``).
+argument is 1 (production sizes never are) and every size argument is a multiple of 16, as
+in production buckets (the padding rule makes shards whole numbers of groups, and groups
+come in powers of two), so that the alignment Triton proves is the production one. Prints
+one JSON line per compiled kernel: name, arch, cubin size, the PTX facts the numerics rely
+on (IEEE division, no approximate instructions, where fused multiply-adds appear), the
+32-bit offset arithmetic of the IR (``triton_ir.offset_violations``), and the structural
+facts of the PTX budget (``ptx_budget``: accesses, barriers, hash rounds, registers,
+spills, SASS instructions) with the elements each thread holds.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import re
 import sys
 
@@ -26,17 +31,20 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime import jit  # noqa: E402
 
 from megatron.sdp4bit.quantization import format as fmt  # noqa: E402
 from megatron.sdp4bit.quantization import triton_kernels as tk  # noqa: E402
 
+from tests.helpers import ptx_budget as _ptx_budget  # noqa: E402
 from tests.helpers import triton_ir as _triton_ir  # noqa: E402
 
 def _compile_instead_of_run(arch: int, seen: list[dict]):
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
+    tools = pathlib.Path(get_ptxas(arch).path).parent  # ptxas and cuobjdump ship together
 
     def run(self, *args, grid, warmup, **kwargs):
         # JITFunction.run's own steps, minus the device: bind and specialise the arguments
@@ -59,6 +67,9 @@ def _compile_instead_of_run(arch: int, seen: list[dict]):
             "int32_offsets": _triton_ir.offset_violations(kernel.asm["ttir"]),
             "constexprs": {self.params[path[0]].name: v for path, v in constexprs.items()
                            if isinstance(v, (int, bool))},
+            "num_warps": options.num_warps,
+            **_ptx_budget.ptx_facts(ptx),
+            **_ptx_budget.cubin_facts(kernel.asm["cubin"], tools),
         })
 
     return run
@@ -68,9 +79,12 @@ def launch_all(bits: int, hadamard: int, in_dtype: torch.dtype, out_dtype: torch
                stochastic: bool) -> None:
     """Call every host wrapper once on small CPU tensors (nothing runs: launches compile).
 
-    No size argument is 1 (the launcher would compile it as a constant, unlike production):
-    qWD shards of 4 groups of 2048, TLq messages of several groups, two messages per hop."""
-    nw = 4 * 2 * 2048  # qWD: 2 shards of 4 groups
+    The layouts of production, at sizes whose size arguments are multiples of 16 (none is
+    1): qWD shards of 16 groups of 2048; TLq with M=2 blocks per destination, N=2
+    destinations and P=2 slices of 16 groups of 128, two messages per hop. tlq_sender
+    writes the 8-bit intra-node hop, tlq_middle and tlq_receiver the ``bits`` inter-node
+    hop."""
+    nw = 16 * 2 * 2048  # qWD: 2 shards of 16 groups
     x = torch.randn(nw).to(in_dtype)
     replica = torch.randn(nw).to(torch.bfloat16)
     out = torch.empty(fmt.message_nbytes(nw, bits, 2048), dtype=torch.uint8)
@@ -78,7 +92,8 @@ def launch_all(bits: int, hadamard: int, in_dtype: torch.dtype, out_dtype: torch
     tk.qwd_sender(x, None, out, bits=bits, group_size=2048, stochastic=stochastic, seed=1)
     wire = torch.empty(2 * fmt.message_nbytes(nw // 2, bits, 2048), dtype=torch.uint8)
     tk.qwd_receiver(wire, replica, world=2, bits=bits, group_size=2048)
-    n, g = 4096, 128
+    g = 128
+    n = 8 * 16 * g
     x = x[:n]
     msg = n // 4  # M=2 blocks per destination, N=2 destinations, P=2 slices
     send = torch.empty(4 * fmt.message_nbytes(msg, 8, g), dtype=torch.uint8)

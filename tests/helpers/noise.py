@@ -4,8 +4,8 @@ Shared by the unit, distributed and integration tests (``tests/conftest.py`` put
 on ``sys.path``).
 
 [Note: rounding errors in steps]
-A quantizer with scale ``s`` turns ``x`` into the integer ``q = floor(x/s + u)``. With
-``y = x/s`` (fp32, as every backend divides) and ``f = y - floor(y)``, stochastic rounding
+A quantizer with scale ``s`` turns ``x`` into the integer ``q = floor(x * (1/s) + u)``. With
+``y = x * (1/s)`` (fp32, as every backend computes it) and ``f = y - floor(y)``, stochastic rounding
 picks ``ceil`` with probability ``f``: the error in steps ``r = q - y`` has mean 0 and
 variance ``f (1 - f)`` given ``x``. Both are read from the wire (codes and scales) next to
 the quantizer's input, so the tests measure the backend that ran, whatever it is.
@@ -65,7 +65,8 @@ def rounding(label: str, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> R
     """Errors of codes ``q`` with scales ``s`` for the fp32 quantizer input ``x``."""
     x = x.reshape(-1).to(torch.float32)
     usable = torch.isfinite(s) & (s > 0)
-    y = (x / torch.where(usable, s, torch.ones_like(s))).double()  # fp32 division, as quantized
+    ones = torch.ones_like(s)
+    y = (x * (ones / torch.where(usable, s, ones))).double()  # fp32, as quantized
     f = y - torch.floor(y)
     r = torch.where(usable, q.double() - y, torch.zeros_like(y))
     v = torch.where(usable, f * (1 - f), torch.zeros_like(y))

@@ -77,14 +77,17 @@ class _CudaOnMeta(TorchFunctionMode):
 @pytest.mark.parametrize("device,numel", [("cuda", 1 << 26), ("cpu", 1 << 21)],
                          ids=["cuda-64M", "cpu-2M"])
 def test_random_stream_scratch_is_bounded(device: str, numel: int) -> None:
-    """The int64 hash scratch stays at most 2**22 elements (32 MiB) however long the stream
-    (a whole 2.7B-element bucket at once would be 21.6 GB), and the chunks cover it all."""
+    """The int64 hash scratch (a chunk's words, and their halves) stays at most 2**22 values
+    per tensor, 48 MiB in all, however long the stream (a whole 2.7B-element bucket at once
+    would be 32 GB), and the chunks cover it all: one hash per pair of elements."""
     mode = _CudaOnMeta()
     with mode:
         out = rng.uniform(1234, 0, numel, device)
     assert out.numel() == numel
-    assert mode.arange_numel == numel
+    assert mode.arange_numel == numel // 2
     assert mode.int64_numels and max(mode.int64_numels) <= 1 << 22, mode.int64_numels[:3]
+    assert sum(mode.int64_numels) <= 3 << 21, mode.int64_numels
     if device == "cpu":  # and the values are the stream's, chunk boundaries included
-        whole = rng.uniform(1234, (1 << 15) - 3, 7)
-        assert torch.equal(out[(1 << 15) - 3:(1 << 15) + 4], whole)
+        edge = 2 * rng.chunk_pairs("cpu")
+        whole = rng.uniform(1234, edge - 3, 7)
+        assert torch.equal(out[edge - 3:edge + 4], whole)

@@ -37,7 +37,11 @@ ALLOWED = {
     "load_f32": {"dt"},  # dtype code
     "store_f32": {"dt", "u", "r"},  # dtype code, bf16 bit patterns
     "mix32": {"x"},  # the hash state (uint32 arithmetic by design)
-    "#define CODE": {"h_", "q_"},  # hash value; the code, |q| <= 127
+    "pair_word": {"p", "k0", "k1"},  # a pair's stream index (< 2**31) and the key words
+    "half_uniform": {"m"},  # a 16-bit half of a hash word
+    "code_of": {"qm", "q"},  # the code, |q| <= 127
+    "#define PAIR_CODES": {"w_", "C0", "C1"},  # hash word; the two codes (bytes)
+    "#define PACK_LOOPS": {"stochastic"},  # a flag
     "quantize_group": {"bits", "stochastic", "k0", "k1", "idx0", "qm", "m", "b", "zero"},
     "dequantize_into": {"bits", "mode"},
     "dequantize_sum": {"bits"},

@@ -63,9 +63,6 @@ KNOWN_VIOLATIONS = {
     # observe/ reads the expert topology from integration/install.py: the lifecycle rework
     # gives the install handle its topologies and deletes this import.
     ("megatron/sdp4bit/training/observe/comm_counters.py", "megatron.sdp4bit.integration.install"),
-    # the GPU check's kernel checks still live in tests/helpers/: the GPU-check rework moves
-    # them out of tests/.
-    ("benchmarks/gpu_check.py", "tests.helpers.cuda_checks"),
 }
 
 

@@ -1,4 +1,6 @@
-"""Stochastic rounding, measured: unbiased to 1/100 of a step, independent across seeds.
+"""Stochastic rounding, measured: unbiased to 1/100 of a step, independent across seeds, and
+the stream itself (16-bit uniforms, two per hash word) as fine and as independent as
+``megatron/sdp4bit/quantization/rng.py`` derives it.
 
 Run on the backends that execute on CPU: the compiled CPU kernels (what ``auto`` runs on CPU
 tensors) and the torch references. The Triton kernels give the references' bytes bit for bit
@@ -20,6 +22,7 @@ import torch
 from tests.helpers import noise as _noise
 from megatron.sdp4bit.quantization import derive_seed, ops, quantize
 from megatron.sdp4bit.quantization import format as fmt
+from megatron.sdp4bit.quantization.rng import uniform
 
 BACKENDS = ["cpu", "torch"]
 N = 1 << 20
@@ -120,8 +123,6 @@ def test_the_statistics_have_power() -> None:
         _noise.assert_independent([noise(x, "a"), noise(y, "b")], "shared seed")
 
     # 0.95 u: reconstruct each rounding's u-threshold from a fresh stream and bias it
-    from megatron.sdp4bit.quantization.rng import uniform
-
     values = torch.randn(N, generator=_gen(7))
     s = values.view(-1, 128).abs().amax(1).repeat_interleave(128) / 7
     u = uniform(seed, 0, N)
@@ -133,3 +134,107 @@ def test_the_statistics_have_power() -> None:
     with pytest.raises(AssertionError, match="resolve only"):  # too few samples: refused
         _noise.assert_unbiased([_noise.rounding("few", values[:4096], fair[:4096],
                                                 s[:4096])], "few")
+
+
+# ------------------------------------------------------- the stream: 16-bit uniforms in pairs
+
+
+def _halves(u: torch.Tensor) -> torch.Tensor:
+    """The 16-bit value m of each uniform u = (2m + 1) * 2**-17 (int64), checking the form."""
+    m = ((u.double() * 2**17 - 1) / 2).round().to(torch.int64)
+    assert torch.equal((2 * m + 1).double() * 2**-17, u.double()), "u is not a cell midpoint"
+    assert int(m.min()) >= 0 and int(m.max()) < 1 << 16
+    return m
+
+
+def _pair_checks(m: torch.Tensor) -> None:
+    """The even and the odd elements (low and high halves of one hash word) each use all 16
+    bits, uniformly, and the two halves of a word are uncorrelated.
+
+    Each half of 2**19 draws from 65536 values takes about 65536 (1 - e**-8) = 65514 of them
+    (a stream of 8-bit uniforms takes 256, one with a stuck bit at most 32768). Each byte of
+    m is uniform by a chi-square test over 256 bins (255 degrees of freedom: mean 255,
+    standard deviation 22.6; the limit is 6 of them above the mean). The correlation of the
+    two halves is N(0, 1/n) for independent halves; 6 / sqrt(n) is the limit."""
+    even, odd = m[0::2], m[1::2]
+    for name, half in (("even", even), ("odd", odd)):
+        assert half.unique().numel() > 65000, f"{name} elements: too few distinct uniforms"
+        for byte in (half & 0xFF, half >> 8):
+            counts = torch.bincount(byte, minlength=256).double()
+            expected = half.numel() / 256
+            chi2 = float(((counts - expected) ** 2 / expected).sum())
+            assert chi2 < 255 + 6 * (2 * 255) ** 0.5, f"{name} elements: chi2 {chi2:.0f}"
+    a, b = even.double() - even.double().mean(), odd.double() - odd.double().mean()
+    corr = float((a * b).sum() / ((a * a).sum() * (b * b).sum()).sqrt())
+    assert abs(corr) * even.numel() ** 0.5 < _noise.Z_LIMIT, f"halves correlated: {corr:.4f}"
+
+
+def test_uniforms_use_16_bits_and_independent_halves() -> None:
+    _pair_checks(_halves(uniform(derive_seed(4, 2), 0, N)))
+
+
+def test_the_stream_checks_have_power() -> None:
+    """Broken streams fail: 8-bit uniforms, a stuck bit, and both elements of a pair on
+    the same half of the word."""
+    m = _halves(uniform(derive_seed(4, 3), 0, N))
+    with pytest.raises(AssertionError, match="too few distinct"):
+        _pair_checks(m & 0xFF00)  # 8 bits
+    with pytest.raises(AssertionError, match="too few distinct"):
+        _pair_checks(m & ~0x0010)  # one bit stuck at 0
+    same = m.clone()
+    same[1::2] = m[0::2]
+    with pytest.raises(AssertionError, match="halves correlated"):
+        _pair_checks(same)
+
+
+def _worst_bias(u: torch.Tensor, y: torch.Tensor) -> float:
+    """max over y of |mean over all u of floor(y + u) - y|, with y + u rounded to fp32 as the
+    quantizers compute it."""
+    worst = 0.0
+    for part in y.split(128):
+        t = torch.floor(part[:, None] + u[None, :]).double()
+        worst = max(worst, float((t.mean(1) - part.double()).abs().max()))
+    return worst
+
+
+def test_rounding_bias_of_a_16_bit_uniform_is_bounded() -> None:
+    """Exhaustively over the 2**16 values of the uniform (rng.py's derivation): the bias of
+    floor(y + u) is at most 2**-17 of a step for exact addition, and the fp32 rounding of
+    y + u moves at most one of the 2**16 outcomes (another 2**-16): so 3 * 2**-17, for y
+    anywhere in the range of codes (|y| <= 128, fractions on and off the 2**-16 grid). A
+    stream of 8-bit uniforms would be off by up to 2**-9: the check tells them apart."""
+    g = _gen(8)
+    y = torch.cat([torch.rand(256, generator=g) * 256 - 128,
+                   torch.rand(256, generator=g) * 2 - 1,
+                   torch.arange(-128 * 4, 128 * 4, dtype=torch.float32) / 4,
+                   torch.tensor([2.0**-18, -(2.0**-18), 127.99999, -127.99999])])
+    u16 = (2 * torch.arange(1 << 16) + 1).float() * 2.0**-17
+    assert _worst_bias(u16, y) <= 3 * 2.0**-17
+    u8 = (2 * torch.arange(1 << 8) + 1).float() * 2.0**-9
+    assert _worst_bias(u8, y) > 2.0**-10
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_two_elements_of_a_hash_word_round_independently(backend: str) -> None:
+    """The kernels' roundings, not only the stream: elements 2p and 2p + 1 share a hash word
+    (low and high half), and 2p + 1 and 2p + 2 are neighbours of two words; both pairings
+    give uncorrelated rounding errors. The same check on roundings that reuse one half for
+    both elements fails by far (z ~ sqrt(n) / 2)."""
+    r = _qwd(backend, 5)
+
+    def part(sl: slice) -> _noise.Rounding:
+        return _noise.Rounding(f"[{sl.start}::2]", r.r[sl], r.v[sl], r.f[sl])
+
+    assert abs(_noise.z_score(part(slice(0, None, 2)), part(slice(1, None, 2)))) < _noise.Z_LIMIT
+    assert abs(_noise.z_score(part(slice(1, -1, 2)), part(slice(2, None, 2)))) < _noise.Z_LIMIT
+
+    # power: round the same values with the even element's uniform reused by the odd one
+    main = torch.randn(N, generator=_gen(9))
+    s = main.view(-1, 2048).abs().amax(1).repeat_interleave(2048) / 7
+    u = uniform(derive_seed(7, 9), 0, N)
+    u[1::2] = u[0::2]
+    y = main * (1 / s)
+    shared = _noise.rounding("shared", main, torch.floor(y + u).clamp(-7, 7).to(torch.int64), s)
+    z = _noise.z_score(_noise.Rounding("even", shared.r[0::2], shared.v[0::2], shared.f[0::2]),
+                       _noise.Rounding("odd", shared.r[1::2], shared.v[1::2], shared.f[1::2]))
+    assert z > 50

@@ -22,7 +22,7 @@ from megatron.sdp4bit.quantization import format as fmt  # noqa: E402
 from megatron.sdp4bit.quantization import ops  # noqa: E402
 from megatron.sdp4bit.quantization import reference as ref  # noqa: E402
 from megatron.sdp4bit.quantization import triton_kernels as tk  # noqa: E402
-from tests.helpers import kernel_checks as kc  # noqa: E402
+from dev import kernel_checks as kc  # noqa: E402
 
 CPU = "cpu"
 # Seeds exercise both 32-bit words of the stream key, including values >= 2**31 in each.
@@ -105,7 +105,7 @@ def test_tlq_middle_groups_not_a_power_of_two():
 @pytest.mark.parametrize("scale,accumulate", [(1.0, False), (1 / 3, False), (0.25, True)],
                          ids=["sum", "mean3", "mean4-add"])
 @pytest.mark.parametrize("hadamard", [0, 32, 8], ids=["noH", "H32", "H8"])
-@pytest.mark.parametrize("bits,n_in", [(2, 1), (2, 3), (4, 1), (4, 3), (8, 2)],
+@pytest.mark.parametrize("bits,n_in", [(2, 1), (2, 3), (4, 1), (4, 5), (8, 2)],
                          ids=_ids)
 def test_tlq_receiver(bits, n_in, hadamard, scale, accumulate, dtype):
     kc.check_tlq_receiver(CPU, n_in=n_in, numel=256, bits=bits, group=64, hadamard=hadamard,
@@ -217,3 +217,23 @@ def test_ops_dispatch_to_triton_on_request():
         ops.qwd_sender(x, None, out, bits=4, group_size=64, stochastic=True, seed=9,
                        backend=backend)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("shape", [(512, 2), (8192, 16)], ids=lambda s: f"tile{s[0]}")
+def test_other_launch_shapes_give_the_same_bytes(monkeypatch, shape):
+    """The launch table ([Note: launch shapes] in triton_common.py) is what a GPU run sweeps:
+    any entry gives the references' bytes (tiles of one group of 2048 or of several, chunks
+    of one tile or of part of one, messages decoded four at a time and one by one)."""
+    from megatron.sdp4bit.quantization import triton_common as tc
+
+    monkeypatch.setattr(tc, "LAUNCH", {name: shape for name in tc.LAUNCH})
+    kc.check_qwd_sender(CPU, numel=3 * 2048, bits=4, group=2048,
+                        replica_dtype=torch.bfloat16, stochastic=True, seed=SEEDS[1])
+    kc.check_qwd_receiver(CPU, world=3, shard=2 * 2048, bits=4, group=2048,
+                          replica_dtype=torch.bfloat16, accumulate=True, seed=5)
+    kc.check_tlq_sender(CPU, blocks=2, dests=2, slices=2, chunk=640, bits=8, group=128,
+                        hadamard=32, dtype=torch.float32, stochastic=True, seed=SEEDS[1])
+    kc.check_tlq_middle(CPU, n_in=5, numel=1024, bits_in=8, group_in=128, n_out=2, bits_out=4,
+                        group_out=128, stochastic=True, seed=SEEDS[1], nan_group=3)
+    kc.check_tlq_receiver(CPU, n_in=5, numel=640, bits=4, group=128, hadamard=32, scale=0.25,
+                          accumulate=True, dtype=torch.bfloat16, seed=6, nan_group=2)

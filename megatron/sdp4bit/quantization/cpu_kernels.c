@@ -135,26 +135,43 @@ static inline uint32_t mix32(uint32_t x) {
     return x;
 }
 
+/* The hash word of element pair p (elements 2p and 2p+1) of stream (k0, k1) (rng.py). */
+static inline uint32_t pair_word(uint32_t p, uint32_t k0, uint32_t k1) {
+    return mix32(mix32(p ^ k0) ^ k1);
+}
+
+/* The uniform (2m + 1) * 2^-17 of a 16-bit half m of a pair word (exact in fp32). */
+static inline float half_uniform(uint32_t m) { return (float)(2u * m + 1u) * 0x1p-17f; }
+
 /* ----------------------------------------------------------------------- quantization */
 
-/* The code of value x[i]: (clamp(floor(x[i] / scale + u), -qm, qm) + qm + 1) with u the
- * stream's uniform at index idx0 + i (stochastic) or 0.5. */
-#define CODE(i)                                                                            \
-    ({                                                                                     \
-        float u_ = 0.5f;                                                                   \
+/* The code of value v: clamp(floor(v * inv + u), -qm, qm) + qm + 1. */
+static inline uint8_t code_of(float v, float inv, float u, int qm) {
+    /* floor(...) is a small integer (|v * inv| <= qm + rounding): clamping it as an int32
+     * is exact */
+    int32_t q = (int32_t)floorf(v * inv + u);
+    q = q < -qm ? -qm : (q > qm ? qm : q);
+    return (uint8_t)(q + qm + 1);
+}
+
+/* The codes of x[2j] and x[2j+1], the pair whose stream index is idx0 + 2j (idx0 even):
+ * stochastic, the low and high halves of the pair's word; else u = 0.5. */
+#define PAIR_CODES(j, C0, C1)                                                              \
+    uint8_t C0, C1;                                                                        \
+    do {                                                                                   \
+        float u0_ = 0.5f, u1_ = 0.5f;                                                      \
         if (stochastic) {                                                                  \
-            const uint32_t h_ = mix32(mix32((idx0 + (uint32_t)(i)) ^ k0) ^ k1);            \
-            u_ = (float)(h_ >> 8) * 0x1p-24f;                                              \
+            const uint32_t w_ = pair_word((idx0 >> 1) + (uint32_t)(j), k0, k1);            \
+            u0_ = half_uniform(w_ & 0xFFFFu);                                              \
+            u1_ = half_uniform(w_ >> 16);                                                  \
         }                                                                                  \
-        /* floor(...) is a small integer (|x| <= absmax): clamping it as an int32 is exact */ \
-        int32_t q_ = (int32_t)floorf(x[i] / scale + u_);                                   \
-        q_ = q_ < -qm ? -qm : (q_ > qm ? qm : q_);                                         \
-        (uint8_t)(q_ + qm + 1);                                                            \
-    })
+        C0 = code_of(x[2 * (j)], inv, u0_, qm);                                            \
+        C1 = code_of(x[2 * (j) + 1], inv, u1_, qm);                                        \
+    } while (0)
 
 /* Quantize the G values of x (G even) into the packed codes at dst and return the group's
- * scale, by the rules of reference.quantize_groups. `idx0` is the random-stream index of
- * x[0]. */
+ * scale, by the rules of reference.quantize_groups. `idx0` (even) is the random-stream index
+ * of x[0]. */
 static float quantize_group(const float *restrict x, int64_t G, uint8_t *restrict dst,
                             int bits, int stochastic, uint32_t k0, uint32_t k1,
                             uint32_t idx0) {
@@ -175,27 +192,35 @@ static float quantize_group(const float *restrict x, int64_t G, uint8_t *restric
         memset(dst, zero, (size_t)(G * bits / 8));
         return scale;
     }
-    if (bits == 2) {
-        if (stochastic)
-            for (int64_t j = 0; j < G / 4; j++)
-                dst[j] = CODE(4 * j) | (uint8_t)(CODE(4 * j + 1) << 2) |
-                         (uint8_t)(CODE(4 * j + 2) << 4) | (uint8_t)(CODE(4 * j + 3) << 6);
-        else
-            for (int64_t j = 0; j < G / 4; j++)
-                dst[j] = CODE(4 * j) | (uint8_t)(CODE(4 * j + 1) << 2) |
-                         (uint8_t)(CODE(4 * j + 2) << 4) | (uint8_t)(CODE(4 * j + 3) << 6);
-    } else if (bits == 8) {
-        if (stochastic)
-            for (int64_t i = 0; i < G; i++) dst[i] = CODE(i);
-        else
-            for (int64_t i = 0; i < G; i++) dst[i] = CODE(i);
-    } else {
-        /* separate loops per rounding mode: each vectorizes without a branch inside */
-        if (stochastic)
-            for (int64_t j = 0; j < G / 2; j++) dst[j] = CODE(2 * j) | (uint8_t)(CODE(2 * j + 1) << 4);
-        else
-            for (int64_t j = 0; j < G / 2; j++) dst[j] = CODE(2 * j) | (uint8_t)(CODE(2 * j + 1) << 4);
-    }
+    const float inv = 1.0f / scale; /* once per group: x * inv, as every backend computes */
+    /* one loop per rounding mode and width: each vectorizes without a branch inside */
+#define PACK_LOOPS(STOCH)                                                                  \
+    do {                                                                                   \
+        const int stochastic = (STOCH);                                                    \
+        if (bits == 2) {                                                                   \
+            for (int64_t j = 0; j < G / 4; j++) {                                          \
+                PAIR_CODES(2 * j, c0, c1);                                                 \
+                PAIR_CODES(2 * j + 1, c2, c3);                                             \
+                dst[j] = c0 | (uint8_t)(c1 << 2) | (uint8_t)(c2 << 4) | (uint8_t)(c3 << 6); \
+            }                                                                              \
+        } else if (bits == 8) {                                                            \
+            for (int64_t j = 0; j < G / 2; j++) {                                          \
+                PAIR_CODES(j, c0, c1);                                                     \
+                dst[2 * j] = c0;                                                           \
+                dst[2 * j + 1] = c1;                                                       \
+            }                                                                              \
+        } else {                                                                           \
+            for (int64_t j = 0; j < G / 2; j++) {                                          \
+                PAIR_CODES(j, c0, c1);                                                     \
+                dst[j] = c0 | (uint8_t)(c1 << 4);                                          \
+            }                                                                              \
+        }                                                                                  \
+    } while (0)
+    if (stochastic)
+        PACK_LOOPS(1);
+    else
+        PACK_LOOPS(0);
+#undef PACK_LOOPS
     return scale;
 }
 

@@ -5,9 +5,13 @@ CPU mode, so they are vectorized over groups and elements (no Python loop over d
 
 Quantization rules (docs/design.md §3), for a group ``x`` of ``G`` values and ``b`` bits:
 
-* ``qmax = 2**(b-1) - 1``; scale ``s = absmax(x) / qmax`` computed in fp32;
-* ``q = clamp(floor(x / s + u), -qmax, qmax)`` with ``u = hash(seed, i)`` uniform on
-  [0, 1) (stochastic rounding, unbiased) or ``u = 0.5`` (round to nearest, ties upwards);
+* ``qmax = 2**(b-1) - 1``; scale ``s = absmax(x) / qmax`` computed in fp32, and its
+  reciprocal ``r = 1 / s`` rounded to fp32 once per group;
+* ``q = clamp(floor(x * r + u), -qmax, qmax)`` (``x * r`` and ``+ u`` each rounded to fp32)
+  with ``u = hash(seed, i)`` uniform on (0, 1) (stochastic rounding, unbiased:
+  :mod:`.rng`) or ``u = 0.5`` (round to nearest, ties upwards). ``x * r`` instead of
+  ``x / s`` since version 0.2.0 ([Note: rounding stream versions] in :mod:`.rng`): a GPU
+  divides with a dozen instructions, multiplies with one;
 * a group of zeros has ``s = 0`` and ``q = 0``;
 * a group holding NaN or Inf gets ``s = NaN`` and ``q = 0``: it dequantizes to all-NaN, so
   Megatron's found-inf / NaN checks still see it;
@@ -38,12 +42,13 @@ def quantize_groups(x: torch.Tensor, bits: int, *, stochastic: bool, seed: int,
     finite = torch.isfinite(absmax)
     scales = torch.where(finite, absmax / qm, torch.full_like(absmax, float("nan")))
     usable = finite & (scales > 0)
-    safe = torch.where(usable, scales, torch.ones_like(scales))
+    ones = torch.ones_like(scales)
+    inverse = ones / torch.where(usable, scales, ones)  # IEEE division, once per group
     if stochastic:
         u = uniform(seed, stream_start, x.numel(), x.device).view(x.shape)
     else:
         u = 0.5
-    q = torch.floor(x / safe[..., None] + u).clamp_(-qm, qm)
+    q = torch.floor(x * inverse[..., None] + u).clamp_(-qm, qm)
     q = torch.where(usable[..., None], q, torch.zeros_like(q))
     codes = (q + (qm + 1)).to(torch.uint8)
     return codes, scales

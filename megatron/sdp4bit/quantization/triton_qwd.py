@@ -24,31 +24,33 @@ def _qwd_sender_kernel(main_ptr, replica_ptr, out_ptr, ngroups, k0, k1,
     g = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)  # group index [R]
     t = tl.arange(0, GP)
     row_valid = g < ngroups
-    idx = g[:, None] * G + t[None, :]  # element index = random-stream index
+    idx = tc.row_offsets(g * G, GP, tc.VEC)  # element index = random-stream index
     mask = row_valid[:, None] & (t < G)[None, :]
     x = tl.load(main_ptr + idx, mask=mask, other=0.0).to(tl.float32)
     if HAS_REPLICA:
         x = x - tl.load(replica_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-    codes, scale = tc.quantize_tile(x, idx, k0, k1, QMAX, STOCHASTIC)
-    tc.store_groups(out_ptr, g * 0, g, row_valid, codes, scale, 0, ngroups, G, GP, BITS)
+    codes, scale = tc.quantize_tile(x, g * G, k0, k1, QMAX, STOCHASTIC)
+    tc.store_groups(out_ptr, g, 4 * tl.cast(ngroups, tl.int64) + g * (G * BITS // 8),
+                    row_valid, codes, scale, G, GP, BITS)
 
 
 @triton.jit
-def _qwd_receiver_kernel(wire_ptr, replica_ptr, ngroups, groups_per_shard, msg_nbytes,
+def _qwd_receiver_kernel(wire_ptr, replica_ptr, groups_per_shard, msg_nbytes, tiles_per_shard,
                          G: tl.constexpr, GP: tl.constexpr, R: tl.constexpr,
                          BITS: tl.constexpr, QMAX: tl.constexpr, ACCUMULATE: tl.constexpr):
-    g = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)  # group of the whole replica
+    # One program = R groups of one shard (scalar int32 division per program).
+    pid = tl.program_id(0)
+    shard = tl.cast(pid // tiles_per_shard, tl.int64)
+    gl = tl.cast(pid % tiles_per_shard, tl.int64) * R + tl.arange(0, R)  # group in the shard
     t = tl.arange(0, GP)
-    row_valid = g < ngroups
-    shard = g // groups_per_shard
-    gl = g - shard * groups_per_shard
+    row_valid = gl < groups_per_shard
     base = shard * msg_nbytes
     scale = tl.load(wire_ptr.to(tl.pointer_type(tl.float32)) + base // 4 + gl, mask=row_valid,
                     other=0.0)
     codes = tc.load_codes(wire_ptr, base + 4 * tl.cast(groups_per_shard, tl.int64), gl * G,
                           row_valid, G, GP, BITS)
     value = tc.dequantize_tile(codes, scale[:, None], QMAX)
-    idx = g[:, None] * G + t[None, :]
+    idx = tc.row_offsets((shard * groups_per_shard + gl) * G, GP, tc.VEC)
     mask = row_valid[:, None] & (t < G)[None, :]
     if ACCUMULATE:
         value = tl.load(replica_ptr + idx, mask=mask, other=0.0).to(tl.float32) + value
@@ -65,12 +67,12 @@ def qwd_sender(main_shard: torch.Tensor, replica_shard: torch.Tensor | None, out
         return
     main = main_shard.reshape(-1).contiguous()
     replica = main if replica_shard is None else replica_shard.reshape(-1).contiguous()
-    rows, gp = tc.tile_rows(group_size)
+    rows, gp, warps = tc.tile_rows("qwd_sender", group_size)
     k0, k1 = tc.seed_words(seed)
     _qwd_sender_kernel[(triton.cdiv(ngroups, rows),)](
         main, replica, out, ngroups, k0, k1, G=group_size, GP=gp, R=rows, BITS=bits,
         QMAX=fmt.qmax(bits), HAS_REPLICA=replica_shard is not None, STOCHASTIC=stochastic,
-        num_warps=tc.num_warps(rows, gp), **tc.LAUNCH_OPTIONS)
+        num_warps=warps, **tc.LAUNCH_OPTIONS)
 
 
 def qwd_receiver(wire: torch.Tensor, replica: torch.Tensor, *, world: int, bits: int,
@@ -81,9 +83,9 @@ def qwd_receiver(wire: torch.Tensor, replica: torch.Tensor, *, world: int, bits:
     ngroups = replica.numel() // group_size
     if ngroups == 0:
         return
-    rows, gp = tc.tile_rows(group_size)
-    _qwd_receiver_kernel[(triton.cdiv(ngroups, rows),)](
-        wire, replica, ngroups, shard // group_size,
-        fmt.message_nbytes(shard, bits, group_size), G=group_size, GP=gp, R=rows, BITS=bits,
-        QMAX=fmt.qmax(bits), ACCUMULATE=accumulate, num_warps=tc.num_warps(rows, gp),
-        **tc.LAUNCH_OPTIONS)
+    rows, gp, warps = tc.tile_rows("qwd_receiver", group_size)
+    tiles_per_shard = triton.cdiv(shard // group_size, rows)
+    _qwd_receiver_kernel[(tiles_per_shard * world,)](
+        wire, replica, shard // group_size, fmt.message_nbytes(shard, bits, group_size),
+        tiles_per_shard, G=group_size, GP=gp, R=rows, BITS=bits,
+        QMAX=fmt.qmax(bits), ACCUMULATE=accumulate, num_warps=warps, **tc.LAUNCH_OPTIONS)

@@ -45,7 +45,9 @@ class CheckpointPolicy:
     def __init__(self, args: argparse.Namespace, state) -> None:
         self._args = args
         self._state = state
-        self.saves: AsyncSaves | None = AsyncSaves() if args.async_save and args.save else None
+        self.saves: AsyncSaves | None = (
+            AsyncSaves(timeout_seconds=args.async_save_timeout_seconds)
+            if args.async_save and args.save else None)
         """``--async-save``: the saves being written in the background."""
         self.saved_now = False
         """Whether the iteration that just ended was saved (by :meth:`after_iteration`)."""
@@ -81,8 +83,9 @@ class CheckpointPolicy:
             return "no --save: nothing saved"
         if state.saved_iteration != state.iteration:  # save() said why it did not
             return "this iteration not saved"
-        if self.saved_now:
+        if self.saved_now and self.saves is None:  # written by the interval's save
             return "checkpoint saved"
+        # what the exit took: the save, or the wait for --async-save's to be published
         return f"checkpoint saved in {time.monotonic() - start:.1f} s"
 
     def at_end(self, start_iteration: int) -> None:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron.sdp4bit.integration.buckets import all_buffers
 from megatron.sdp4bit.training.guards import hooks
 from megatron.sdp4bit.training.guards.finite import all_finite
 from megatron.sdp4bit.training.guards.skips import has_loss_scaler
@@ -110,8 +111,9 @@ def release_unused_memory(args, after: str) -> None:
 
 
 def grads_finite(model_chunks) -> bool:
-    """Collective over every rank: whether all gradient buffers of all ranks are finite."""
-    return all_finite(buffer.grad_data for chunk in model_chunks for buffer in chunk.buffers)
+    """Collective over every rank: whether all gradient buffers of all ranks, dense and
+    expert-parallel, are finite."""
+    return all_finite(buffer.grad_data for buffer in all_buffers(model_chunks))
 
 
 def train_step(args, state, data_iterator, num_microbatches: int,

@@ -19,21 +19,36 @@ When finalizing happens (the loop, ``training/loop.py``, Megatron-LM's points):
 
 A run that fails (an error, a lost rank) kills its pending writers and publishes nothing: the
 tracker still names the previous complete checkpoint and ``iter_N.partial`` is never loaded
-(the next save of N replaces it). A process killed outright leaves the same, with its writer
-finishing into ``.partial`` on its own. The non-finite weights check and the disk-space check
-run at scheduling, on the state the checkpoint holds.
+(the next save of N replaces it). A process killed outright leaves the same; its writer is
+killed with it (``megatron/sdp4bit/helper_processes.py``). The non-finite weights check and
+the disk-space check run at scheduling, on the state the checkpoint holds.
+
+A writer that ends badly (killed by a signal) or runs past its time limit fails the save on
+every rank with one line naming the rank, the writer's pid, what happened and the save
+(iteration and folder), at the check that finds it ([Note: waiting for the writer] in
+``integration/async_save.py``). The limit is ``--async-save-timeout-seconds`` plus one
+second for every :data:`WRITE_RATE_FLOOR` bytes the rank writes, counted from the fork: the
+flag covers a slow start and a loaded file system, the size term a checkpoint that is
+simply large.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import signal
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron.sdp4bit.integration.async_save import BackgroundWriter
+from megatron.sdp4bit.integration.async_save import BackgroundWriter, WriterFailed
 from megatron.sdp4bit.training.checkpoint import disk_space
+from megatron.sdp4bit.training.guards import hooks
+
+WRITE_RATE_FLOOR = 10 * 2**20
+"""Bytes per second: the writer's time limit grows by one second per this many bytes the
+rank writes (a slow shared file system's rate per writer)."""
 
 
 class PendingSave(NamedTuple):
@@ -43,14 +58,17 @@ class PendingSave(NamedTuple):
     partial: str  # the folder being written, renamed to iter_N when published
     iteration: int
     settings: dict[str, Any]  # the manifest's settings, taken at scheduling
+    local_bytes: int = 0  # what this rank writes (its writer's time limit grows with it)
 
 
 class AsyncSaves:
     """The run's scheduled saves, finalized in order (see the module docstring). Every method
-    but ``close(abort=True)`` is a collective."""
+    but ``close(abort=True)`` is a collective. ``timeout_seconds``:
+    ``--async-save-timeout-seconds``."""
 
-    def __init__(self, writer: BackgroundWriter | None = None) -> None:
+    def __init__(self, timeout_seconds: float, writer: BackgroundWriter | None = None) -> None:
         self._writer = writer if writer is not None else BackgroundWriter()
+        self._timeout = timeout_seconds
         self._pending: list[PendingSave] = []
 
     @contextlib.contextmanager
@@ -65,8 +83,14 @@ class AsyncSaves:
         """Start writing ``request`` (megatron-core's ``AsyncRequest`` of ``save``); ``publish``
         runs in its finalize step, after megatron-core's own finalize functions."""
         request.add_finalize_fn(lambda: publish(save))
-        self._writer.schedule(request)
+        self._writer.schedule(request, limit=self.time_limit(save),
+                              before_write=functools.partial(hooks.fire, "async-writer",
+                                                             save.iteration))
         self._pending.append(save)
+
+    def time_limit(self, save: PendingSave) -> float:
+        """The seconds this rank's writer of ``save`` may run (see the module docstring)."""
+        return self._timeout + save.local_bytes / WRITE_RATE_FLOOR
 
     @property
     def pending(self) -> list[int]:
@@ -75,18 +99,35 @@ class AsyncSaves:
 
     def finalize(self, blocking: bool = False) -> list[int]:
         """Publish the saves whose writers have exited on every rank (``blocking``: wait for
-        all of them); returns their iterations. A failed write raises
+        them, each at most its time limit); returns their iterations. A failed write, or a
+        writer killed or past its limit, raises
         :class:`~megatron.sdp4bit.training.checkpoint.files.CheckpointError` on every rank
         (the partial folder removed, the previous checkpoint current)."""
         if not self._pending:  # nothing scheduled: no collective (every rank knows)
             return []
         try:
             done = self._writer.finalize(blocking)
+        except WriterFailed as err:
+            save = self._pending.pop(0)
+            raise disk_space.failed_save(save.root, save.partial, save.iteration, err,
+                                         cause=err.what(), fix=self._fix(err)) from err
         except CheckpointException as err:
             save = self._pending.pop(0)
             raise disk_space.failed_save(save.root, save.partial, save.iteration, err) from err
         published, self._pending = self._pending[:len(done)], self._pending[len(done):]
         return [save.iteration for save in published]
+
+    @staticmethod
+    def _fix(err: WriterFailed) -> str:
+        if err.exitcode is None:
+            return (f"the limit is --async-save-timeout-seconds plus 1 s per "
+                    f"{WRITE_RATE_FLOOR >> 20} MiB the rank writes; a writer that runs this "
+                    "long is stopped or its file system hangs: check it, raise the flag if "
+                    "the file system is only slow, and restart the run")
+        if err.exitcode == -signal.SIGKILL:
+            return ("restart the run (a SIGKILL nobody sent is often the kernel's "
+                    "out-of-memory killer: see dmesg)")
+        return "restart the run"
 
     def close(self, abort: bool = False) -> list[int]:
         """Publish what is pending (waiting), or with ``abort`` (a failing run: not a

@@ -69,11 +69,17 @@ def _kept(root: str) -> str:
             else f"{root} holds no complete checkpoint yet")
 
 
-def failed_save(root: str, partial: str, iteration: int, err: BaseException) -> CheckpointError:
+def failed_save(root: str, partial: str, iteration: int, err: BaseException, *,
+                cause: str | None = None, fix: str | None = None) -> CheckpointError:
     """The one line for a save whose writes failed after the check (megatron-core raised on
-    every rank together); rank 0 removes the partial folder first."""
+    every rank together); rank 0 removes the partial folder first. ``cause`` and ``fix``:
+    what happened and what to do, when it is known not to be the disk (an asynchronous
+    save's writer that was killed or ran too long)."""
     if dist.get_rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
+    if cause is not None:
+        return CheckpointError(f"saving iteration {iteration} to {root} failed: {cause}; its "
+                               f"partial folder is removed and {_kept(root)}; {fix}")
     found = _ERRNO.search(str(err))
     free = shutil.disk_usage(root).free
     if found:

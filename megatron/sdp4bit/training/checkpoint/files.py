@@ -48,6 +48,8 @@ TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
 LOCK = ".lock"
 FORMAT = 1
+PARTIAL = ".partial"  # the suffix of a torch_dist save's folder until it is published
+INTERRUPTED = "interrupted_saves"  # where a first save's leftovers are moved aside
 
 
 class CheckpointError(ValueError):
@@ -191,7 +193,8 @@ def latest_iteration(root: str) -> int | None:
     run would otherwise start from scratch and overwrite them."""
     tracker = os.path.join(root, TRACKER)
     if not os.path.lexists(tracker):
-        found = iteration_folders(root)
+        # a save's unpublished folder is no checkpoint (set_aside_interrupted_saves)
+        found = [n for n in iteration_folders(root) if not n.endswith(PARTIAL)]
         if found:
             raise CheckpointError(f"{root} holds checkpoint folders ({', '.join(found[-3:])}) "
                                   f"but no {TRACKER}: write the iteration to resume into it "
@@ -212,6 +215,46 @@ def latest_iteration(root: str) -> int | None:
         raise CheckpointError(f"{tracker} holds {text[:40]!r}, not an iteration number: fix or "
                               "delete it (the iter_* folders beside it hold the checkpoints)")
     return int(text)
+
+
+def set_aside_interrupted_saves(root: str) -> str | None:
+    """Move ``iter_*.partial`` folders of ``root`` into ``root/interrupted_saves/`` when they
+    are all it holds (no tracker, no other ``iter_*``): what a run stopped during its first
+    save leaves ([Note: a first save that never finished]). Returns the line saying so, or
+    None when there was nothing to move. Rank 0, holding ``root``'s lock.
+
+    [Note: a first save that never finished]
+    Until it is published, a torch_dist save is only ``iter_N.partial/`` (an asynchronous
+    one until its finalize step), and the tracker is written last. A run stopped before its
+    first save was published leaves that folder and no tracker: there is no checkpoint to
+    resume, so a restart on the same ``--save`` (``--load`` too, or not) starts from scratch,
+    as the user expects. The folder is moved aside, not deleted (it may be large, and it is
+    the user's to inspect or delete), into a folder whose name does not start with
+    ``iter_``, so that nothing counts it as a checkpoint; one line says where. An older
+    leftover of the same iteration there is replaced. ``iter_*`` folders that are not
+    partial without a tracker are still refused (:func:`latest_iteration`): those may be
+    complete checkpoints whose tracker was lost.
+    """
+    if os.path.lexists(os.path.join(root, TRACKER)):
+        return None
+    found = iteration_folders(root)
+    if not found or not all(name.endswith(PARTIAL) for name in found):
+        return None
+    aside = os.path.join(root, INTERRUPTED)
+    try:
+        os.makedirs(aside, exist_ok=True)
+        for name in found:
+            target = os.path.join(aside, name)
+            if os.path.isdir(target) and not os.path.islink(target):
+                shutil.rmtree(target)
+            os.replace(os.path.join(root, name), target)
+    except OSError as err:
+        raise CheckpointError(f"cannot move {', '.join(found)} of {root} into {aside} "
+                              f"({err.strerror}): fix the folder's permissions, or delete "
+                              "them (a save that never finished: no checkpoint)") from None
+    return (f"note: {root} held no checkpoint, only {', '.join(found)} of a save that never "
+            f"finished (the run was stopped before publishing it): moved into {aside}/ "
+            "(delete it to free its space); this run starts from scratch")
 
 
 def newest_complete(root: str, exclude: int | None = None) -> int | None:

@@ -184,6 +184,11 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
                    help="with --use-distributed-optimizer: megatron-core's reduce-scatter that "
                    "sends the gradients in their buffer's dtype (an all-to-all) and sums them in "
                    "fp32; not with SDP4Bit's quantized gradients or --overlap-grad-reduce")
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
+                   help="the process groups' backend (default NCCL with CUDA, gloo without). "
+                   "gloo on CUDA lets several ranks share a device, local rank r on "
+                   "cuda:(r mod devices) when there are more local ranks than devices; NCCL "
+                   "refuses that (training/cli/devices.py)")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10,
                    help="timeout of the process groups' collectives")
     g.add_argument("--heartbeat-timeout-seconds", type=float, default=120.0,
@@ -272,6 +277,12 @@ def _add_checkpoint_and_logging(p: argparse.ArgumentParser) -> None:
                    "folder renamed, tracker) once every rank's files are written, at the "
                    "start of a later iteration, before the next save or before the run exits "
                    "(docs/checkpoints.md)")
+    g.add_argument("--async-save-timeout-seconds", type=float, default=None,
+                   help="--async-save: the time a save's writer may take, plus 1 s per 10 MiB "
+                   "its rank writes, counted from the save's iteration; a writer still running "
+                   "then (stopped, or on a hung file system) ends the run with a line naming "
+                   "the rank and the save, the previous checkpoint current (default 600; not "
+                   "a Megatron-LM flag)")
     g.add_argument("--ckpt-fully-parallel-save", action="store_true",
                    help="torch_dist: spread the writing of replicated tensors over the "
                    "data-parallel ranks")

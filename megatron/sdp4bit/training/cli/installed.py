@@ -9,6 +9,8 @@ run it:
   (``--attention-backend flash|fused|unfused``, ``--use-flash-attn``) need CUDA and the
   ``transformer_engine`` package (``pip install -e ".[te]"``); ``--transformer-impl auto`` on
   CUDA without it runs megatron-core's local layers and says so once;
+* ``--distributed-backend``: ``nccl`` needs CUDA, and one device per local rank; ``gloo``
+  on CUDA lets ranks share devices (:mod:`.devices`, [Note: several ranks on one GPU]);
 * ``--context-parallel-size`` > 1 needs Transformer Engine's attention (the trainer does
   not split batches over context-parallel ranks yet, so it is refused everywhere, naming
   the first reason);
@@ -20,9 +22,9 @@ run it:
   ``--allow-untested-megatron-core`` is given, which is then said loudly.
 
 Warnings go to stderr from rank 0 (torchrun's ``$RANK``) only. ``parse_args(...,
-check_machine=True)`` runs these checks as its last steps (:func:`installed_steps`), so that what this
-machine lacks is named in the same message as the rest (errors.py, [Note: every refusal in
-one message]).
+check_machine=True)`` runs these checks as its last steps (:func:`installed_steps`), so
+that what this machine lacks is named in the same message as the rest (errors.py, [Note:
+every refusal in one message]).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import argparse
 import importlib.util
 from collections.abc import Callable
 
+from megatron.sdp4bit.training.cli import devices
 from megatron.sdp4bit.training.cli.errors import ArgumentsError, Refusals, warn
 
 __all__ = ["TE_INSTALL", "check_installed", "installed_steps", "uses_transformer_engine"]
@@ -47,6 +50,12 @@ def _cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def _device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if _cuda() else 0
 
 
 def uses_transformer_engine(impl: str) -> bool:
@@ -72,8 +81,8 @@ def _check_transformer_engine(args: argparse.Namespace) -> None:
                                  f"{TE_INSTALL}, or {instead}")
     elif args.transformer_impl == "auto" and cuda and not te:
         warn("--transformer-impl auto: Transformer Engine is not installed, so this run uses "
-              "megatron-core's local layers (correct, slower on GPU); for Transformer Engine's: "
-              f"{TE_INSTALL}")
+             "megatron-core's local layers (correct, slower on GPU); for Transformer Engine's: "
+             f"{TE_INSTALL}")
 
 
 def _check_context_parallel(args: argparse.Namespace) -> None:
@@ -130,9 +139,9 @@ def _check_megatron_core(args: argparse.Namespace, quantized: bool) -> None:
         return
     tested = " and ".join(TESTED_MEGATRON_CORE_VERSIONS)
     warn("!" * 20 + f" --allow-untested-megatron-core: megatron-core {installed} is NOT a "
-          f"tested release (SDP4Bit was tested with {tested}); SDP4Bit replaces megatron-core "
-          "internals that may have changed: check the losses against a baseline run "
-          "before trusting this one " + "!" * 20)
+         f"tested release (SDP4Bit was tested with {tested}); SDP4Bit replaces megatron-core "
+         "internals that may have changed: check the losses against a baseline run "
+         "before trusting this one " + "!" * 20)
 
 
 def installed_steps(args: argparse.Namespace, quantized: Callable[[], bool]
@@ -140,7 +149,8 @@ def installed_steps(args: argparse.Namespace, quantized: Callable[[], bool]
     """The checks of :func:`check_installed` as validation steps (name, check, the steps of
     ``validate.STEPS`` whose values it reads); ``quantized()``: whether the run installs
     SDP4Bit's collectives (read once the SDP4Bit flags are validated)."""
-    return [("transformer engine", lambda: _check_transformer_engine(args), ("switches",)),
+    return [("backend", lambda: devices.check_backend(args, _cuda(), _device_count()), ()),
+            ("transformer engine", lambda: _check_transformer_engine(args), ("switches",)),
             ("context parallel", lambda: _check_context_parallel(args), ()),
             ("logging packages", lambda: _check_logging_packages(args), ()),
             ("megatron-core", lambda: _check_megatron_core(args, quantized()), ("sdp4bit",))]

@@ -24,6 +24,7 @@ from megatron.sdp4bit.training.tokenizers import registry as tokenizer_registry
 
 FP32_TINY, FP32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38
 WEEK_SECONDS = 7 * 24 * 3600  # longest timeout accepted: beyond it a hang is never noticed
+ASYNC_SAVE_TIMEOUT_S = 600.0  # --async-save-timeout-seconds' default (its help says it too)
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
             "micro_batch_size", "train_iters", "lr")
 
@@ -449,6 +450,15 @@ def _check_checkpoint(args: argparse.Namespace) -> None:
               "saved synchronously, as in Megatron-LM)")
     if args.async_save and not args.save:
         _fail("--async-save needs --save (the folder its checkpoints are written to)")
+    timeout = args.async_save_timeout_seconds
+    if timeout is None:
+        args.async_save_timeout_seconds = ASYNC_SAVE_TIMEOUT_S
+    elif not args.async_save:
+        _fail("--async-save-timeout-seconds bounds --async-save's writer: pass --async-save "
+              "too, or drop it")
+    elif not (math.isfinite(timeout) and 0 < timeout <= WEEK_SECONDS):
+        _fail(f"--async-save-timeout-seconds={timeout:g} must be a number of seconds above 0 "
+              "and at most a week")
     if args.ckpt_step is not None:
         if not args.load:
             _fail(f"--ckpt-step {args.ckpt_step} needs --load (the folder holding iter_"

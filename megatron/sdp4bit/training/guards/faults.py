@@ -16,13 +16,17 @@ misbehave at ITERATION, so that tests can prove what a real fault does to a run
   (a replica that drifted from the others', what ``--check-replicas-interval`` must catch);
 * ``fill-disk-saving``: after the space check of that iteration's torch_dist save, the rank
   fills the file system of ``--save`` up to :data:`FILL_LEAVES` bytes (a disk that another
-  job fills during the save): the small files still fit, the tensors do not.
+  job fills during the save): the small files still fit, the tensors do not;
+* ``slow-writer``: the process that writes that iteration's asynchronous save
+  (``--async-save``) on this rank sleeps :data:`SLOW_WRITER_S` seconds before it writes (a
+  save still being written when a signal or a kill comes).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -30,8 +34,10 @@ import torch.distributed as dist
 from megatron.sdp4bit.training.guards import hooks
 
 ENV = "SDP4BIT_FAULT"
-KINDS = ("nan-grad", "die-saving", "nan-weight", "flip-replica", "fill-disk-saving")
+KINDS = ("nan-grad", "die-saving", "nan-weight", "flip-replica", "fill-disk-saving",
+         "slow-writer")
 FILL_LEAVES = 64 << 10
+SLOW_WRITER_S = 12.0
 
 
 @functools.lru_cache(maxsize=8)
@@ -93,6 +99,8 @@ def install() -> None:
         hooks.add("save-files-written", _die)
     if "fill-disk-saving" in kinds:
         hooks.add("save-space-checked", _fill_disk_saving)
+    if "slow-writer" in kinds:
+        hooks.add("async-writer", _slow_writer)
 
 
 def _due(kind: str, iteration: int) -> bool:
@@ -128,3 +136,8 @@ def _die(iteration: int) -> None:
 def _fill_disk_saving(root: str, iteration: int) -> None:
     if _due("fill-disk-saving", iteration):
         fill_disk(root)
+
+
+def _slow_writer(iteration: int) -> None:
+    if _due("slow-writer", iteration):  # in the forked writer: its copy of the rank
+        time.sleep(SLOW_WRITER_S)

@@ -20,6 +20,8 @@ POINTS = {
     "save-files-written": "(iteration): this rank's files of a save are written, the other "
                           "ranks' not known yet",
     "save-space-checked": "(root, iteration): the free space of a torch_dist save was checked",
+    "async-writer": "(iteration): in the process forked to write that iteration's "
+                    "asynchronous save, before it writes",
 }
 """Each point and the arguments its hooks get."""
 

@@ -10,6 +10,7 @@ import argparse
 import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron.sdp4bit.integration.async_save import WriterFailed
 from megatron.sdp4bit.training import checkpoint_policy, loop
 from megatron.sdp4bit.training.checkpoint import disk_space
 from megatron.sdp4bit.training.checkpoint.async_save import AsyncSaves, PendingSave
@@ -33,9 +34,9 @@ class _Writer:
         self.log, self.requests, self.done, self.fail = log, [], 0, None
         self.closed = None
 
-    def schedule(self, request) -> None:
+    def schedule(self, request, limit: float, before_write=None) -> None:
         self.requests.append(request)
-        self.log.append("fork writer")
+        self.log.append(f"fork writer (limit {limit:g} s)")
 
     def finalize(self, blocking: bool) -> list[int]:
         self.log.append(f"agree (blocking={blocking})")
@@ -57,7 +58,7 @@ class _Writer:
 
 def _saves(log):
     writer = _Writer(log)
-    return AsyncSaves(writer), writer
+    return AsyncSaves(timeout_seconds=600.0, writer=writer), writer
 
 
 def _schedule(saves, log, iteration):
@@ -74,7 +75,7 @@ def test_a_save_is_published_only_by_its_finalize_after_megatron_cores():
     assert "publish 4" not in log
     writer.done = 1
     assert saves.finalize() == [4] and saves.pending == []
-    assert log == ["fork writer", "agree (blocking=False)", "agree (blocking=False)",
+    assert log == ["fork writer (limit 600 s)", "agree (blocking=False)", "agree (blocking=False)",
                    "megatron-core finalize", "publish 4"]
     _schedule(saves, log, 8)
     assert saves.close() == [8] and writer.closed == "closed"
@@ -98,12 +99,49 @@ def test_a_failed_write_publishes_nothing_and_names_the_save(monkeypatch, tmp_pa
     assert "publish" not in log and not partial.exists() and saves.pending == []
 
 
+@pytest.mark.parametrize("failure,cause,fix", [
+    (WriterFailed(1, 4242, -9, 3.0, 8.0), "rank 1's checkpoint writer (pid 4242) was killed by "
+     "signal SIGKILL before it finished", "restart the run (a SIGKILL nobody sent is often the "
+     "kernel's out-of-memory killer: see dmesg)"),
+    (WriterFailed(0, 7, -15, 3.0, 8.0), "rank 0's checkpoint writer (pid 7) was killed by "
+     "signal SIGTERM before it finished", "restart the run"),
+    (WriterFailed(2, 77, 3, 1.0, 8.0), "rank 2's checkpoint writer (pid 77) exited with status "
+     "3 before it finished", "restart the run"),
+    (WriterFailed(2, 77, None, 8.4, 8.0, ranks=3), "rank 2's checkpoint writer (pid 77) (and 2 "
+     "other rank(s)' writers) had not finished after 8.4 s, its time limit being 8.0 s: it was "
+     "killed", "the limit is --async-save-timeout-seconds plus 1 s per 10 MiB the rank writes; "
+     "a writer that runs this long is stopped or its file system hangs: check it, raise the "
+     "flag if the file system is only slow, and restart the run"),
+], ids=["SIGKILL", "SIGTERM", "status", "stuck"])
+def test_a_writer_that_ended_badly_is_named_not_the_disk(monkeypatch, tmp_path, failure, cause,
+                                                         fix):
+    log = []
+    writer = _Writer(log)
+    saves = AsyncSaves(timeout_seconds=5.0, writer=writer)
+    monkeypatch.setattr(disk_space.dist, "get_rank", lambda: 0)
+    root = tmp_path / "CK"
+    partial = root / "iter_0000010.partial"
+    partial.mkdir(parents=True)
+    (root / "latest_checkpointed_iteration.txt").write_text("5\n")
+    save = PendingSave(str(root), str(partial), 10, {}, local_bytes=30 << 20)
+    assert saves.time_limit(save) == 8.0  # the flag plus 1 s per 10 MiB
+    saves.schedule(_Request(log), save, lambda save: log.append("publish"))
+    assert log[0] == "fork writer (limit 8 s)"
+    writer.fail = failure
+    with pytest.raises(CheckpointError) as err:
+        saves.finalize(blocking=True)
+    assert str(err.value) == (f"saving iteration 10 to {root} failed: {cause}; its partial "
+                              f"folder is removed and iteration 5 in {root} stays the current "
+                              f"checkpoint; {fix}")
+    assert "publish" not in log and not partial.exists() and saves.pending == []
+
+
 def test_abort_publishes_nothing_and_a_failed_close_aborts():
     log = []
     saves, writer = _saves(log)
     _schedule(saves, log, 4)
     assert saves.close(abort=True) == [] and writer.closed == "abort"
-    assert log == ["fork writer"]  # no agreement (other ranks may be gone), no publish
+    assert log == ["fork writer (limit 600 s)"]  # no agreement (other ranks may be gone)
     saves, writer = _saves(log)
     _schedule(saves, log, 6)
     writer.fail = RuntimeError("a rank was lost")
@@ -130,12 +168,13 @@ class _LoopSaves:
 
 def _loop_state(monkeypatch, log):
     args = argparse.Namespace(save="CK", ckpt_format="torch_dist", async_save=True,
+                              async_save_timeout_seconds=600.0,
                               tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                               overlap_param_gather=False)
     state = loop.TrainState(model=[], optimizer=None, scheduler=None, datasets=[],
                             vocab_size=0)
     saves = _LoopSaves(log)
-    monkeypatch.setattr(checkpoint_policy, "AsyncSaves", lambda: saves)
+    monkeypatch.setattr(checkpoint_policy, "AsyncSaves", lambda timeout_seconds: saves)
 
     def save(args, iteration, *a, background=None, **kw):
         log.append(f"schedule {iteration}")
@@ -176,6 +215,14 @@ def test_an_exit_signal_waits_for_the_save_it_asked_for(monkeypatch, capsys):
     assert state.saved_iteration == 5
     assert "successfully saved checkpoint from iteration       5 to CK" in \
         capsys.readouterr().out
+    # the interval's save of the iteration the signal stops at is still being written: the
+    # exit publishes it without saving twice, and says how long it waited
+    state.iteration = 8
+    checkpoints.save()
+    checkpoints.saved_now = True
+    log.clear()
+    assert checkpoints.before_exit(wait=True).startswith("checkpoint saved in ")
+    assert log == ["finalize blocking=True"] and state.saved_iteration == 8
 
 
 @pytest.mark.parametrize("error,closed", [(loop.TrainingStopped("diverged"), "close abort=False"),

@@ -6,6 +6,7 @@ tests in tests/e2e/test_faults.py run them under torchrun).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
@@ -133,6 +134,57 @@ def test_iteration_folders_without_a_tracker_are_not_overwritten(tmp_path):
     assert os.path.isdir(cf.iteration_dir(root, 20))
     cf.claim_save_dir(root, resuming_here=False, overwrite=True).release()
     assert cf.latest_iteration(root) is None
+
+
+def _claim(monkeypatch, root: str, load: str | None):
+    """``build.claim_save_dir`` on rank 0 of a world of one."""
+    from megatron.sdp4bit.training import build
+
+    monkeypatch.setattr(build.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(build.dist, "broadcast_object_list", lambda objects, src: None)
+    args = argparse.Namespace(save=root, load=load, overwrite_checkpoints=False)
+    return build.claim_save_dir(args)
+
+
+@pytest.mark.parametrize("load", [True, False], ids=["save-and-load", "save-only"])
+def test_a_first_save_that_never_finished_is_moved_aside_and_the_run_starts_over(
+        monkeypatch, capsys, tmp_path, load):
+    """A run stopped during its first save leaves iter_N.partial and no tracker: the restart
+    starts from scratch, the leftover moved aside with one line ([Note: a first save that
+    never finished])."""
+    root = str(tmp_path / "ckpt")
+    leftover = cf.iteration_dir(root, 5) + ".partial"
+    os.makedirs(leftover)
+    with open(os.path.join(leftover, "__0_0.distcp"), "w") as f:
+        f.write("half")
+    assert cf.latest_iteration(root) is None  # no checkpoint, not a refusal
+    _claim(monkeypatch, root, root if load else None).release()
+    aside = os.path.join(root, cf.INTERRUPTED)
+    assert capsys.readouterr().out == (
+        f"note: {root} held no checkpoint, only iter_0000005.partial of a save that never "
+        f"finished (the run was stopped before publishing it): moved into {aside}/ (delete it "
+        "to free its space); this run starts from scratch\n")
+    assert sorted(os.listdir(root)) == sorted([cf.LOCK, cf.INTERRUPTED])
+    with open(os.path.join(aside, "iter_0000005.partial", "__0_0.distcp")) as f:
+        assert f.read() == "half"  # moved, not deleted
+    assert cf.latest_iteration(root) is None
+    # the same crash again: the older leftover of that iteration is replaced
+    os.makedirs(leftover)
+    assert cf.set_aside_interrupted_saves(root) is not None
+    assert os.listdir(os.path.join(aside, "iter_0000005.partial")) == []
+
+
+def test_partial_folders_beside_a_checkpoint_are_left_to_the_next_save(tmp_path):
+    root = str(tmp_path)
+    os.makedirs(cf.iteration_dir(root, 5) + ".partial")
+    os.makedirs(cf.iteration_dir(root, 4))
+    # no tracker, but a folder that may be a complete checkpoint: refused, naming only it
+    with pytest.raises(cf.CheckpointError, match=r"holds checkpoint folders \(iter_0000004\) "):
+        cf.latest_iteration(root)
+    assert cf.set_aside_interrupted_saves(root) is None
+    cf.write_tracker(root, 4)  # a tracker: the partial folder is the next save's business
+    assert cf.set_aside_interrupted_saves(root) is None and cf.latest_iteration(root) == 4
+    assert os.path.isdir(cf.iteration_dir(root, 5) + ".partial")
 
 
 def test_a_tracker_that_is_a_folder_is_refused(tmp_path):

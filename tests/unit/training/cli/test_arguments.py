@@ -230,6 +230,15 @@ ERRORS = {
                                  "--distributed-timeout-minutes=1e+11 is longer than a week: a "
                                  "stopped rank would hold the job that long; use a shorter "
                                  "timeout"),
+    "async-timeout-zero": ("--save CK --async-save --async-save-timeout-seconds 0",
+                           "--async-save-timeout-seconds=0 must be a number of seconds above 0 "
+                           "and at most a week"),
+    "async-timeout-nan": ("--save CK --async-save --async-save-timeout-seconds nan",
+                          "--async-save-timeout-seconds=nan must be a number of seconds above 0 "
+                          "and at most a week"),
+    "async-timeout-alone": ("--save CK --async-save-timeout-seconds 60",
+                            "--async-save-timeout-seconds bounds --async-save's writer: pass "
+                            "--async-save too, or drop it"),
     "split-zero": ("--split 0,0,0", "--split '0,0,0' must be up to three non-negative numbers "
                    "with a positive sum, e.g. 969,30,1 (train, valid, test)"),
     "split-words": ("--split abc", "--split 'abc' must be up to three non-negative numbers "
@@ -325,7 +334,8 @@ def test_a_bad_fault_spec_is_a_parse_error(monkeypatch):
     with pytest.raises(ArgumentsError) as info:
         parse()
     assert str(info.value) == ("SDP4BIT_FAULT='bogus': use KIND@ITERATION:RANK, KIND one of "
-                               "nan-grad, die-saving, nan-weight, flip-replica, fill-disk-saving")
+                               "nan-grad, die-saving, nan-weight, flip-replica, fill-disk-saving, "
+                               "slow-writer")
 
 
 def test_split_spellings_agree():
