@@ -91,7 +91,8 @@ def read_model_tensors(directory: str) -> dict[str, torch.Tensor]:
     return {k: v.float() for k, v in state.items()}
 
 
-def _verify(directory: str) -> None:
+def _verify(directory: str) -> dict:
+    """The manifest of ``directory``, every file it lists checked against it."""
     from megatron.sdp4bit.training.checkpoint import files, integrity
 
     manifest = files.read_manifest(directory)
@@ -104,6 +105,7 @@ def _verify(directory: str) -> None:
         if integrity.file_hash(os.path.join(directory, name)) != entry:
             raise ExportError(f"checkpoint file {os.path.join(directory, name)} does not match "
                               "its manifest: it is damaged; export an earlier checkpoint")
+    return manifest
 
 
 def _check_output(output: str, overwrite: bool) -> None:
@@ -150,9 +152,10 @@ def export(load: str, output: str, iteration: int | None = None, vocab_file: str
         except trusted_paths.UntrustedPathError as err:
             raise ExportError(str(err)) from None
     directory = _checkpoint_dir(load, iteration)
-    _verify(directory)
-    safe_load.check_dist_checkpoint(directory)  # before anything unpickles its files
-    settings = files.read_manifest(directory)["settings"]
+    manifest = _verify(directory)
+    # before anything unpickles its files or allocates a tensor of the shapes it gives
+    safe_load.check_dist_checkpoint(directory, manifest["files"])
+    settings = manifest["settings"]
     model, assumed = with_defaults(settings["model"])
     vocab = settings.get("vocab_size")
     tokenizer, special_ids, no_tokenizer = hf_tokenizer.choose(settings, vocab_file, merge_file)

@@ -40,10 +40,14 @@ import io
 import os
 import pickle
 import re
+from collections.abc import Collection
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+from torch.distributed.checkpoint.metadata import Metadata
+
+from megatron.sdp4bit import trusted_paths
+from megatron.sdp4bit.training.checkpoint import dcp_entries
 
 DCP_METADATA = ".metadata"
 COMMON = "common.pt"
@@ -101,6 +105,9 @@ def _corrupt(path: str, err: BaseException) -> UnsafePickle:
 def read_dcp_metadata(directory: str) -> Metadata:
     """The ``.metadata`` of a torch_dist folder, through the restricted unpickler."""
     path = os.path.join(directory, DCP_METADATA)
+    found = trusted_paths.kind_problem(path, "checkpoint file")
+    if found is not None:  # a FIFO would block the open below forever
+        raise UnsafePickle(found)
     try:
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
@@ -147,61 +154,49 @@ def _read(path: str) -> bytes:
                            "checkpoint is incomplete or unreadable") from None
 
 
-def _object_bytes(directory: str, metadata: Metadata) -> list[tuple[str, str, bytes]]:
-    """(file, key, bytes) of every non-tensor object the folder's ``.distcp`` files hold."""
-    keys = {k for k, v in metadata.state_dict_metadata.items()
-            if isinstance(v, BytesStorageMetadata)}
-    out = []
-    for index, info in (metadata.storage_data or {}).items():
-        if getattr(index, "fqn", None) not in keys:
-            continue
-        name = getattr(info, "relative_path", None)
-        path = os.path.join(directory, str(name))
-        if (not isinstance(name, str) or os.path.basename(name) != name
-                or name in ("", ".", "..")):
-            raise UnsafePickle(f"checkpoint file {os.path.join(directory, DCP_METADATA)} "
-                               f"names data file {name!r} outside its folder: refusing it")
-        if getattr(info, "transform_descriptors", None):
-            raise UnsafePickle(f"checkpoint file {path} holds object {index.fqn} stored "
-                               f"with transforms {list(info.transform_descriptors)}, which "
-                               "this trainer does not read")
-        with open(path, "rb") as f:
-            f.seek(info.offset)
-            out.append((path, index.fqn, f.read(info.length)))
-    return out
-
-
-def check_dist_checkpoint(directory: str) -> Metadata:
+def check_dist_checkpoint(directory: str, listed: Collection[str] | None = None) -> Metadata:
     """Read every pickle of a torch_dist folder through the restricted unpicklers (see
-    [Note: what is unpickled from a checkpoint, and how]); returns its ``.metadata``.
-    Raises :class:`UnsafePickle` naming the file."""
+    [Note: what is unpickled from a checkpoint, and how]), after checking every entry its
+    ``.metadata`` names (``dcp_entries.py``; ``listed``: the file names of the folder's
+    manifest, None where it has none); returns its ``.metadata``. Raises
+    :class:`UnsafePickle` naming the file."""
+    meta = os.path.join(directory, DCP_METADATA)
     metadata = read_dcp_metadata(directory)
-    common = os.path.join(directory, COMMON)
-    if os.path.isfile(common):
-        torch_load(_read(common), common)
     try:
-        objects = _object_bytes(directory, metadata)
-    except UnsafePickle:
-        raise
+        dcp_entries.check_entries(directory, metadata, listed)
+    except dcp_entries.EntryError as err:
+        raise UnsafePickle(str(err)) from None
     except OSError as err:
         raise UnsafePickle(f"cannot read the data files of checkpoint {directory} "
                            f"({err.strerror}): the checkpoint is incomplete") from None
     except (AttributeError, TypeError, ValueError) as err:  # allowed types, wrong values
-        raise _corrupt(os.path.join(directory, DCP_METADATA), err) from None
+        raise _corrupt(meta, err) from None
+    common = os.path.join(directory, COMMON)
+    found = trusted_paths.kind_problem(common, "checkpoint file")
+    if found is not None:  # megatron-core opens it next
+        raise UnsafePickle(found)
+    if os.path.isfile(common):
+        torch_load(_read(common), common)
+    try:
+        objects = dcp_entries.object_bytes(directory, metadata)
+    except OSError as err:
+        raise UnsafePickle(f"cannot read the data files of checkpoint {directory} "
+                           f"({err.strerror}): the checkpoint is incomplete") from None
     for path, key, data in objects:
         torch_load(data, f"{path} (object {key})")
     return metadata
 
 
-def dist_checkpoint_problem(directory: str) -> str | None:
-    """Collective: rank 0 runs :func:`check_dist_checkpoint`; every rank gets its problem
-    (None: every pickle of the folder holds only the allowed types)."""
+def dist_checkpoint_problem(directory: str, listed: Collection[str] | None) -> str | None:
+    """Collective: rank 0 runs :func:`check_dist_checkpoint` (``listed``: the manifest's file
+    names, None without one); every rank gets its problem (None: the folder's entries are
+    sound and every pickle holds only the allowed types)."""
     import torch.distributed as dist
 
     problem: list = [None]
     if dist.get_rank() == 0:
         try:
-            check_dist_checkpoint(directory)
+            check_dist_checkpoint(directory, listed)
         except UnsafePickle as err:
             problem[0] = str(err)
     dist.broadcast_object_list(problem, src=0)
