@@ -156,6 +156,8 @@ def export(load: str, output: str, iteration: int | None = None, vocab_file: str
     # before anything unpickles its files or allocates a tensor of the shapes it gives
     safe_load.check_dist_checkpoint(directory, manifest["files"])
     settings = manifest["settings"]
+    if (note := files.unsealed_note(directory, manifest)) is not None:
+        print(f"note: {note}", file=sys.stderr)
     model, assumed = with_defaults(settings["model"])
     vocab = settings.get("vocab_size")
     tokenizer, special_ids, no_tokenizer = hf_tokenizer.choose(settings, vocab_file, merge_file)
