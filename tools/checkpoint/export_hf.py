@@ -184,7 +184,9 @@ def export(load: str, output: str, iteration: int | None = None, vocab_file: str
         os.chmod(tmp, 0o755)
         _write(tmp, state, config)
         if tokenizer is not None:
-            no_tokenizer = hf_tokenizer.write(tmp, tokenizer, model["max_position_embeddings"])
+            no_tokenizer = hf_tokenizer.write(tmp, tokenizer, model["max_position_embeddings"],
+                                              hf_tokenizer.digests(settings, vocab_file,
+                                                                   merge_file))
         replace_folder(tmp, output)
     except OSError as err:
         raise ExportError(f"cannot write {output} ({err.strerror or err}): free space or fix "

@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from megatron.sdp4bit import trusted_paths
 from megatron.sdp4bit.training.guards import index_cache
+from megatron.sdp4bit.training.tokenizers import registry as tokenizer_registry
 
 IDX_MAGIC = b"MMIDIDX\x00\x00"
 IDX_HEADER = len(IDX_MAGIC) + 8 + 1 + 8 + 8  # magic, version, dtype code, counts
@@ -100,15 +101,12 @@ def check_outputs(args: argparse.Namespace) -> None:
 
 def check_tokenizer_files(args: argparse.Namespace) -> None:
     """The tokenizer files (``--vocab-file``, ``--merge-file``, ``--tokenizer-model``, a
-    Hugging Face tokenizer folder's files) keep the trust rule; also used by the tools."""
-    for flag in ("--vocab-file", "--merge-file", "--tokenizer-model"):
-        path = getattr(args, flag[2:].replace("-", "_"), None)
-        if path and os.path.lexists(path):
-            _trusted(path, flag, "copy it to a folder of yours that only you can write")
-            if os.path.isdir(path):  # a Hugging Face tokenizer folder
-                for name in sorted(os.listdir(path)):
-                    _trusted(os.path.join(path, name), f"a file of {flag}",
-                             "copy the folder to one of yours that only you can write")
+    Hugging Face tokenizer folder's files) keep the trust rule (``tokenizers.registry``'s
+    check, the export's too); also used by the tools."""
+    try:
+        tokenizer_registry.check_files(args)
+    except trusted_paths.UntrustedPathError as err:
+        raise InputError(str(err)) from None
 
 
 def check_tokenizer(args: argparse.Namespace, build_tokenizer: Callable[[argparse.Namespace], Any]):
