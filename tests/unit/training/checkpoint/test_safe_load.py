@@ -274,6 +274,91 @@ def test_a_fifo_is_refused_without_being_opened(tmp_path):
                                   "regular file: refused without opening it; remove it")
 
 
+class Sneaky:
+    """A type some package registers with torch as safe: building it has an effect."""
+
+    def __init__(self, marker: str = "") -> None:
+        self.marker = marker
+
+    def __setstate__(self, state: dict) -> None:
+        os.mkdir(state["marker"])
+
+
+class _Call:
+    """Pickles as ``function(*args)``."""
+
+    def __init__(self, function, *args) -> None:
+        self.function, self.args = function, args
+
+    def __reduce__(self):
+        return self.function, self.args
+
+
+class _Build(_Call):
+    """Pickles as ``function(*args)`` with ``state`` set on the result."""
+
+    def __init__(self, function, args: tuple, state) -> None:
+        super().__init__(function, *args)
+        self.state = state
+
+    def __reduce__(self):
+        return self.function, self.args, self.state
+
+
+def _common(tmp_path, name: str, value) -> str:
+    folder = _folder(tmp_path / name)
+    torch.save({"iteration": 3, "value": value}, os.path.join(folder, "common.pt"))
+    return folder
+
+
+def test_a_common_pt_builds_only_the_projects_types(tmp_path):
+    """megatron-core registers types with torch's weights-only loader (argparse's Namespace,
+    NumPy arrays, BytesIO, its enums, OptimizerConfig, ...); the loader admits this project's
+    list of them, not whatever is registered when it runs."""
+    from megatron.core import safe_globals as mcore
+
+    marker = str(tmp_path / "MARKER")
+    folder = _common(tmp_path, "sneaky", Sneaky(marker))
+    torch.serialization.add_safe_globals([Sneaky])  # as a later release or a package might
+    try:
+        assert _refused(folder).startswith(f"checkpoint file {folder}/common.pt holds a "
+                                           f"pickled {__name__}.Sneaky, which is not a type")
+        assert Sneaky in torch.serialization.get_safe_globals()  # left as it was
+    finally:
+        torch.serialization.clear_safe_globals()
+        mcore.register_safe_globals()
+    assert not os.path.exists(marker)
+
+    def name(entry) -> str:
+        return entry[1] if isinstance(entry, tuple) else f"{entry.__module__}.{entry.__qualname__}"
+
+    allowed = {name(g) for g in safe_load.allowed_torch_globals()}
+    assert {name(g) for g in mcore.SAFE_GLOBALS} - allowed == set(), "a newly registered type"
+
+    # each of megatron-core's types called with a refused type among its arguments: refused
+    # while its arguments are read, before it is called
+    for n, type_ in enumerate(mcore.SAFE_GLOBALS):
+        folder = _common(tmp_path, f"call{n}", _Call(type_, Planted(marker)))
+        assert "holds a pickled posix.mkdir, which is not a type" in _refused(folder), type_
+    # called with odd values of allowed types: a value or one line, never a traceback
+    import io
+    import pathlib
+
+    import numpy
+    for n, value in enumerate([
+            _Call(pathlib.PosixPath, "/etc/passwd"), _Call(io.BytesIO, b"\x80\x04"),
+            _Call(numpy.dtype, "O"), _Call(torch.Generator, "meta"),
+            # torch's own Generator.__setstate__ crashed the process (SIGSEGV) on this state
+            _Build(torch.Generator, (), (torch.zeros(3, dtype=torch.uint8),)),
+            _Call(numpy.zeros(1).__reduce__()[0], pathlib.PosixPath, (0,), b"b")]):
+        folder = _common(tmp_path, f"odd{n}", value)
+        try:
+            safe_load.check_dist_checkpoint(folder)
+        except UnsafePickle as err:
+            assert str(err).startswith(f"checkpoint file {folder}/common.pt "), str(err)
+    assert not os.path.exists(marker)
+
+
 def test_the_loader_leaves_torchs_registered_globals_as_they_were(tmp_path):
     import argparse
 
