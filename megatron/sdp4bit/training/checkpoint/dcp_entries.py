@@ -30,7 +30,9 @@ torch reads the folder) refuses in one line naming the entry:
   of a checked file.
 
 Transforms (PyTorch's optional compression of entries) are refused: this trainer writes
-none and does not read them.
+none and does not read them. The cost is a few small reads per chunk, on rank 0: 1.3 s for
+5,000 chunks (86 MiB) on the 2-core development machine under load; the manifest's SHA-256
+check, where there is one, reads every byte of the files anyway.
 """
 
 from __future__ import annotations
@@ -77,6 +79,12 @@ def _shape(value: Any) -> tuple[int, ...] | None:
     if isinstance(value, (tuple, list)) and all(_is_count(v) for v in value):
         return tuple(value)
     return None
+
+
+def _listed(value: Any) -> str:
+    """A shape as ``[2, 3]``, anything else as its repr."""
+    shape = _shape(value)
+    return str(list(shape)) if shape is not None else repr(value)
 
 
 class _Files:
@@ -131,6 +139,9 @@ def _check_storage(files: _Files, storage: Any) -> None:
                          + _DAMAGED)
     spans: dict[str, list[tuple[int, int, str]]] = collections.defaultdict(list)
     for index, info in storage.items():
+        if not isinstance(index, MetadataIndex):
+            raise EntryError(f"checkpoint file {files.meta} keys a data entry by {index!r}, "
+                             f"not by a tensor or object name: {_DAMAGED}")
         label = _label(index)
         name = getattr(info, "relative_path", None)
         size = files.size(name, label)
@@ -337,8 +348,8 @@ def _check_tensors(files: _Files, metadata: Metadata, storage: dict) -> None:
                     or len(sizes) != len(shape)
                     or any(o + s > n for o, s, n in zip(offsets, sizes, shape))):
                 raise EntryError(f"checkpoint file {files.meta} gives tensor {key} of shape "
-                                 f"{list(shape)} a chunk at {chunk.offsets!r} of size "
-                                 f"{chunk.sizes!r}, outside it: {_DAMAGED}")
+                                 f"{list(shape)} a chunk at {_listed(chunk.offsets)} of size "
+                                 f"{_listed(chunk.sizes)}, outside it: {_DAMAGED}")
             index = MetadataIndex(key, torch.Size(offsets))
             if index not in storage:
                 raise EntryError(f"checkpoint file {files.meta} names no data for "
@@ -378,7 +389,7 @@ def object_bytes(directory: str, metadata: Metadata) -> list[tuple[str, str, byt
     keys = {k for k, v in metadata.state_dict_metadata.items()
             if isinstance(v, BytesStorageMetadata)}
     out = []
-    for index, info in metadata.storage_data.items():
+    for index, info in metadata.storage_data.items():  # keys checked: MetadataIndex
         if index.fqn in keys and index.offset is None:
             path = os.path.join(directory, info.relative_path)
             with open(path, "rb") as f:

@@ -187,6 +187,10 @@ def test_every_entry_names_a_listed_regular_file_inside_its_folder(tmp_path):
     folder = _crafted(tmp_path, "table", lambda m: setattr(m, "storage_data", ["a", "b"]))
     assert _refused(folder) == (f"checkpoint file {meta(folder)} has no table of data "
                                 f"entries: {DAMAGED}")
+    folder = _crafted(tmp_path, "keys", lambda m: setattr(m, "storage_data", {
+        "step": next(iter(m.storage_data.values()))}))
+    assert _refused(folder) == (f"checkpoint file {meta(folder)} keys a data entry by 'step', "
+                                f"not by a tensor or object name: {DAMAGED}")
 
 
 def _set_length(metadata, key: str, length: int) -> None:
@@ -234,8 +238,8 @@ def test_sizes_offsets_and_shapes_are_checked_before_anything_is_read(tmp_path):
     folder = _crafted(tmp_path, "outside_shape", lambda m: setattr(
         m.state_dict_metadata["w"].chunks[0], "offsets", torch.Size([1, 0])))
     assert _refused(folder) == (
-        f"checkpoint file {folder}/.metadata gives tensor w of shape [2, 3] a chunk at "
-        f"torch.Size([1, 0]) of size torch.Size([2, 3]), outside it: {DAMAGED}")
+        f"checkpoint file {folder}/.metadata gives tensor w of shape [2, 3] a chunk at [1, 0] "
+        f"of size [2, 3], outside it: {DAMAGED}")
 
     def share(metadata):  # b's entry over w's bytes: the file's size no longer bounds them
         w = next(i for i in metadata.storage_data if i.fqn == "w")
