@@ -339,8 +339,9 @@ def _grow(folder, metadata, key: str, rows: int, chunk: bool) -> None:
 
 def test_sizes_and_shapes_the_metadata_gives_are_checked_before_anything_is_allocated(
         checkpoint, tmp_path):
-    """An embedding grown 2**24 times asked torch.empty for 64 GiB here (824 GB in the probe);
-    a shape that lies ended in torch's AssertionError."""
+    """An embedding grown 2**24 times asked torch.empty for 1 TiB here (824 GB in the probe);
+    a shape that lies ended in torch's AssertionError; one that agrees with its data but not
+    with the model was exported as it was."""
     key = "embedding.word_embeddings.weight"
     folder = _crafted(checkpoint, tmp_path, "grown", lambda f, m: _grow(f, m, key, 2**24, False))
     assert _refused_export(os.path.dirname(folder), tmp_path / "hf") == (
@@ -352,6 +353,21 @@ def test_sizes_and_shapes_the_metadata_gives_are_checked_before_anything_is_allo
                               f"shape [256, 64], the entry says float32 [512, 64] for tensor "
                               f"{key} chunk at [0, 0] (bytes "), message
     assert message.endswith(f"): {DAMAGED}"), message
+
+    # shape, chunk and data agree with each other, not with the manifest's model: the export
+    # wrote a model transformers cannot load
+    from tests.helpers import crafted
+
+    norm = "decoder.final_layernorm.weight"
+    folder = _crafted(checkpoint, tmp_path, "consistent", lambda f, m: crafted.append_tensor(
+        f, m, norm, torch.ones(80)))
+    with pytest.raises(export_hf.ExportError) as err:
+        export_hf.export(os.path.dirname(folder), str(tmp_path / "hf"))
+    assert str(err.value) == (
+        f"checkpoint {folder}'s tensors do not have the shapes its manifest's model settings "
+        "give (transformer.ln_f.weight is [80], not [64]): the checkpoint is damaged or was "
+        "crafted; export an earlier one")
+    assert not (tmp_path / "hf").exists()
 
 
 def test_a_fifo_in_the_checkpoint_is_refused_without_being_opened(checkpoint, tmp_path):
