@@ -85,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         print(format_arguments(args), flush=True)  # Megatron-LM's arguments dump
 
     from megatron.sdp4bit.training import build, loop, sdp4bit_setup, tokenizers
-    from megatron.sdp4bit.training.guards import preflight
+    from megatron.sdp4bit.training.guards import faults, preflight
+
+    faults.install()  # the reliability tests' $SDP4BIT_FAULT; nothing without it
 
     lock = watchdog = None
     # rank 0 makes --save (the input checks, the lock): whether this run is the one that does

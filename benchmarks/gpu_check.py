@@ -1,21 +1,34 @@
 """The steps of the GPU check (``bash dev/gpu_check.sh``), one process per step.
 
     python -m benchmarks.gpu_check STEP --results DIR [--rehearse]
+    python -m benchmarks.gpu_check stamp
 
-Steps: ``env`` (device, driver, versions, the installed wheels' requirements),
-``kernels`` (every Triton kernel bit for bit against the torch reference:
-``tests/helpers/cuda_checks.py``), ``bandwidth`` (``benchmarks/gpu_bandwidth.py``),
+Steps: ``env`` (device, driver, versions, the project's commit, the installed wheels'
+requirements), ``kernels`` (every Triton kernel bit for bit against the torch reference:
+``dev/cuda_checks.py``, run as a process), ``bandwidth`` (``benchmarks/gpu_bandwidth.py``),
 ``overhead`` (``benchmarks/gpu_overhead.py``) and ``report`` (``benchmarks/gpu_report.py``:
 ``gpu.md`` and ``gpu.json`` from what the others wrote). Each writes ``DIR/STEP.json``, so a
 step that fails or runs out of time loses only its own figures. ``--rehearse`` runs the same
 code on CPU: the kernels in Triton's interpreter (``TRITON_INTERPRET=1``) at tiny sizes and a
 tiny model, to know the command works before a GPU is at hand; its figures mean nothing.
+
+[Note: the commit of a copied tree]
+The machine that runs the check may get a copy of the working tree without ``.git`` (the
+borrowed GPU machine does: tracked files and untracked ones git does not ignore). ``stamp``,
+run in the checkout before the copy (``bash dev/gpu_check.sh --stamp``), writes :data:`STAMP`:
+the commit, whether the tree had changes git sees (modified or untracked files), and git's
+hash of the bytes of every tracked file as the tree holds it then (uncommitted changes
+included). Without ``.git`` the env step believes the stamp only if every listed file still
+has its hash (a stamp from another state of the tree does not match), and the report then
+says "unknown" rather than a wrong commit; in a checkout git answers and the stamp is not
+read.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import importlib.metadata as metadata
 import json
 import os
@@ -29,7 +42,11 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ("env", "kernels", "bandwidth", "overhead", "report")
+STEPS = ("env", "kernels", "bandwidth", "overhead", "report", "stamp")
+# The five fused operations, each checked by dev/cuda_checks.py in its own process (its CASES;
+# benchmarks import nothing of dev/, tests/unit/test_gpu_check.py compares the two)
+KERNELS = ("qwd_sender", "qwd_receiver", "tlq_sender", "tlq_middle", "tlq_receiver")
+STAMP = "dev/gpu_check_stamp.json"  # [Note: the commit of a copied tree]
 
 
 def _device(rehearse: bool) -> torch.device:
@@ -52,6 +69,68 @@ def _run(cmd: list[str]) -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _git(root: Path, *args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], capture_output=True, text=True, timeout=30,
+                              cwd=root)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def _blob_hash(path: Path) -> str:
+    """git's object id of the file's bytes (``git hash-object``)."""
+    data = path.read_bytes()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def _dirty(root: Path) -> bool | None:
+    """Whether the checkout has changes git sees (modified, staged or untracked files; the
+    stamp itself aside), None when git cannot tell."""
+    status = _git(root, "status", "--porcelain", "--untracked-files=normal")
+    if status is None:
+        return None
+    return any(line[3:].strip() != STAMP for line in status.splitlines())
+
+
+def write_stamp(root: Path) -> dict:
+    """[Note: the commit of a copied tree]: write ``root/STAMP`` from git; refused outside a
+    checkout."""
+    head, files = _git(root, "rev-parse", "HEAD"), _git(root, "ls-files", "-z")
+    dirty = _dirty(root)
+    if head is None or files is None or dirty is None:
+        raise SystemExit(f"{root} is not a git checkout: the stamp records its commit")
+    # the working tree's bytes (a tracked file deleted in it is left out; a submodule is a
+    # folder, not a file)
+    blobs = {path: _blob_hash(root / path) for path in filter(None, files.split("\0"))
+             if (root / path).is_file()}
+    stamp = dict(commit=head.strip(), dirty=dirty, files=blobs)
+    (root / STAMP).write_text(json.dumps(stamp, indent=0) + "\n")
+    return stamp
+
+
+def project_commit(root: Path) -> str | None:
+    """The commit of the tree at ``root``, with " (with uncommitted changes)" when it has
+    some; None when it cannot be known ([Note: the commit of a copied tree])."""
+    if (root / ".git").exists():
+        head, dirty = _git(root, "rev-parse", "HEAD"), _dirty(root)
+        if head is None or dirty is None:
+            return None
+        return head.strip() + (" (with uncommitted changes)" if dirty else "")
+    try:
+        stamp = json.loads((root / STAMP).read_text())
+        commit, dirty, files = stamp["commit"], stamp["dirty"], stamp["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    for path, blob in files.items():
+        try:
+            if _blob_hash(root / path) != blob:
+                return None
+        except OSError:
+            return None
+    return commit + (" (with uncommitted changes)" if dirty else "")
 
 
 def _version(dist: str) -> str | None:
@@ -96,7 +175,7 @@ def env_step(rehearse: bool, wheels_dir: Path | None) -> dict:
         rehearsal=rehearse, python=platform.python_version(), executable=sys.executable,
         platform=platform.platform(), torch=torch.__version__, torch_cuda=torch.version.cuda,
         triton=triton_version, megatron_core=_version("megatron-core"),
-        commit=_run(["git", "rev-parse", "HEAD"]), cpu_count=os.cpu_count())
+        commit=project_commit(ROOT), cpu_count=os.cpu_count())
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         info.update(device=props.name, multiprocessors=props.multi_processor_count,
@@ -118,16 +197,15 @@ def env_step(rehearse: bool, wheels_dir: Path | None) -> dict:
 
 
 def kernels_step(rehearse: bool, results: Path) -> int:
-    """``tests/helpers/cuda_checks.py`` on the GPU for the five operations at once, one process
-    each (a fresh machine compiles some 70 kernel variants: in parallel they fit the step's
-    budget); in the rehearsal one process runs them all (2 cores). Then ``kernels.json``."""
-    from tests.helpers import cuda_checks
-
+    """``dev/cuda_checks.py`` on the GPU for the five operations at once, one process each (a
+    fresh machine compiles every kernel variant the cases need: in parallel they fit the
+    step's budget); in the rehearsal one process runs them all (2 cores). Then
+    ``kernels.json``."""
     device = _device(rehearse).type
     extra = ["--device", "cpu", "--tiny", "--limit", "1"] if rehearse else []
-    groups = [list(cuda_checks.CASES)] if rehearse else [[op] for op in cuda_checks.CASES]
+    groups = [list(KERNELS)] if rehearse else [[op] for op in KERNELS]
     procs = [(group, subprocess.Popen(
-        [sys.executable, "-m", "tests.helpers.cuda_checks", *group, "--json",
+        [sys.executable, "-m", "dev.cuda_checks", *group, "--json",
          str(results / f"kernels_{group[0]}.json"), *extra], cwd=ROOT)) for group in groups]
     ops, failed = [], False
     for group, proc in procs:
@@ -148,13 +226,22 @@ def kernels_step(rehearse: bool, results: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("step", choices=STEPS)
-    parser.add_argument("--results", type=Path, required=True, help="the results folder")
+    parser.add_argument("--results", type=Path,
+                        help="the results folder (every step but stamp)")
     parser.add_argument("--rehearse", action="store_true",
                         help="on CPU: interpreted kernels, tiny sizes, tiny model")
     parser.add_argument("--wheels", type=Path, help="env: the wheel folder installed")
     parser.add_argument("--write-results", action="store_true",
                         help="report: also write benchmarks/gpu.{md,json}")
     args = parser.parse_args(argv)
+    if args.step == "stamp":
+        stamp = write_stamp(ROOT)
+        print(f"wrote {STAMP}: commit {stamp['commit']}"
+              + (", with uncommitted changes" if stamp["dirty"] else "")
+              + f", {len(stamp['files'])} files")
+        return 0
+    if args.results is None:
+        parser.error(f"the {args.step} step needs --results DIR")
     results = args.results.resolve()
     results.mkdir(parents=True, exist_ok=True)
 

@@ -35,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from benchmarks.quantization import _wire, time_op
+from benchmarks.quantization import random_wire, time_op
 from benchmarks.scale import MODELS, sdp4bit_config
 from megatron.sdp4bit.comm.config import GradientQuantConfig, WeightQuantConfig
 from megatron.sdp4bit.comm.padding import required_divisor
@@ -133,7 +133,7 @@ def rank_work(numel: int, dp: int, device: torch.device, backend: str
     main = replica[:shard].float() + 1e-3 * torch.randn(shard, device=device)
     message = torch.empty(message_nbytes(shard, weights.bits, weights.group_size),
                           dtype=torch.uint8, device=device)
-    gathered = _wire(dp, shard, weights.bits, weights.group_size, device)
+    gathered = random_wire(dp, shard, weights.bits, weights.group_size, device)
     out = torch.empty(shard, device=device)
     h, sr = grads.hadamard_block, grads.stochastic
     phases = [
@@ -147,9 +147,9 @@ def rank_work(numel: int, dp: int, device: torch.device, backend: str
         intra, inter = layout
         p, c = grads.pipeline_slices, shard // grads.pipeline_slices
         send1 = torch.empty(intra.buffer_nbytes, dtype=torch.uint8, device=device)
-        recv1 = _wire(p * n, m * c, grads.intra_bits, grads.intra_group_size, device)
+        recv1 = random_wire(p * n, m * c, grads.intra_bits, grads.intra_group_size, device)
         send2 = torch.empty(inter.buffer_nbytes, dtype=torch.uint8, device=device)
-        recv2 = _wire(p * m, c, grads.inter_bits, grads.inter_group_size, device)
+        recv2 = random_wire(p * m, c, grads.inter_bits, grads.inter_group_size, device)
         b1, b2 = n * intra.message_nbytes, m * inter.message_nbytes
 
         def middle() -> None:
@@ -176,7 +176,7 @@ def rank_work(numel: int, dp: int, device: torch.device, backend: str
     else:  # one node: the single intra-node hop
         (hop,) = layout
         send = torch.empty(hop.buffer_nbytes, dtype=torch.uint8, device=device)
-        recv = _wire(dp, shard, grads.intra_bits, grads.intra_group_size, device)
+        recv = random_wire(dp, shard, grads.intra_bits, grads.intra_group_size, device)
         phases += [
             ("tlq_sender", lambda: ops.tlq_sender(
                 grad, send, num_dests=dp, blocks_per_dest=1, slices=1, bits=grads.intra_bits,

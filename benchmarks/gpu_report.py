@@ -67,7 +67,7 @@ def build(results: Path, rehearsal: bool) -> dict:
         kernels=_load(results / "kernels.json"), gpu_tests=_gpu_tests(results),
         bandwidth=_load(results / "bandwidth.json"), overhead=_load(results / "overhead.json"),
         commands={
-            "kernels": "python -m tests.helpers.cuda_checks all"
+            "kernels": "python -m dev.cuda_checks all"
                        + (" --device cpu --tiny --limit 1" if rehearsal else ""),
             "gpu_tests": "python -m pytest tests/gpu/test_training_cuda.py",
             "bandwidth": "python -m benchmarks.gpu_check bandwidth" + flag,
@@ -158,15 +158,15 @@ def render(report: dict) -> str:
               f"- versions: python {env.get('python')}, torch {env.get('torch')} (CUDA "
               f"{env.get('torch_cuda')}), triton {env.get('triton')}, megatron-core "
               f"{env.get('megatron_core')}",
-              f"- commit: {env.get('commit')}; date: {env.get('date')}", "",
+              f"- commit: {env.get('commit') or 'unknown'}; date: {env.get('date')}", "",
               "## Steps", "", "| step | exit | seconds | budget (s) |", "|---|---:|---:|---:|"]
     lines += [f"| {s['step']} | {s['exit']}{' (out of time)' if s['timed_out'] else ''} | "
               f"{s['seconds']:.0f} | {s['budget_s']} |" for s in report["steps"]]
     lines += ["", "## 1. Kernels against the torch references (bit for bit)", "",
               f"`{report['commands']['kernels']}`", ""] + _kernel_lines(report["kernels"])
     t = report["gpu_tests"]
-    lines += ["GPU tests (`tests/gpu/test_training_cuda.py`: one-GPU training with every "
-              "SDP4Bit flag against the baseline): "
+    lines += ["GPU tests (`tests/gpu/test_training_cuda.py`: 4 ranks sharing the GPU, every "
+              "SDP4Bit flag, the Triton kernels against the torch references): "
               + ("not run" if t is None else
                  f"{t['tests']} tests, {t['failures']} failures, {t['errors']} errors, "
                  f"{t['skipped']} skipped"), ""]

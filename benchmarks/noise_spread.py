@@ -6,14 +6,15 @@ tests/e2e/test_dist_checkpoint.py: the figure behind that test's bound for resha
     python -m benchmarks.noise_spread --layouts dp4 --seeds 7 8
     python -m benchmarks.noise_spread --write-results    # also benchmarks/noise_spread.{md,json}
 
-For each layout of the test (processes and parallel flags: ``LAYOUTS`` there) the test's
-uninterrupted run (``BASE``: the tiny GPT on the tests' corpus, SDP4Bit, dropout off, 8
-iterations) is launched once per ``--rounding-seed``; the runs share the data order, the
+For each layout of the test (processes and parallel flags: :data:`LAYOUTS`, which the test
+imports from here) the test's uninterrupted run (:data:`BASE`: the tiny GPT on the tests'
+corpus, ``dev/tiny_runs.py``, SDP4Bit, dropout off, 8 iterations) is launched once per
+``--rounding-seed`` (with the real ``torchrun``); the runs share the data order, the
 initialization and everything else, so they differ only in the stochastic-rounding noise.
 For every pair of seeds and every iteration the test compares after a resume (5 to 8) the
 relative loss difference |a - b| / a is taken; per layout their root mean square (RMS) is
-printed, and the test's bound, its ``NOISE_FACTOR`` x the largest RMS (the test reads the
-RMS from ``benchmarks/noise_spread.json``). A resharded resume differs from its reference by
+printed, and the test's bound, :data:`NOISE_FACTOR` x the largest RMS (the test reads it
+with :func:`noise_bound` from ``benchmarks/noise_spread.json``). A resharded resume differs from its reference by
 the same kind of noise, drawn on another topology from step 5 on (fewer steps
 than a pair of seeds, which differ from step 1), so its differences are at most as spread.
 The seed 7 run of each layout is the test's own reference run.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import math
 import os
 import platform
@@ -35,10 +37,54 @@ import time
 from pathlib import Path
 
 from benchmarks import results
+from dev.tiny_runs import TINY
+from megatron.sdp4bit.training.cli.methods import METHOD_FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULT_SEEDS = (7, 8, 9, 10)  # 7 is the test's --seed: its reference run is among them
+
+BASE = list(TINY)
+for _flag, _value in (("--train-iters", "8"), ("--log-interval", "1"),
+                      ("--eval-interval", "100")):
+    BASE[BASE.index(_flag) + 1] = _value
+BASE += ["--hidden-dropout", "0", "--attention-dropout", "0", *METHOD_FLAGS["SDP4Bit"]]
+"""The resume tests' uninterrupted run, without its data flags (tests/e2e/test_dist_checkpoint.py)."""
+# The layouts of the resume tests' runs: name -> (processes, flags).
+LAYOUTS = {
+    "dp4": (4, ["--dp-ranks-per-node", "2"]),  # the reference; the TP/PP case resumes on it
+    "dp2": (2, ["--dp-ranks-per-node", "1"]),
+    "dp8": (8, ["--dp-ranks-per-node", "4"]),
+    "tp2pp2dp2": (8, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
+                      "2", "--dp-ranks-per-node", "1"]),
+}
+
+
+# [Note: the noise bound of a resharded resume]
+# (the part (2) of tests/e2e/test_dist_checkpoint.py's loss bound)
+# From the second iteration on the runs differ by SDP4Bit's rounding noise: from step 5 the
+# resumed run draws its stochastic rounding on another topology (other quantization groups,
+# shards and seeds). Two uninterrupted runs that differ only in --rounding-seed differ by the
+# same kind of noise, drawn from step 1, so their loss differences are at least as spread.
+# This benchmark launches every layout of LAYOUTS with 4 rounding seeds and takes the RMS of
+# the relative differences |a - b| / a over all pairs and iterations 5-8;
+# benchmarks/noise_spread.json records it, and the bound is NOISE_FACTOR x the largest RMS
+# (for a difference of roughly normal spread, |x| > 4 RMS has a probability of 6e-5; 24
+# samples per layout estimate the RMS within about 15%). The first iteration after a TP
+# change differs too: TP splits the row-parallel matmuls and the vocabulary's softmax
+# differently (partial sums rounded to bf16 before the all-reduce): rounding noise on part of
+# the model, within (2) (the baseline's first iteration after TP 2 x PP 2 -> TP 1 moved by
+# 2.3e-5; docs/checkpoints.md).
+NOISE_ITERATIONS = (5, 6, 7, 8)
+NOISE_FACTOR = 4
+NOISE_RECORD = ROOT / "benchmarks" / "noise_spread.json"
+
+
+def noise_bound() -> float:
+    """The relative bound of a resharded resume's loss ([Note: the noise bound of a resharded
+    resume]): NOISE_FACTOR x the largest RMS recorded in ``benchmarks/noise_spread.json``."""
+    with open(NOISE_RECORD, encoding="utf-8") as f:
+        return NOISE_FACTOR * max(r["rms"] for r in json.load(f)["layouts"].values())
 
 
 def pair_differences(losses: dict[int, dict[int, float]], iterations) -> list[float]:
@@ -57,8 +103,7 @@ def rms(values: list[float]) -> float:
 
 
 def measure(layouts: list[str], seeds: list[int], work: Path) -> dict:
-    from tests.helpers.resume_layouts import BASE, LAYOUTS, NOISE_ITERATIONS
-    from tests.helpers.trainer import build_corpus, torchrun, train_lines
+    from dev.tiny_runs import build_corpus, torchrun, train_lines
 
     data = build_corpus(work / "data")
     result = {}
@@ -68,6 +113,9 @@ def measure(layouts: list[str], seeds: list[int], work: Path) -> dict:
         for seed in seeds:
             t0 = time.time()
             res = torchrun(BASE + data + flags + ["--rounding-seed", str(seed)], nproc=nproc)
+            if res.returncode != 0:
+                raise RuntimeError(f"{name} seed {seed}: the run failed (exit "
+                                   f"{res.returncode}):\n{res.stderr[-3000:]}")
             losses[seed] = {m["iteration"]: m["lm_loss"] for m in train_lines(res.stdout)}
             print(f"{name} seed {seed}: " + " ".join(
                 f"{losses[seed][i]:.6f}" for i in sorted(losses[seed]))
@@ -101,8 +149,6 @@ def render(record: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from tests.helpers.resume_layouts import LAYOUTS, NOISE_FACTOR, NOISE_ITERATIONS
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS))

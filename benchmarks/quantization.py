@@ -50,8 +50,9 @@ TLQ_INTRA_BITS, TLQ_INTER_BITS, TLQ_GROUP, TLQ_H = 8, 4, 128, 32
 NODES, LOCAL = 2, 4
 
 
-def _wire(count: int, numel: int, bits: int, group: int, device) -> torch.Tensor:
-    """``count`` valid messages (random codes, small positive scales)."""
+def random_wire(count: int, numel: int, bits: int, group: int, device) -> torch.Tensor:
+    """A wire buffer of ``count`` valid messages of ``numel`` values (random codes, small
+    positive scales): what a collective receives, for timing the operations that read it."""
     wire = torch.randint(0, 256, (count * fmt.message_nbytes(numel, bits, group),),
                          dtype=torch.uint8, device=device)
     scales, _ = fmt.split_messages(wire, count, numel, bits, group)
@@ -74,7 +75,7 @@ def build_cases(n: int, device, backend: str) -> list[tuple[str, Callable[[], No
         backend=backend), 4 * n + 2 * n + msg.numel()))
 
     shard = n // QWD_WORLD
-    gathered = _wire(QWD_WORLD, shard, QWD_BITS, QWD_GROUP, device)
+    gathered = random_wire(QWD_WORLD, shard, QWD_BITS, QWD_GROUP, device)
     cases.append(("qwd_receiver", lambda: ops.qwd_receiver(
         gathered, replica, world=QWD_WORLD, bits=QWD_BITS, group_size=QWD_GROUP,
         backend=backend), gathered.numel() + 2 * 2 * n))
@@ -89,7 +90,7 @@ def build_cases(n: int, device, backend: str) -> list[tuple[str, Callable[[], No
 
     # Middle: the N intra-node messages a rank receives (n values in all) -> M messages.
     m_numel = n // LOCAL
-    received = _wire(LOCAL, m_numel, TLQ_INTRA_BITS, TLQ_GROUP, device)
+    received = random_wire(LOCAL, m_numel, TLQ_INTRA_BITS, TLQ_GROUP, device)
     inter = torch.empty(fmt.message_nbytes(m_numel, TLQ_INTER_BITS, TLQ_GROUP),
                         dtype=torch.uint8, device=device)
     cases.append(("tlq_middle", lambda: ops.tlq_middle(
@@ -99,7 +100,7 @@ def build_cases(n: int, device, backend: str) -> list[tuple[str, Callable[[], No
         received.numel() + inter.numel()))
 
     # Receiver: the M inter-node messages of an n-element shard -> fp32 mean.
-    last = _wire(NODES, n, TLQ_INTER_BITS, TLQ_GROUP, device)
+    last = random_wire(NODES, n, TLQ_INTER_BITS, TLQ_GROUP, device)
     for h in (0, TLQ_H):
         cases.append((f"tlq_receiver H={h}", lambda h=h: ops.tlq_receiver(
             last, dst, n_in=NODES, bits=TLQ_INTER_BITS, group_size=TLQ_GROUP,
@@ -195,9 +196,12 @@ def render_markdown(runs: dict) -> str:
              "compiled CPU kernels, one thread, next to a one-thread copy), every operation "
              ">= 20% of the copy. Every backend produces the same bytes.", ""]
     if not any(kind.startswith("cuda") for kind in runs):
-        lines += ["**GPU figures are not yet measured**: no GPU was available when this file "
-                  "was written. Run `python -m benchmarks.quantization` on a CUDA machine "
-                  "(Triton backend) to add them.", ""]
+        lines += ["**GPU figures are not in this file**: no GPU was available when it was "
+                  "written. The first GPU figures of the same kernels (one H200, `bash "
+                  "dev/gpu_check.sh`'s bandwidth step at megatron-core's bucket sizes) are in "
+                  "[gpu_h200_2026-11-28](gpu_h200_2026-11-28/README.md); `python -m "
+                  "benchmarks.quantization` on a CUDA machine (Triton backend) adds this "
+                  "file's table for a GPU.", ""]
     for kind in sorted(runs):
         r = runs[kind]
         lines += [f"## {r['device_kind'].upper()}, {r['backend']} backend: {r['device']}", "",

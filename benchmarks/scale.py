@@ -28,7 +28,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -108,13 +107,13 @@ def build_rank(model: str, tp: int, pp: int, dp: int, rank: int, ranks_per_node:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron.sdp4bit.comm import CommStats, GradientQuantConfig, WeightQuantConfig
-    from megatron.sdp4bit.comm.reduce_scatter import _record, hops
+    from megatron.sdp4bit.comm.reduce_scatter import hops, record_bytes
     from megatron.sdp4bit.integration import sdp4bit_padding
+    from megatron.sdp4bit.integration.buckets import main_shard_numel
     from megatron.sdp4bit.quantization.format import message_nbytes
     from megatron.sdp4bit.training.observe.comm_counters import add_unquantized_iteration
     from megatron.sdp4bit.training.tokenizers import padded_vocab_size
@@ -150,13 +149,10 @@ def build_rank(model: str, tp: int, pp: int, dp: int, rank: int, ranks_per_node:
                 gpt.bfloat16 = lambda: gpt
                 with sdp4bit_padding(padding) if padding else _nothing():
                     ddp = DistributedDataParallel(config, ddp_config, Float16Module(config, gpt))
-                # The distributed optimizer's own shard ranges (its classmethod, no
-                # collective): this rank's fp32 main parameters are these pieces.
-                # Every buffer, as observe.comm_counters counts them.
+                # Every buffer, as observe.comm_counters counts them; this rank's fp32 main
+                # parameters are the distributed optimizer's shard ranges of them.
                 buffers = list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", []))
-                main = sum(r["param"].size for buf in buffers
-                           for ranges in DistributedOptimizer._build_gbuf_range_map(buf).values()
-                           for bucket in ranges for r in bucket["param_map"].values())
+                main = main_shard_numel(buffers)
             buckets = [b for buf in buffers for b in buf.buckets]
             layout = Layout(
                 bucket_numels=[b.grad_data.numel() for b in buckets],
@@ -180,8 +176,7 @@ def build_rank(model: str, tp: int, pp: int, dp: int, rank: int, ranks_per_node:
                     stats.add_param_bytes(wmsg, shard * 2, dp, ranks_per_node)
                     grad_hops = hops(ranks_per_node, dp // ranks_per_node, shard, gq)
                     # The collective's own byte counter (it reads only N and M).
-                    _record(stats, SimpleNamespace(ranks_per_node=ranks_per_node,
-                                                   nodes=dp // ranks_per_node), gq, shard, 4)
+                    record_bytes(stats, ranks_per_node, dp // ranks_per_node, gq, shard, 4)
                     # qWD: message + wire of W messages + the fp32 main-shard scratch;
                     # TLq-HS: send and receive buffers of every hop.
                     extra_qwd = wmsg + dp * wmsg + 4 * shard

@@ -5,14 +5,17 @@
 # in $OUT when it is set, and in benchmarks/ with --write-results).
 #
 #     bash dev/gpu_check.sh [--rehearse] [--write-results] [--results DIR] [--wheels DIR]
+#     bash dev/gpu_check.sh --stamp
 #
 # Runs as it is on a machine with CUDA torch and triton but no package registry: the wheels
 # it needs (megatron-core) come from --wheels [dev/gpu_wheels], filled beforehand by
 # `bash dev/gpu_wheels.sh fetch`. Each step runs in its own process under its own time
-# budget (`timeout`), all of them inside GPU_CHECK_SECONDS [330] in total, and writes its
+# budget (`timeout`), all of them inside GPU_CHECK_SECONDS [270] in total, and writes its
 # results before the next starts; the report comes last whatever failed. Exit status:
 # 0 when every step passed. --rehearse runs every step on this CPU machine (the kernels in
-# Triton's interpreter, tiny sizes, a tiny model) with this interpreter's packages.
+# Triton's interpreter, tiny sizes, a tiny model) with this interpreter's packages. --stamp,
+# in the checkout, records its commit in dev/gpu_check_stamp.json for a run from a copy of the
+# tree without .git (benchmarks/gpu_check.py, [Note: the commit of a copied tree]).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -21,7 +24,11 @@ REHEARSE=0
 WRITE=()
 RESULTS=runs/gpu_check
 WHEELS=dev/gpu_wheels
-usage="usage: bash dev/gpu_check.sh [--rehearse] [--write-results] [--results DIR] [--wheels DIR]"
+usage="usage: bash dev/gpu_check.sh [--rehearse] [--write-results] [--results DIR] [--wheels DIR] | --stamp"
+if [[ "${1:-}" == "--stamp" ]]; then
+    (($# == 1)) || { echo "dev/gpu_check.sh: --stamp takes no other argument" >&2; exit 2; }
+    exec "$PYTHON" -m benchmarks.gpu_check stamp
+fi
 while (($#)); do
     case "$1" in
         --rehearse) REHEARSE=1 ;;
@@ -50,7 +57,7 @@ rm -f "$RESULTS"/{env,kernels,bandwidth,overhead}.json "$RESULTS"/kernels_*.json
       "$RESULTS"/{gpu_check,baseline_train}.log "$RESULTS"/baseline_metrics.jsonl
 LOG="$RESULTS/gpu_check.log"
 export PYTHONUNBUFFERED=1
-TOTAL="${GPU_CHECK_SECONDS:-330}"
+TOTAL="${GPU_CHECK_SECONDS:-270}"
 REPORT_RESERVE=15
 T0=$SECONDS
 status=0
@@ -62,10 +69,12 @@ if ((REHEARSE)); then
 else
     unset TRITON_INTERPRET
     # Ceilings: the steps run in order of importance and TOTAL cuts the last ones short.
-    # overhead: the trainer's start-up, torch.compile of megatron-core's fused bias-GeLU and
-    # bias-dropout (its CUDA runs use them) in the warm-up iterations, then the timed work.
+    # Measured on an H200 (benchmarks/gpu_h200_2026-11-28): install 1 s, env 7, bandwidth 10,
+    # overhead 37 (the trainer's start-up, torch.compile of megatron-core's fused bias-GeLU
+    # and bias-dropout in the warm-up iterations, then the timed work), kernels 88 with 122
+    # tlq_sender cases (32 now). gpu_tests: two 4-rank training runs of about 25 s each.
     declare -A BUDGET=([install]=20 [env]=20 [kernels]=90 [bandwidth]=60 [overhead]=130
-                       [gpu_tests]=120)
+                       [gpu_tests]=150)
     REH=()
 fi
 

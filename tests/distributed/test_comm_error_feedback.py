@@ -1,5 +1,5 @@
 """Error feedback on the inter-node hop, on real gloo ranks: 2x2 (twice, 4 ranks each) and
-4x2 (8 ranks), in one spawn.
+4x2 (8 ranks), in one spawn; and the ranks' agreement on a non-finite saved error state.
 
 [Note: the two-step bound with error feedback]
 With decay 0 and fp32 storage, node m's inter messages for this rank's shard carry, at call
@@ -152,6 +152,17 @@ def _refusals(topo) -> None:
         ErrorFeedbackConfig(decay=1.0)
 
 
+def _damaged_state_agreed(rank: int, world: int) -> None:
+    """A non-finite saved error on some ranks: every rank learns the first such rank and its
+    bucket, so all of them start from zero and say the same ([Note: a non-finite saved
+    error]); none: every rank learns that."""
+    from megatron.sdp4bit.comm.error_feedback import first_damaged
+
+    assert first_damaged(None, "cpu") is None
+    bad = {5: 3, 6: 0}  # rank -> its first non-finite bucket
+    assert first_damaged(bad.get(rank), "cpu") == (5, 3)
+
+
 PHASES = [  # (N, M, DP groups as global ranks)
     (2, 2, [[0, 1, 2, 3], [4, 5, 6, 7]]),
     (4, 2, [list(range(8))]),
@@ -171,6 +182,7 @@ def _worker(rank: int, world: int) -> None:
         except Exception as exc:
             raise AssertionError(f"topology {n}x{m}: {exc}") from exc
     _refusals(topo)
+    _damaged_state_agreed(rank, world)
 
 
 def test_error_feedback_on_the_inter_hop() -> None:

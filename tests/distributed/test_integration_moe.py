@@ -6,7 +6,9 @@ the expert buckets on an expert DP group of 2 with one rank per node (the inter-
 alone). Checked per dispatcher in one spawn: replicas bitwise identical for dense weights on
 the DP group and expert weights on the expert DP group after every step; megatron-core's
 chain of two distributed optimizers steps without a false "never reduced" error and gathers
-every bucket exactly once per step; bytes per hop and per group equal the wire formula; then
+every bucket exactly once per step; the trainer's finite check and replica check read the
+expert buffers too (a NaN only in rank 1's expert gradients is seen on every rank); bytes
+per hop and per group equal the wire formula; then
 a gradient hook that reduces only the dense buckets is refused at the first step with no
 weight (replica or fp32 main) changed, as is one that reduces only the first of a dense
 model's bucket groups; and the chain ``overlap_param_gather_with_optimizer_step`` builds
@@ -206,6 +208,27 @@ def _check_replica_guard_sees_expert_weights(ddp, iteration: int) -> None:
         expert[0] = saved
 
 
+def _check_finite_check_sees_expert_gradients(ddp) -> None:
+    """The trainer's finite check before the optimizer (bf16/fp32 runs) reads the
+    expert-parallel gradient buffers too: a NaN in rank 1's expert gradients alone makes every
+    rank skip the step (it read only the dense buffers, so the step was applied)."""
+    import torch.distributed as dist
+
+    from megatron.sdp4bit.training.step import grads_finite
+
+    assert grads_finite([ddp])  # the last step's gradients: finite everywhere
+    for buffers in (ddp.expert_parallel_buffers, ddp.buffers):
+        grad = buffers[0].grad_data
+        saved = grad[-1].clone()
+        if dist.get_rank() == 1:
+            grad[-1] = float("nan")
+        try:
+            assert not grads_finite([ddp]), "a NaN gradient was not seen on every rank"
+        finally:
+            grad[-1] = saved
+    assert grads_finite([ddp])
+
+
 def _check_expert_group_of_one(cfg) -> None:
     """EP = DP (4): every rank holds its own experts, the expert DP group has one rank:
     nothing is sent or quantized for them, and the step check still counts them."""
@@ -234,6 +257,7 @@ def _four_rank_worker(rank: int, world_size: int) -> None:
         got = _snapshot(handle.expert_stats)
         assert got["grad_intra_bytes"] == 0 < got["grad_inter_bytes"], got  # inter hop alone
         if dispatcher == "allgather":
+            _check_finite_check_sees_expert_gradients(ddp)
             _check_replica_guard_sees_expert_weights(ddp, STEPS)
             _check_partial_hook_refused(ddp, optimizer, setup, handle)
         handle.uninstall()

@@ -15,9 +15,14 @@ import subprocess
 import pytest
 
 from tests.helpers import launch as _launch_module
+from tests.helpers import shared_device
+from tests.helpers.trainer import one_error_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = [pytest.mark.dryrun, pytest.mark.distributed]
+# How many devices the dry run emulates (testing/cuda_dryrun.py's DEVICES_ENV; only
+# dev/cuda_dryrun.py imports that module)
+DEVICES_ENV = "SDP4BIT_DRYRUN_DEVICES"
 
 TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
         "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8 "
@@ -26,17 +31,19 @@ TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32
         "--hadamard-transform").split()
 
 
-def _launch(script: list[str], args: list[str], nproc: int) -> subprocess.CompletedProcess:
+def _launch(script: list[str], args: list[str], nproc: int,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``torchrun --nproc-per-node nproc script...`` through tests/helpers/launch.py (the ranks
     forked from the session's fork server, torchrun's contract kept)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **(env or {}))
     env.pop("TRITON_INTERPRET", None)
     return _launch_module.torchrun(script[0], [*script[1:], *TINY, *args], nproc=nproc,
                                    env=env, cwd=ROOT, timeout=300)
 
 
-def _dryrun(args: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
-    return _launch([os.path.join(ROOT, "dev", "cuda_dryrun.py")], args, nproc)
+def _dryrun(args: list[str], nproc: int = 2,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return _launch([os.path.join(ROOT, "dev", "cuda_dryrun.py")], args, nproc, env)
 
 
 def test_trains_evaluates_saves_and_resumes_on_the_cuda_branch(tmp_path):
@@ -61,6 +68,34 @@ def test_trains_evaluates_saves_and_resumes_on_the_cuda_branch(tmp_path):
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-5000:]
     assert f"loaded checkpoint from {ckpt} at iteration 3" in second.stdout
     assert re.search(r"iteration\s+4/\s+4 ", second.stdout)
+
+
+def test_four_ranks_share_one_device_with_gloo_on_the_cuda_branch():
+    """The GPU test's mode (tests/gpu/test_training_cuda.py) on one emulated device: 4 ranks
+    on cuda:0 (the dry run refuses any other ordinal, as CUDA does), 2 nodes x 2, every SDP4Bit
+    flag with both overlaps over 4 buckets; each rank quantizes one reduce-scatter per bucket
+    and step and one all-gather per bucket and forward pass plus the last step's."""
+    iterations = 3
+    res = _dryrun(["--train-iters", str(iterations), "--ddp-bucket-size", "20000",
+                   *shared_device.MODE, *shared_device.SDP4BIT],
+                  nproc=shared_device.RANKS, env={DEVICES_ENV: "1"})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    out = res.stdout
+    assert shared_device.SHARING.search(out).groups() == ("4", "1"), out[-3000:]
+    assert "data-parallel topology: 4 ranks = 2 per node x 2 nodes" in out
+    assert shared_device.counts(out) == (4, *shared_device.expected_counts(4, iterations)) \
+        == (4, 12, 16)
+    assert re.search(r"cuda dry run: done, \d+ collectives on rank 0 passed", out)
+
+
+def test_nccl_refuses_ranks_that_would_share_a_device():
+    res = _dryrun(["--train-iters", "1", "--distributed-backend", "nccl"], nproc=2,
+                  env={DEVICES_ENV: "1"})
+    assert one_error_line(res) == (
+        "2 ranks on this node and 1 CUDA device(s): NCCL cannot put two ranks on one device "
+        "(ncclInvalidUsage): start at most one rank per device (torchrun --nproc-per-node 1), "
+        "or pass --distributed-backend gloo to let ranks share the devices (collectives "
+        "through host memory: for tests, not speed)")
 
 
 @pytest.mark.release_independent  # megatron-core's TP paths: test_pretrain_gpt.py's TP2 run

@@ -20,15 +20,15 @@ import shutil
 
 import pytest
 
+from benchmarks.noise_spread import BASE, LAYOUTS, noise_bound
 from megatron.sdp4bit.integration.dist_checkpointing import (MEGATRON_INTEGRITY,
                                                              megatron_integrity_check)
 from tests.helpers import crafted
+from tests.helpers.hf_checkpoint import check_export, export_hf, init_one_rank
 from tests.helpers.spawn import spawn
-from tests.helpers import launch as _launch
 from tests.helpers.trainer import launch, one_error_line
-from tests.helpers.resume_layouts import BASE, LAYOUTS, noise_bound
 from tests.helpers.tiny_gpt import transformer_config
-from tests.helpers.trainer import METHODS, ROOT, TINY, torchrun, train_lines, trainer_env
+from tests.helpers.trainer import METHODS, TINY, torchrun, train_lines
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -46,6 +46,9 @@ SAVED_AT = 4
 #     Any order of summing M positive fp32 terms is within (M - 1) u S of the exact sum S
 #     (u = 2**-24), so the two logged means differ by at most 2 (M - 1) u L, plus 1e-6 from
 #     printing both with 7 significant digits (x.xxxxxxE+00). For L = 5.4: 5.5e-6.
+# (2) From the second iteration on, SDP4Bit's rounding noise: noise_bound(), measured on
+#     these runs by benchmarks/noise_spread.py ([Note: the noise bound of a resharded
+#     resume] there).
 U_FP32 = 2.0 ** -24
 MICRO_BATCHES = 16 // 2
 PRINTED = 1e-6
@@ -225,48 +228,6 @@ def test_changed_checkpoint_file_is_refused_in_one_line(reference, tmp_path, dat
                                 f"is in {ckpt})"), message
 
 
-def _check_export(model, ckpt_dir: str, hf_dir: str, architecture: str) -> None:
-    """The trainer's GPTModel ``model`` (fp32) gets the checkpoint's weights; its logits and
-    the exported model's on the same tokens must agree, and ``generate()`` must run."""
-    import torch
-    from megatron.core import dist_checkpointing
-    from transformers import AutoModelForCausalLM
-
-    model = model.eval()
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, ckpt_dir)
-    model.load_state_dict(loaded["model"], strict=False)
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
-    assert type(hf).__name__ == architecture
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 300, (2, model.max_sequence_length), generator=gen)
-    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-    with torch.no_grad():
-        ours = model(tokens, positions, None).float()
-        theirs = hf(tokens).logits
-    # The export cuts the vocabulary back to the tokenizer's 300 tokens (the padding rows go).
-    assert hf.config.vocab_size == 300 and theirs.shape[-1] == 300
-    ours = ours[..., :300]
-    # Same fp32 weights and function; only the order of the fp32 sums differs. A dot product
-    # of length K has a relative error of at most K * 2**-24 of the sum of |terms| (K <= 256
-    # here: 1.5e-5); through 2 layers the logits (|logit| <= ~10) stay within 1e-4 * max|logit|.
-    # With RoPE both sides rotate by cos/sin of the same fp32 angles (position x inv_freq,
-    # inv_freq = base ** (-2i / head_dim) computed alike), and RMSNorm's mean of squares is one
-    # more dot product (K = 64): the same bound holds.
-    bound = 1e-4 * ours.abs().max().item()
-    assert (ours - theirs).abs().max().item() <= bound, ((ours - theirs).abs().max(), bound)
-    out = hf.generate(tokens[:1, :4], max_new_tokens=4, do_sample=False)
-    assert out.shape == (1, 8)
-
-
-def _init_one_rank() -> None:
-    from megatron.core import tensor_parallel
-
-    from tests.helpers.tiny_gpt import init_parallel
-
-    init_parallel()
-    tensor_parallel.model_parallel_cuda_manual_seed(1)  # the attention's RNG tracker
-
-
 def _compare_logits(rank: int, world: int, ckpt_dir: str, hf_dir: str) -> None:
     """Child rank: the trainer's GPTModel (fp32, weights from the checkpoint) and the exported
     GPT2LMHeadModel on the same tokens."""
@@ -275,7 +236,7 @@ def _compare_logits(rank: int, world: int, ckpt_dir: str, hf_dir: str) -> None:
 
     from megatron.sdp4bit.training.checkpoint import files
 
-    _init_one_rank()
+    init_one_rank()
     m = files.read_manifest(ckpt_dir)["settings"]["model"]
     config = transformer_config(num_layers=m["num_layers"], hidden_size=m["hidden_size"],
                      num_attention_heads=m["num_attention_heads"],
@@ -283,12 +244,12 @@ def _compare_logits(rank: int, world: int, ckpt_dir: str, hf_dir: str) -> None:
     model = GPTModel(config, get_gpt_layer_local_spec(), m["padded_vocab_size"],
                      m["max_position_embeddings"], position_embedding_type="learned_absolute",
                      share_embeddings_and_output_weights=True)
-    _check_export(model, ckpt_dir, hf_dir, "GPT2LMHeadModel")
+    check_export(model, ckpt_dir, hf_dir, "GPT2LMHeadModel")
 
 
 def test_export_to_hugging_face_matches_the_trainers_logits(reference, tmp_path):
     hf = tmp_path / "hf"
-    _export(reference[1], hf, "GPT2LMHeadModel")
+    export_hf(reference[1], hf, "GPT2LMHeadModel")
     # the run's GPT-2 BPE files ship beside the model, <|endoftext|> its bos and eos
     assert sorted(os.listdir(hf)) == ["config.json", "merges.txt", "model.safetensors",
                                       "tokenizer_config.json", "vocab.json"]
@@ -297,14 +258,6 @@ def test_export_to_hugging_face_matches_the_trainers_logits(reference, tmp_path)
     assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (
         vocab["<|endoftext|>"], vocab["<|endoftext|>"], None)
     spawn(_compare_logits, 1, str(reference[1] / f"iter_{SAVED_AT:07d}"), str(hf))
-
-
-def _export(load, hf, architecture: str) -> None:
-    res = _launch.python(os.path.join(ROOT, "tools", "checkpoint", "export_hf.py"),
-                         ["--load", str(load), "--output", str(hf)], env=trainer_env(), cwd=ROOT,
-                         timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.startswith(f"wrote {hf} ({architecture}): "), res.stdout
 
 
 # A Llama-style model: RoPE (base 1000, not megatron's or transformers' default, so that a
@@ -332,7 +285,7 @@ def _compare_llama_logits(rank: int, world: int, ckpt_dir: str, hf_dir: str) -> 
 
     from megatron.sdp4bit.training.checkpoint import files
 
-    _init_one_rank()
+    init_one_rank()
     m = files.read_manifest(ckpt_dir)["settings"]["model"]
     config = transformer_config(num_layers=LLAMA["layers"], hidden_size=LLAMA["hidden"],
                      num_attention_heads=LLAMA["heads"], num_query_groups=LLAMA["groups"],
@@ -346,11 +299,11 @@ def _compare_llama_logits(rank: int, world: int, ckpt_dir: str, hf_dir: str) -> 
     hf_config = AutoConfig.from_pretrained(hf_dir)
     assert (hf_config.num_attention_heads, hf_config.num_key_value_heads,
             hf_config.tie_word_embeddings) == (LLAMA["heads"], LLAMA["groups"], False)
-    _check_export(model, ckpt_dir, hf_dir, "LlamaForCausalLM")
+    check_export(model, ckpt_dir, hf_dir, "LlamaForCausalLM")
 
 
 def test_llama_style_export_matches_the_trainers_logits(data_prefix, tmp_path):
-    # The bound of _check_export is about 7e-5 here. Mutations of the mapping tried by hand
+    # The bound of check_export is about 7e-5 here. Mutations of the mapping tried by hand
     # made the largest difference: 0.58 (k and v swapped in each group), 0.39 (QKV rows read
     # as [all q; all k; all v]), 0.022 (gate and up swapped), 0.0024 (rope_theta 10000).
     args = list(TINY)
@@ -360,5 +313,5 @@ def test_llama_style_export_matches_the_trainers_logits(data_prefix, tmp_path):
     ckpt, hf = tmp_path / "ckpt", tmp_path / "hf"
     torchrun(args + data_prefix + LLAMA_FLAGS + METHODS["SDP4Bit"] + [
         "--hidden-dropout", "0", "--attention-dropout", "0", "--save", str(ckpt)], nproc=2)
-    _export(ckpt, hf, "LlamaForCausalLM")
+    export_hf(ckpt, hf, "LlamaForCausalLM")
     spawn(_compare_llama_logits, 1, str(ckpt / "iter_0000002"), str(hf))

@@ -1,6 +1,6 @@
 """The fused Triton kernels, compiled for CUDA, against the torch references.
 
-Each test runs ``tests/helpers/cuda_checks.py`` for one operation in a fresh process without
+Each test runs ``dev/cuda_checks.py`` for one operation in a fresh process without
 ``TRITON_INTERPRET`` (the test runner sets it for the CPU tests, and Triton reads it when the
 kernels are defined), so what runs here is the compiled kernel a training job uses.
 """
@@ -26,6 +26,6 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_kernel_matches_reference_on_cuda(op):
     pytest.importorskip("triton", reason="triton is not installed")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "tests.helpers.cuda_checks", op], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "dev.cuda_checks", op], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]

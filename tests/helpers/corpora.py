@@ -1,9 +1,8 @@
 """The tests' corpora: a tiny GPT-2-format ``vocab.json`` + ``merges.txt`` trained on a few
-lines (:func:`write_gpt2_vocab`), and megatron-core ``.bin``/``.idx`` pairs of given documents
-(:func:`write_indexed_dataset`).
-
-Hugging Face ``tokenizers`` trains a byte-level BPE and writes exactly GPT-2's two files;
-all 256 byte symbols are in the vocabulary, so any text round-trips.
+lines (:func:`write_gpt2_vocab`, with the lines :data:`TEXT`: ``dev/tiny_runs.py``'s, which
+the benchmarks share), megatron-core ``.bin``/``.idx`` pairs of given documents
+(:func:`write_indexed_dataset`), a Hugging Face tokenizer folder and SentencePiece models
+trained on the same lines.
 """
 
 from __future__ import annotations
@@ -12,24 +11,10 @@ from pathlib import Path
 
 import numpy
 
-TEXT = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Sharded data parallelism moves gradients and weights between ranks.",
-    "Quantization to four bits shrinks every message on the wire.",
-    "Hello world! Unicode: caf\u00e9, na\u00efve, \u00fcber, \u65e5\u672c.",
-] * 4
+from dev.tiny_runs import TEXT, write_gpt2_vocab
 
-
-def write_gpt2_vocab(directory: Path, vocab_size: int = 300) -> tuple[str, str]:
-    """Write ``vocab.json`` and ``merges.txt`` under ``directory``; return their paths."""
-    from tokenizers import ByteLevelBPETokenizer
-
-    tok = ByteLevelBPETokenizer()
-    tok.train_from_iterator(TEXT, vocab_size=vocab_size, min_frequency=2,
-                            special_tokens=["<|endoftext|>"], show_progress=False)
-    directory.mkdir(parents=True, exist_ok=True)
-    vocab, merges = tok.save_model(str(directory))
-    return vocab, merges
+__all__ = ["TEXT", "write_gpt2_vocab", "write_hf_tokenizer", "write_indexed_dataset",
+           "write_sentencepiece"]
 
 
 def write_indexed_dataset(tmp_path, docs=((1, 2, 3), (4, 5)), dtype=numpy.uint16) -> str:

@@ -27,7 +27,7 @@ from megatron.sdp4bit.quantization import format as fmt
 from megatron.sdp4bit.quantization import ops
 from megatron.sdp4bit.quantization import reference as ref
 from megatron.sdp4bit.quantization.backend import KernelBackend, resolve_backend
-from tests.helpers import kernel_checks as kc
+from dev import kernel_checks as kc
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU = "cpu"

@@ -98,26 +98,28 @@ def test_calls_telescope_with_decay_zero() -> None:
     assert (sent_total - input_total).norm() < 0.7 * (plain_total - input_total).norm()
 
 
-def test_handle_state_round_trips_through_the_restricted_loader(tmp_path) -> None:
-    """What a checkpoint holds of the state (SDP4BitHandle.error_feedback_state) is read back
-    by ``torch.load(weights_only=True)`` (the checkpoints' restricted loader), restores every
-    bucket bit for bit with its call count, and a state that does not fit is not loaded: the
-    reason comes back and the error stays as it was."""
+def _handle(numels: dict[int, int], ef_config: ErrorFeedbackConfig = ErrorFeedbackConfig()):
+    """An SDP4Bit handle holding only error-feedback states (``numels``: bucket id -> size)."""
     from megatron.sdp4bit.comm import WeightQuantConfig
     from megatron.sdp4bit.config import SDP4BitConfig
     from megatron.sdp4bit.integration.install import SDP4BitHandle
     from megatron.sdp4bit.integration.state import RunState
 
-    config = SDP4BitConfig(quantized_gradients=True, gradient_error_feedback=True)
+    config = SDP4BitConfig(quantized_gradients=True, gradient_error_feedback=True,
+                           gradient_error_feedback_storage=ef_config.storage)
+    state = RunState(config=config, grad_config=CFG,
+                     weight_config=WeightQuantConfig.from_sdp4bit(config))
+    for bucket_id, numel in numels.items():
+        state.error_feedback[bucket_id] = ErrorFeedback(numel, N, M, CFG, ef_config)
+    return SDP4BitHandle(state=state, _applied=None, buckets=())
 
-    def handle(numels: dict[int, int]) -> SDP4BitHandle:
-        state = RunState(config=config, grad_config=CFG,
-                         weight_config=WeightQuantConfig.from_sdp4bit(config))
-        for bucket_id, numel in numels.items():
-            state.error_feedback[bucket_id] = ErrorFeedback(numel, N, M, CFG,
-                                                            ErrorFeedbackConfig())
-        return SDP4BitHandle(state=state, _applied=None, buckets=())
 
+def test_handle_state_round_trips_through_the_restricted_loader(tmp_path) -> None:
+    """What a checkpoint holds of the state (SDP4BitHandle.error_feedback_state) is read back
+    by ``torch.load(weights_only=True)`` (the checkpoints' restricted loader), restores every
+    bucket bit for bit with its call count, and a state that does not fit is not loaded: the
+    reason comes back and the error stays as it was."""
+    handle = _handle
     numel = N * M * SHARD
     saver = handle({0: numel, 1: numel})
     for bucket_id, ef in saver.state.error_feedback.items():
@@ -144,6 +146,37 @@ def test_handle_state_round_trips_through_the_restricted_loader(tmp_path) -> Non
         "the checkpoint's error-feedback state is for other buckets")
     assert loader.load_error_feedback_state(None) == (
         "the checkpoint holds no error-feedback state")
+
+
+@pytest.mark.parametrize("storage", ["fp32", "int8"])
+def test_a_saved_state_holding_nan_or_inf_is_not_loaded(storage) -> None:
+    """A checkpoint's error state that decodes to NaN or Inf (fp32: a value; int8: a group's
+    scale) is never added back: the reason names the rank and the bucket, and the error stays
+    zero (loaded, every later inter-hop message would be non-finite and every step skipped).
+    Loaded as it was, a finite state comes back bit for bit."""
+    numel = N * M * SHARD
+    ef_config = ErrorFeedbackConfig(storage=storage)
+    saver = _handle({0: numel, 1: numel}, ef_config)
+    for bucket_id, ef in saver.state.error_feedback.items():
+        _step(ef, CFG, 3 + bucket_id)
+    for bad in (float("nan"), float("inf")):
+        saved = saver.error_feedback_state()
+        state = saved["buckets"][1]["state"]  # a copy (error_feedback_state clones)
+        if storage == "fp32":
+            state[7] = bad
+        else:  # the first group scale of the first slice's message (fp32 scales come first)
+            state[:4].view(torch.float32)[0] = bad
+        loader = _handle({0: numel, 1: numel}, ef_config)
+        zero = {i: ef.state.clone() for i, ef in loader.state.error_feedback.items()}
+        assert loader.load_error_feedback_state(saved) == (
+            "rank 0's saved error state of bucket 1 holds NaN or Inf (a run never saves one: "
+            "the checkpoint was changed after it was written)")
+        for i, ef in loader.state.error_feedback.items():
+            assert torch.equal(ef.state, zero[i]) and ef.calls == 0, i
+    loader = _handle({0: numel, 1: numel}, ef_config)
+    assert loader.load_error_feedback_state(saver.error_feedback_state()) is None
+    assert all(torch.equal(loader.state.error_feedback[i].state, ef.state)
+               for i, ef in saver.state.error_feedback.items())
 
 
 def test_nearest_rounding_of_the_compensated_hop() -> None:

@@ -1,6 +1,6 @@
 """tools/checkpoint/export_hf.py without a checkpoint: the architecture mapping, the refusals
-and the GPT-2 and Llama tensor layouts (the logits tests are in
-tests/e2e/test_dist_checkpoint.py)."""
+and the GPT-2, Llama and Mixtral tensor layouts (the logits tests are in
+tests/e2e/test_dist_checkpoint.py and, for Mixtral, tests/e2e/test_moe_trainer.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megatron.sdp4bit.training.checkpoint import hf as hf_arch
+from megatron.sdp4bit.training.checkpoint.settings import MOE_KEYS
 
 from tests.helpers.full_disk import full_disk
 from tests.helpers.hf_checkpoint import write_gpt2_checkpoint
@@ -25,7 +26,7 @@ DEFAULT = {"num_layers": 2, "hidden_size": 8, "ffn_hidden_size": 32, "num_attent
            "untie_embeddings_and_output_weights": False, "swiglu": False, "openai_gelu": False,
            "normalization": "LayerNorm", "norm_epsilon": 1e-5, "add_bias_linear": True,
            "params_dtype": "bf16", "padded_vocab_size": 128, "qk_layernorm": False,
-           "use_rope_scaling": False, "rope_scaling_factor": 8.0}
+           "use_rope_scaling": False, "rope_scaling_factor": 8.0, **dict.fromkeys(MOE_KEYS)}
 LLAMA = {**DEFAULT, "position_embedding_type": "rope", "normalization": "RMSNorm",
          "swiglu": True, "add_bias_linear": False, "untie_embeddings_and_output_weights": True,
          "num_attention_heads": 4, "group_query_attention": True, "num_query_groups": 2,
@@ -101,7 +102,9 @@ def test_llama3_rope_scaling_round_trips_with_transformers_frequencies():
 
 def test_qk_layernorm_is_refused_by_both_architectures():
     assert _refusal({**LLAMA, "qk_layernorm": True}).endswith(
-        "for LlamaForCausalLM, qk_layernorm is True (needs False)")
+        "for LlamaForCausalLM, qk_layernorm is True (needs False); for MixtralForCausalLM, "
+        "qk_layernorm is True (needs False), num_experts is None (needs a mixture of experts, "
+        "--num-experts)")
     assert "for GPT2LMHeadModel, qk_layernorm is True (needs False); " in _refusal(
         {**DEFAULT, "qk_layernorm": True})
 
@@ -113,6 +116,7 @@ def _refusal(model: dict) -> str:
 
 
 PREFIX = "the model does not map to a Hugging Face architecture this tool writes: "
+NO_EXPERTS = "num_experts is None (needs a mixture of experts, --num-experts)"
 
 
 def test_llama_with_biases_is_refused_naming_what_differs_for_each_architecture():
@@ -121,7 +125,8 @@ def test_llama_with_biases_is_refused_naming_what_differs_for_each_architecture(
         "normalization is 'RMSNorm' (needs 'LayerNorm'), swiglu is True (needs False), "
         "untie_embeddings_and_output_weights is True (needs False), num_query_groups is 2 "
         "(needs one per head, 4), kv_channels is 4 (needs hidden_size / num_attention_heads, 2); "
-        "for LlamaForCausalLM, add_bias_linear is True (needs False)")
+        "for LlamaForCausalLM, add_bias_linear is True (needs False); "
+        "for MixtralForCausalLM, add_bias_linear is True (needs False), " + NO_EXPERTS)
 
 
 def test_mixed_architectures_are_refused():
@@ -130,20 +135,25 @@ def test_mixed_architectures_are_refused():
         PREFIX + "for GPT2LMHeadModel, position_embedding_type is 'rope' (needs "
         "'learned_absolute'); for LlamaForCausalLM, normalization is 'LayerNorm' (needs "
         "'RMSNorm'), swiglu is False (needs True), add_bias_linear is True (needs False), "
-        "rotary_percent is 0.5 (needs 1.0)")
+        "rotary_percent is 0.5 (needs 1.0); for MixtralForCausalLM, normalization is "
+        "'LayerNorm' (needs 'RMSNorm'), swiglu is False (needs True), add_bias_linear is True "
+        "(needs False), rotary_percent is 0.5 (needs 1.0), " + NO_EXPERTS)
     # SwiGLU with learned positions; the rotary percent of a model without RoPE is not named.
     assert _refusal({**LLAMA, "position_embedding_type": "learned_absolute",
                      "rotary_percent": 0.5, "untie_embeddings_and_output_weights": False,
                      "group_query_attention": False, "kv_channels": None}) == PREFIX + (
         "for GPT2LMHeadModel, normalization is 'RMSNorm' (needs 'LayerNorm'), swiglu is True "
         "(needs False), add_bias_linear is False (needs True); for LlamaForCausalLM, "
-        "position_embedding_type is 'learned_absolute' (needs 'rope')")
+        "position_embedding_type is 'learned_absolute' (needs 'rope'); for MixtralForCausalLM, "
+        "position_embedding_type is 'learned_absolute' (needs 'rope'), " + NO_EXPERTS)
     # --no-position-embedding maps to neither.
     assert _refusal({**DEFAULT, "position_embedding_type": "none"}) == PREFIX + (
         "for GPT2LMHeadModel, position_embedding_type is 'none' (needs 'learned_absolute'); "
         "for LlamaForCausalLM, position_embedding_type is 'none' (needs 'rope'), normalization "
         "is 'LayerNorm' (needs 'RMSNorm'), swiglu is False (needs True), add_bias_linear is "
-        "True (needs False)")
+        "True (needs False); for MixtralForCausalLM, position_embedding_type is 'none' (needs "
+        "'rope'), normalization is 'LayerNorm' (needs 'RMSNorm'), swiglu is False (needs True), "
+        "add_bias_linear is True (needs False), " + NO_EXPERTS)
 
 
 def test_an_older_manifest_gets_the_trainers_defaults():
@@ -220,6 +230,88 @@ def test_fused_qkv_rows_split_per_query_group_and_fc1_into_gate_then_up():
     tied_model = {**LLAMA, "untie_embeddings_and_output_weights": False}
     tied = hf_arch.to_hf("LlamaForCausalLM", hf_arch.unstack(t, tied_model), tied_model)
     assert "lm_head.weight" not in tied
+
+
+MIXTRAL = {**LLAMA, "num_experts": 3, "moe_ffn_hidden_size": 16, "moe_layer_freq": [1, 1],
+           "moe_router_topk": 2, "moe_router_score_function": "softmax",
+           "moe_router_pre_softmax": False, "moe_router_load_balancing_type": "aux_loss",
+           "moe_grouped_gemm": False}
+
+
+def test_moe_settings_map_to_mixtral_and_what_does_not_is_named():
+    config = export_hf.hf_config(MIXTRAL)
+    assert config["architectures"] == ["MixtralForCausalLM"]
+    assert {k: config[k] for k in ("model_type", "intermediate_size", "num_local_experts",
+                                   "num_experts_per_tok", "router_jitter_noise",
+                                   "num_key_value_heads", "rope_theta")} == {
+        "model_type": "mixtral", "intermediate_size": 16, "num_local_experts": 3,
+        "num_experts_per_tok": 2, "router_jitter_noise": 0.0, "num_key_value_heads": 2,
+        "rope_theta": 500000}
+    # the test's old MoE model (GPT-2 style): each architecture's differences, one line
+    gpt2_moe = {**DEFAULT, **{k: v for k, v in MIXTRAL.items() if k in MOE_KEYS}}
+    assert _refusal(gpt2_moe) == PREFIX + (
+        "for GPT2LMHeadModel, num_experts is 3 (needs None); for LlamaForCausalLM, "
+        "position_embedding_type is 'learned_absolute' (needs 'rope'), normalization is "
+        "'LayerNorm' (needs 'RMSNorm'), swiglu is False (needs True), add_bias_linear is True "
+        "(needs False), num_experts is 3 (needs None); for MixtralForCausalLM, "
+        "position_embedding_type is 'learned_absolute' (needs 'rope'), normalization is "
+        "'LayerNorm' (needs 'RMSNorm'), swiglu is False (needs True), add_bias_linear is True "
+        "(needs False)")
+    for change, named in (
+            ({"moe_layer_freq": [1, 0]}, "moe_layer_freq is [1, 0] (needs every layer a MoE "
+                                         "layer)"),
+            ({"moe_router_pre_softmax": True}, "moe_router_pre_softmax is True (needs False)"),
+            ({"moe_shared_expert_intermediate_size": 16},
+             "moe_shared_expert_intermediate_size is 16 (needs None)"),
+            ({"moe_router_load_balancing_type": "sinkhorn"},
+             "moe_router_load_balancing_type is 'sinkhorn' (needs another")):
+        assert _refusal({**MIXTRAL, **change}).split("for MixtralForCausalLM, ")[1].startswith(
+            named), change
+    # exported only: the import names what it reads
+    from transformers import MixtralConfig
+
+    with pytest.raises(hf_arch.MappingError, match=r"^architecture \['MixtralForCausalLM'\] is "
+                       r"not imported: only GPT2LMHeadModel and LlamaForCausalLM$"):
+        hf_arch.trainer_flags(MixtralConfig(**config))
+
+
+def test_expert_weights_become_mixtrals_w1_w3_w2_and_back():
+    """Each expert's fc1 rows [gate; up] are w1 then w3, fc2 is w2, the router Mixtral's
+    gate; the mapping read backwards gives every tensor back bit for bit. An older trainer's
+    MoE manifest (no experts recorded: read as a Llama) meets tensors it does not name: one
+    line, no KeyError."""
+    experts, ffn, hidden = 3, 16, 8
+    t = {"embedding.word_embeddings.weight": torch.randn(128, hidden),
+         "decoder.final_layernorm.weight": torch.randn(hidden),
+         "output_layer.weight": torch.randn(128, hidden)}
+    L = "decoder.layers."
+    for name, shape in (("self_attention.linear_qkv.weight", (32, hidden)),
+                        ("self_attention.linear_proj.weight", (hidden, 16)),
+                        ("self_attention.linear_qkv.layer_norm_weight", (hidden,)),
+                        ("mlp.linear_fc1.layer_norm_weight", (hidden,)),
+                        ("mlp.router.weight", (experts, hidden)),
+                        ("mlp.experts.experts.linear_fc2.weight", (experts, hidden, ffn))):
+        t[L + name] = torch.randn(2, *shape)
+    # fc1 row r of expert e holds 100 e + r
+    t[L + "mlp.experts.experts.linear_fc1.weight"] = (
+        100 * torch.arange(experts).view(1, -1, 1, 1) + torch.arange(2 * ffn).view(1, 1, -1, 1)
+    ).float().expand(2, -1, -1, hidden)
+    ours = hf_arch.unstack(t, MIXTRAL)
+    out = hf_arch.to_hf("MixtralForCausalLM", ours, MIXTRAL)
+    moe = "model.layers.1.block_sparse_moe."
+    assert out[moe + "experts.2.w1.weight"][:, 0].tolist() == [200 + r for r in range(ffn)]
+    assert out[moe + "experts.2.w3.weight"][:, 0].tolist() == [200 + r for r in range(ffn, 32)]
+    assert torch.equal(out[moe + "experts.1.w2.weight"],
+                       t[L + "mlp.experts.experts.linear_fc2.weight"][1, 1])
+    assert torch.equal(out[moe + "gate.weight"], t[L + "mlp.router.weight"][1])
+    assert len([k for k in out if ".experts." in k]) == 2 * experts * 3
+    back = hf_arch.from_hf("MixtralForCausalLM", out, MIXTRAL)
+    assert back.keys() == ours.keys() and all(torch.equal(back[k], ours[k]) for k in ours)
+    with pytest.raises(hf_arch.MappingError, match=(
+            r"^the checkpoint holds no decoder\.layers\.0\.mlp\.linear_fc1\.weight, which its "
+            r"recorded model settings need \(it holds decoder\.layers\.0\.mlp\.experts\.experts"
+            r"\.linear_fc1\.weight, .*\): its manifest does not describe its tensors$")):
+        hf_arch.to_hf("LlamaForCausalLM", ours, LLAMA)
 
 
 # ------------------------------------------------ the output folder, damage, a full disk

@@ -1,10 +1,14 @@
 """The GPU check (dev/gpu_check.sh): its rehearsal on CPU runs every step's code, a step that
 fails or runs out of time leaves the others' results and the report, the per-rank work it
-times is the comm layer's, and the wheels' requirements are checked against the interpreter.
+times is the comm layer's, the kernel cases cover every branch, the report names the commit
+of a copied tree only when it can know it, and the wheels' requirements are checked against
+the interpreter.
 """
 
+import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -14,6 +18,7 @@ import pytest
 import torch
 
 from benchmarks import gpu_check, gpu_overhead, gpu_report
+from dev import cuda_checks
 from megatron.sdp4bit.comm.padding import required_divisor
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,6 +47,9 @@ def test_rehearsal_runs_every_step(tmp_path):
                                gpu_tests=0)
     report = json.loads((res / "gpu.json").read_text())
     assert report["env"]["rehearsal"] is True and report["env"]["megatron_core"]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True, check=True).stdout.strip()
+    assert report["env"]["commit"].split()[0] == head  # a checkout: git's answer
     kernels = report["kernels"]["ops"]
     assert [k["op"] for k in kernels] == ["qwd_sender", "qwd_receiver", "tlq_sender",
                                           "tlq_middle", "tlq_receiver"]
@@ -87,7 +95,8 @@ def test_out_of_time_steps_are_recorded_and_the_report_still_comes(tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["--bogus"], "dev/gpu_check.sh: unknown argument '--bogus' (usage: bash "
                   "dev/gpu_check.sh [--rehearse] [--write-results] [--results DIR] "
-                  "[--wheels DIR])"),
+                  "[--wheels DIR] | --stamp)"),
+    (["--stamp", "--rehearse"], "dev/gpu_check.sh: --stamp takes no other argument"),
     (["--rehearse", "--write-results"], "dev/gpu_check.sh: --write-results takes a GPU run's "
                                         "figures, not a rehearsal's"),
     (["--results"], "dev/gpu_check.sh: --results needs a folder"),
@@ -141,3 +150,90 @@ def test_wheel_requirements_are_checked_against_this_interpreter(tmp_path):
     assert [(r["requires"], r["ok"]) for r in rows] == [
         ("torch>=2.0", True), ("torch>=999", False), ("not-a-package-xyz", False)]
     assert rows[0]["installed"] is not None and rows[2]["installed"] is None
+
+
+def test_the_kernels_step_runs_every_operation_of_the_checks():
+    assert gpu_check.KERNELS == tuple(cuda_checks.CASES)
+
+
+def test_the_trimmed_kernel_cases_still_cover_every_branch():
+    """[Note: covering the kernels' branches with few cases] (dev/cuda_checks.py): tlq_sender
+    runs every layout with every bit width and Hadamard setting, and every combination of
+    the compile-time settings; tlq_receiver every (senders, Hadamard, dtype), and each
+    scale-and-accumulate choice with every value of each of them."""
+    sender = [c for c in cuda_checks.tlq_sender() if c["group"] == 128]
+    layouts = {(c["blocks"], c["dests"], c["slices"]) for c in sender}
+    assert len(layouts) == 5 and len(sender) == 30
+    assert {((c["blocks"], c["dests"], c["slices"]), c["bits"], c["hadamard"]) for c in sender} \
+        == set(itertools.product(layouts, (8, 4, 2), (32, 0)))
+    assert {(c["bits"], c["hadamard"], c["stochastic"], c["dtype"]) for c in sender} == set(
+        itertools.product((8, 4, 2), (32, 0), (True, False), (torch.float32, torch.bfloat16)))
+    assert any(c["nonfinite"] for c in sender) and len(list(cuda_checks.tlq_sender())) == 32
+    receiver = [c for c in cuda_checks.tlq_receiver() if c["bits"] == 4 and c["group"] == 128]
+    assert {(c["n_in"], c["hadamard"], c["dtype"]) for c in receiver} == set(
+        itertools.product((4, 1), (32, 0), cuda_checks.DTYPES))
+    choices = {(c["scale"], c["accumulate"]) for c in receiver}
+    assert len(choices) == 3
+    for key, values in (("n_in", (4, 1)), ("hadamard", (32, 0)), ("dtype", cuda_checks.DTYPES)):
+        assert {(c[key], (c["scale"], c["accumulate"])) for c in receiver} == set(
+            itertools.product(values, choices)), key
+    assert {c["bits"] for c in cuda_checks.tlq_receiver()} == {4, 2, 8}
+
+
+def _git(repo: Path, *args: str) -> str:
+    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
+               GIT_COMMITTER_EMAIL="t@t")
+    return subprocess.run(["git", *args], cwd=repo, env=env, check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def test_a_copied_tree_names_its_commit_only_from_a_stamp_that_matches_it(tmp_path):
+    """[Note: the commit of a copied tree] (benchmarks/gpu_check.py)."""
+    repo = tmp_path / "repo"
+    (repo / "dev").mkdir(parents=True)
+    (repo / "a.py").write_text("a = 1\n")
+    (repo / "dev" / "b.txt").write_bytes(b"\x00\x01 binary\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-q", "-m", "one")
+    head = _git(repo, "rev-parse", "HEAD")
+    assert gpu_check.project_commit(repo) == head  # a checkout: git answers
+    stamp = gpu_check.write_stamp(repo)
+    assert stamp == dict(commit=head, dirty=False, files={
+        "a.py": _git(repo, "hash-object", "a.py"),
+        "dev/b.txt": _git(repo, "hash-object", "dev/b.txt")})
+    assert gpu_check.project_commit(repo) == head  # the stamp is not dirt in git's eyes
+
+    def copy(name: str) -> Path:  # what the GPU machine gets: the tree, no .git
+        return Path(shutil.copytree(repo, tmp_path / name,
+                                    ignore=shutil.ignore_patterns(".git")))
+
+    assert gpu_check.project_commit(copy("copy")) == head
+    changed = copy("changed")
+    (changed / "a.py").write_text("a = 2\n")  # a stamp from another tree: not believed
+    assert gpu_check.project_commit(changed) is None
+    missing = copy("missing")
+    (missing / "dev" / "b.txt").unlink()
+    assert gpu_check.project_commit(missing) is None
+    (repo / "new.py").write_text("")  # an untracked file travels with the copy too
+    assert gpu_check.project_commit(repo) == head + " (with uncommitted changes)"
+    (repo / "a.py").write_text("a = 3\n")  # the stamp holds the tree's bytes, not the commit's
+    gpu_check.write_stamp(repo)
+    assert gpu_check.project_commit(copy("dirty")) == head + " (with uncommitted changes)"
+    (repo / gpu_check.STAMP).unlink()
+    assert gpu_check.project_commit(copy("unstamped")) is None
+    with pytest.raises(SystemExit, match="is not a git checkout"):
+        gpu_check.write_stamp(tmp_path / "unstamped")
+
+
+def test_the_stamp_travels_with_the_tree():
+    """The borrowed machine gets tracked files and untracked ones that git does not ignore:
+    the stamp must be one of those (dev/gpu_check.md)."""
+    ignored = subprocess.run(["git", "check-ignore", "-q", gpu_check.STAMP], cwd=ROOT)
+    assert ignored.returncode == 1
+
+
+def test_the_report_says_unknown_for_an_unknown_commit(tmp_path):
+    (tmp_path / "env.json").write_text(json.dumps(dict(commit=None, device="x")))
+    md = gpu_report.render(gpu_report.build(tmp_path, rehearsal=False))
+    assert "- commit: unknown; date: None" in md

@@ -1,5 +1,5 @@
-"""benchmarks/noise_spread.py: its arithmetic, and that the recorded figure is the one
-tests/e2e/test_dist_checkpoint.py's bound is made of (same layouts, iterations, factor)."""
+"""benchmarks/noise_spread.py: its arithmetic, and that the recorded figure was measured on the
+runs tests/e2e/test_dist_checkpoint.py resumes (same layouts, iterations, factor)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ def test_pair_differences_and_rms():
 
 
 def test_recorded_spread_matches_the_test():
-    from tests.helpers.resume_layouts import (LAYOUTS, NOISE_FACTOR, NOISE_ITERATIONS,
-                                              NOISE_RECORD, noise_bound)
+    from benchmarks.noise_spread import (LAYOUTS, NOISE_FACTOR, NOISE_ITERATIONS, NOISE_RECORD,
+                                         noise_bound)
 
     record = json.loads(Path(NOISE_RECORD).read_text())
     assert record["iterations"] == list(NOISE_ITERATIONS)

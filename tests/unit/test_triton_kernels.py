@@ -22,7 +22,7 @@ from megatron.sdp4bit.quantization import format as fmt  # noqa: E402
 from megatron.sdp4bit.quantization import ops  # noqa: E402
 from megatron.sdp4bit.quantization import reference as ref  # noqa: E402
 from megatron.sdp4bit.quantization import triton_kernels as tk  # noqa: E402
-from tests.helpers import kernel_checks as kc  # noqa: E402
+from dev import kernel_checks as kc  # noqa: E402
 
 CPU = "cpu"
 # Seeds exercise both 32-bit words of the stream key, including values >= 2**31 in each.

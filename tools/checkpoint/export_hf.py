@@ -24,6 +24,8 @@ files (dcp_entries.py); the tensors written must have the architecture's shapes 
   (with ``--rotary-percent 1.0``; untied or tied embeddings, ``--group-query-attention``,
   any ``--kv-channels``) is a ``LlamaForCausalLM``, ``--rotary-base`` its ``rope_theta`` and
   ``--norm-epsilon`` its ``rms_norm_eps``.
+* the same with ``--num-experts`` on every layer (megatron-core's softmax top-k router, no
+  shared expert) is a ``MixtralForCausalLM``.
 
 Any other combination is refused with one line naming, for each architecture, the settings
 that differ. The vocabulary is cut back to the tokenizer's size the manifest records (the

@@ -23,6 +23,18 @@ not T of them. Non-finite values (an iteration whose gradients overflow, which t
 skips) leave the error where it was, element by element, so one bad step cannot poison the
 state.
 
+[Note: a non-finite saved error]
+So a run never holds, and never saves, a non-finite error. A checkpoint whose state decodes
+to NaN or Inf (fp32 storage: a value; int8: a group scale) was changed after it was written,
+and adding it back would make every later inter-hop message non-finite: each step skipped,
+on every resume of that checkpoint. Such a state is not loaded: the error starts from zero
+on every rank, with one line naming the rank and bucket (:func:`first_damaged` agrees on it
+across ranks, so every rank says and does the same). Zero rather than a refusal: the error
+is a correction of at most one step's quantization error per element, not model state;
+zero is what every run starts from and what a resume on another layout uses; and the
+weights and the optimizer, which the checkpoint's integrity rests on, are read as usual. A
+refusal would leave a checkpoint that no flag could resume.
+
 The state holds ``P * M * c = M * S`` values per bucket (S the shard): ``1 / N`` of the
 bucket, the size of what the rank sends on the inter hop, not of the whole gradient. It
 applies to the two-hop path only (N > 1 and M > 1): with one node there is no inter-node
@@ -35,6 +47,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 
 from megatron.sdp4bit.comm.config import GradientQuantConfig
 from megatron.sdp4bit.config import SDP4BitConfig
@@ -125,14 +138,23 @@ class ErrorFeedback:
             for i in range(self.slices):
                 self._store(i, torch.zeros(self.slice_numel, device=self.state.device))
 
-    def _load(self, i: int) -> torch.Tensor:
+    def _load(self, i: int, state: torch.Tensor | None = None) -> torch.Tensor:
+        """Slice ``i`` of the error in fp32, from ``state`` (default: this bucket's own)."""
+        state = self.state if state is None else state
         if self.config.storage == "fp32":
-            return self.state[i * self.slice_numel:(i + 1) * self.slice_numel]
-        error = torch.empty(self.slice_numel, dtype=torch.float32, device=self.state.device)
-        ops.tlq_receiver(self.state[i * self._slice_nbytes:(i + 1) * self._slice_nbytes],
+            return state[i * self.slice_numel:(i + 1) * self.slice_numel]
+        error = torch.empty(self.slice_numel, dtype=torch.float32, device=state.device)
+        ops.tlq_receiver(state[i * self._slice_nbytes:(i + 1) * self._slice_nbytes],
                          error, n_in=1, bits=STORAGE_BITS, group_size=self.group_size,
                          hadamard_block=0, backend=self.backend)
         return error
+
+    def is_finite(self, state: torch.Tensor) -> bool:
+        """Whether ``state``, a saved state of this bucket's shape and dtype, decodes to a
+        finite error ([Note: a non-finite saved error])."""
+        state = state.to(self.state.device)
+        return all(bool(torch.isfinite(self._load(i, state)).all())
+                   for i in range(self.slices))
 
     def _store(self, i: int, error: torch.Tensor) -> None:
         if self.config.storage == "fp32":
@@ -188,3 +210,19 @@ class ErrorFeedback:
                              "the same bucket sizes, topology and --gradient-error-feedback-*")
         self.state.copy_(state)
         self.calls = int(saved["calls"])
+
+
+def first_damaged(bucket_id: int | None, device: torch.device | str) -> tuple[int, int] | None:
+    """Collective over the default group (a no-op without ``torch.distributed``): the first
+    rank whose saved error is non-finite and its bucket (``bucket_id``: this rank's first
+    such bucket, None when its state is finite), or None when no rank's is
+    ([Note: a non-finite saved error])."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None if bucket_id is None else (0, bucket_id)
+    world = dist.get_world_size()
+    # min over ranks of (rank, bucket), encoded as one integer; world * 2**32 means "none"
+    mine = world << 32 if bucket_id is None else (dist.get_rank() << 32) + bucket_id
+    found = torch.tensor([mine], dtype=torch.int64, device=device)
+    dist.all_reduce(found, op=dist.ReduceOp.MIN)
+    value = int(found.item())
+    return None if value >> 32 >= world else (value >> 32, value & 0xFFFFFFFF)

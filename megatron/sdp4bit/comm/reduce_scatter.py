@@ -125,11 +125,15 @@ def hops(ranks_per_node: int, nodes: int, shard: int, config: GradientQuantConfi
                 message_nbytes(shard, config.inter_bits, config.inter_group_size)),)
 
 
-def _record(stats: CommStats | None, topo: DPTopology, config: GradientQuantConfig,
-            shard: int, elem: int) -> None:
+def record_bytes(stats: CommStats | None, ranks_per_node: int, nodes: int,
+                 config: GradientQuantConfig, shard: int, elem: int) -> None:
+    """Add to ``stats`` the bytes one call with ``shard`` output elements of ``elem`` bytes
+    sends on N x M DP ranks, and what ``reduce_scatter_tensor`` would send (the baseline):
+    the collective's own byte counter, which reads only N and M, so that a caller can count
+    the bytes of a layout without running it (``benchmarks/scale.py``)."""
     if stats is None:
         return
-    n, m = topo.ranks_per_node, topo.nodes
+    n, m = ranks_per_node, nodes
     sent = {"intra": 0, "inter": 0}
     for hop in hops(n, m, shard, config):
         sent["intra" if hop.name == "intra" else "inter"] += hop.sent_nbytes
@@ -163,7 +167,8 @@ def two_level_reduce_scatter(output: torch.Tensor, input: torch.Tensor, *,
             raise ValueError("error_feedback was sized for another bucket: one state per "
                              "bucket")
         error_feedback.start_call()
-    _record(stats, topology, config, output.numel(), input.element_size())
+    record_bytes(stats, topology.ranks_per_node, topology.nodes, config, output.numel(),
+                 input.element_size())
     scale = 1.0 / topology.world if op == ReduceOp.AVG else 1.0
     inp = input.view(-1)
     out = output.view(-1)

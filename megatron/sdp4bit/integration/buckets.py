@@ -4,6 +4,17 @@ Bucket ids are assigned in bucket order over the model chunks' bucket groups, so
 identical on the DP ranks of a group (every rank has the same layout). Every consumer (the
 collectives' seeds, the main shards of qWD, the TP-duplicate offsets, the byte accounting)
 reads the same :class:`BucketInfo`.
+
+[Note: the dense and the expert-parallel buffers]
+megatron-core's ``DistributedDataParallel`` keeps a mixture-of-experts model's parameters in
+two lists of buffers: ``buffers`` (the dense ones, on the data-parallel group) and
+``expert_parallel_buffers`` (the experts', on the expert data-parallel group; empty for a
+dense model). A walk over ``chunk.buffers`` alone misses the experts: the trainer's finite
+check once did, and a NaN only in the expert gradients was applied (the model NaN from then
+on). Every walk over a model's buffers goes through :func:`all_buffers` (both lists), or
+:func:`dense_buffers` / :func:`expert_buffers` where the two live on different groups (the
+replica check) or only one can hold what is sought (TP-duplicated weights are dense), with a
+comment saying why.
 """
 
 from __future__ import annotations
@@ -92,3 +103,35 @@ def bucket_infos(bucket_groups: Iterable, config: SDP4BitConfig) -> Buckets:
                          "megatron.sdp4bit.integration.sdp4bit_padding(config) to pad it)")
             infos.append(info)
     return Buckets(infos)
+
+
+def main_shard_numel(buffers: Iterable) -> int:
+    """Elements of the fp32 main parameters that this rank's distributed optimizer keeps for
+    the DDP ``buffers`` (its shard of each bucket, parameter by parameter), from
+    megatron-core's own shard ranges (``DistributedOptimizer._build_gbuf_range_map``, a
+    classmethod: no optimizer and no collective needed), so that a caller can size a layout
+    it never steps (``benchmarks/scale.py``)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return sum(r["param"].size for buffer in buffers
+               for ranges in DistributedOptimizer._build_gbuf_range_map(buffer).values()
+               for bucket in ranges for r in bucket["param_map"].values())
+
+
+def dense_buffers(chunk) -> list:
+    """megatron-core DDP ``chunk``'s dense buffers (on the data-parallel group)."""
+    return list(chunk.buffers)
+
+
+def expert_buffers(chunk) -> list:
+    """``chunk``'s expert-parallel buffers (MoE, on the expert data-parallel group); empty for
+    a dense model."""
+    return list(getattr(chunk, "expert_parallel_buffers", None) or [])
+
+
+def all_buffers(model_chunks: Iterable) -> Iterator:
+    """Every buffer of every chunk, dense then expert-parallel ([Note: the dense and the
+    expert-parallel buffers])."""
+    for chunk in model_chunks:
+        yield from dense_buffers(chunk)
+        yield from expert_buffers(chunk)

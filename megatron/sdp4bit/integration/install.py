@@ -63,6 +63,7 @@ from megatron.sdp4bit.comm import (
     WeightQuantConfig,
     build_topology,
 )
+from megatron.sdp4bit.comm.error_feedback import first_damaged
 from megatron.sdp4bit.comm.topology import node_id
 from megatron.sdp4bit.config import SDP4BitConfig
 from megatron.sdp4bit.integration import patches
@@ -104,6 +105,27 @@ COPY_MODEL_GRADS = declare(
     INSTANCE, make_copy_model_grads_to_main_grads,
     note="[Note: a loop that never reduces its gradients] (integration/step_checks.py)",
     checked=both("(self)"), scope=SEAM)
+
+def _misfit(efs: dict[int, ErrorFeedback], saved: dict[str, Any] | None) -> str | None:
+    """Why a saved error-feedback state does not fit this rank's buckets (None: it fits)."""
+    if saved is None:
+        return "the checkpoint holds no error-feedback state"
+    buckets = saved.get("buckets") if isinstance(saved, dict) else None
+    if not isinstance(buckets, dict) or set(buckets) != set(efs):
+        return "the checkpoint's error-feedback state is for other buckets"
+    for bucket_id, ef in efs.items():
+        entry = buckets[bucket_id]
+        tensor = entry.get("state") if isinstance(entry, dict) else None
+        if not isinstance(tensor, torch.Tensor) or tensor.shape != ef.state.shape or \
+                tensor.dtype != ef.state.dtype:
+            return (f"the checkpoint's error-feedback state of bucket {bucket_id} does not "
+                    "fit this run's (another bucket size or --gradient-error-feedback-storage)")
+        calls = entry.get("calls")
+        if not isinstance(calls, int) or isinstance(calls, bool) or calls < 0:
+            return (f"the checkpoint's error-feedback state of bucket {bucket_id} has no "
+                    f"call count (calls {calls!r})")
+    return None
+
 
 # The DDP modules SDP4Bit is installed on (weakly: a dropped model leaves the set).
 _INSTALLED_ON: "weakref.WeakSet" = weakref.WeakSet()
@@ -148,23 +170,27 @@ class SDP4BitHandle:
         """Restore :meth:`error_feedback_state`'s dict (from a checkpoint of the same layout).
         Returns None when restored (or when this run has no error feedback); otherwise the
         reason the error starts from zero instead, which the caller reports in one line.
-        Nothing is changed unless every bucket fits."""
+        Nothing is changed unless every bucket fits. A state that decodes to NaN or Inf on
+        any rank is loaded on none: every rank returns the same reason, naming that rank
+        ([Note: a non-finite saved error] in comm/error_feedback.py); so with
+        ``torch.distributed`` initialized this is collective over the default group (both
+        trainers call it on every rank)."""
         efs = self.state.error_feedback
         if not efs:
             return None
-        if saved is None:
-            return "the checkpoint holds no error-feedback state"
-        buckets = saved.get("buckets") if isinstance(saved, dict) else None
-        if not isinstance(buckets, dict) or set(buckets) != set(efs):
-            return "the checkpoint's error-feedback state is for other buckets"
+        reason = _misfit(efs, saved)
+        damaged = None
+        if reason is None:
+            damaged = next((bucket_id for bucket_id, ef in sorted(efs.items())
+                            if not ef.is_finite(saved["buckets"][bucket_id]["state"])), None)
+        first = first_damaged(damaged, next(iter(efs.values())).state.device)
+        if first is not None:
+            return (f"rank {first[0]}'s saved error state of bucket {first[1]} holds NaN or Inf "
+                    "(a run never saves one: the checkpoint was changed after it was written)")
+        if reason is not None:
+            return reason
         for bucket_id, ef in efs.items():
-            tensor = buckets[bucket_id].get("state")
-            if not isinstance(tensor, torch.Tensor) or tensor.shape != ef.state.shape or \
-                    tensor.dtype != ef.state.dtype:
-                return (f"the checkpoint's error-feedback state of bucket {bucket_id} does not "
-                        "fit this run's (another bucket size or --gradient-error-feedback-storage)")
-        for bucket_id, ef in efs.items():
-            ef.load_state_dict(buckets[bucket_id])
+            ef.load_state_dict(saved["buckets"][bucket_id])
         return None
 
     @property

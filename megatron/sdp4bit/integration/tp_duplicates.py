@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron.sdp4bit.integration.buckets import Buckets
+from megatron.sdp4bit.integration.buckets import Buckets, dense_buffers
 
 
 def is_tp_duplicate(param: torch.nn.Parameter) -> bool:
@@ -101,7 +101,9 @@ def tp_duplicates(model_chunks, buckets: Buckets) -> TPDuplicates | None:
     found = TPDuplicates(group=parallel_state.get_tensor_model_parallel_group(),
                          src=parallel_state.get_tensor_model_parallel_src_rank())
     for chunk in model_chunks:
-        for buffer in chunk.buffers:
+        # dense only: expert weights are not TP-duplicated (with expert TP 1 the TP ranks
+        # hold different experts)
+        for buffer in dense_buffers(chunk):
             for bucket in buffer.buckets:
                 info = buckets.of(bucket)
                 ranges = []

@@ -412,13 +412,25 @@ def _gloo_maker(position: int) -> Callable[[Callable], Callable]:
     return lambda original: _gloo_for_nccl(original, position)
 
 
-def _set_device(device: Any) -> None:
-    cuda_stubs.DEVICE_INDEX[0] = device.index or 0 if isinstance(device, torch.device) else int(
-        str(device).split(":")[-1]) if not isinstance(device, int) else device
+# How many CUDA devices the dry run's processes see (default: one per local rank).
+DEVICES_ENV = "SDP4BIT_DRYRUN_DEVICES"
 
 
 def _device_count() -> int:
+    """One emulated device per local rank, or :data:`DEVICES_ENV` of them (1: the ranks
+    share one device, as with ``--distributed-backend gloo`` on one GPU)."""
+    if os.environ.get(DEVICES_ENV):
+        return int(os.environ[DEVICES_ENV])
     return max(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))), 1)
+
+
+def _set_device(device: Any) -> None:
+    index = (device.index or 0 if isinstance(device, torch.device) else
+             device if isinstance(device, int) else int(str(device).split(":")[-1]))
+    if not 0 <= index < _device_count():  # what CUDA says to an ordinal it does not have
+        raise RuntimeError(f"CUDA error: invalid device ordinal (cuda dry run: device {index} "
+                           f"of {_device_count()})")
+    cuda_stubs.DEVICE_INDEX[0] = index
 
 
 _RUNTIME_NOTE = "[Note: the dry run's CUDA runtime] (testing/cuda_dryrun.py)"

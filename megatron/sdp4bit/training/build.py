@@ -25,6 +25,7 @@ from megatron.sdp4bit.training.checkpoint.files import CheckpointError, SaveDirL
 from megatron.sdp4bit.training.checkpoint.settings import run_settings
 from megatron.sdp4bit.training.data import build_datasets, describe_data
 from megatron.sdp4bit.training.loop import TrainingStopped, TrainState
+from megatron.sdp4bit.training.cli import devices
 from megatron.sdp4bit.training.cli.megatron_flags import scheduler_steps
 from megatron.sdp4bit.training.guards.preflight import InputError
 from megatron.sdp4bit.training.guards.replicas import ReplicaMismatch
@@ -50,21 +51,28 @@ USER_ERRORS = (InputError, CheckpointError, TrainingStopped, ReplicaMismatch, Va
 def init_distributed(args: argparse.Namespace) -> None:
     """torchrun's environment -> process group + megatron-core's parallel state.
 
-    NCCL on CUDA; without CUDA, megatron-core is switched to CPU mode and gloo is used.
-    A plain ``python pretrain_gpt.py`` (no torchrun) runs as a world of one.
+    The backend is ``--distributed-backend`` (NCCL on CUDA, gloo without by default), the
+    CUDA device the local rank's, or shared when there are more local ranks than devices
+    (gloo only): training/cli/devices.py. Without CUDA, megatron-core is switched to CPU
+    mode. A plain ``python pretrain_gpt.py`` (no torchrun) runs as a world of one.
     """
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        backend = "nccl"
+    cuda = torch.cuda.is_available()
+    count = torch.cuda.device_count() if cuda else 0
+    devices.check_backend(args, cuda, count)  # done before, by check_installed; tools skip it
+    backend = args.distributed_backend
+    if cuda:
+        torch.cuda.set_device(devices.local_device(count))
+        note = devices.sharing_note(count)
+        if note and os.environ.get("RANK", "0") == "0":
+            print(note, flush=True)
     else:
         from megatron.sdp4bit.integration.cpu_mode import enable_cpu_mode
 
         enable_cpu_mode()
-        backend = "gloo"
         # In CPU mode megatron-core's "CUDA" RNG is the CPU generator, so its tracker warns on
         # every dropout that the CPU state moved; that is expected here, not a problem.
         logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)

@@ -22,12 +22,16 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron.sdp4bit.training.guards import faults
+from megatron.sdp4bit.integration.buckets import all_buffers
+from megatron.sdp4bit.training.guards import hooks
 from megatron.sdp4bit.training.guards.finite import all_finite
+from megatron.sdp4bit.training.guards.skips import has_loss_scaler
 
 
-def _loss_func(loss_mask: torch.Tensor, nan: bool, output: torch.Tensor, *,
+def _loss_func(loss_mask: torch.Tensor, iteration: int | None, output: torch.Tensor, *,
                per_token: bool = False):
+    """``iteration``: the training iteration this micro-batch belongs to (None when
+    evaluating), for the ``loss`` hook point (training/hooks.py)."""
     losses = output.float().view(-1)
     mask = loss_mask.view(-1).float()
     if per_token:
@@ -35,17 +39,17 @@ def _loss_func(loss_mask: torch.Tensor, nan: bool, output: torch.Tensor, *,
         # their count; megatron-core's schedule divides nothing, and finalize_model_grads
         # divides the gradients by the tokens of all micro-batches and data-parallel ranks.
         total = torch.sum(losses * mask)
-        if nan:  # fault injection: this rank's gradients become NaN (training/guards/faults.py)
-            total = total * float("nan")
+        if iteration is not None:
+            total = hooks.transform("loss", total, iteration)
         count = mask.sum()
         return total, count.to(torch.int), {"lm loss": torch.stack([total.detach(), count])}
     loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
-    if nan:  # fault injection: this rank's gradients become NaN (training/guards/faults.py)
-        loss = loss * float("nan")
+    if iteration is not None:
+        loss = hooks.transform("loss", loss, iteration)
     return loss, {"lm loss": loss.detach().clone()}
 
 
-def _forward_step(data_iterator, model, timers=None, nan: bool = False,
+def _forward_step(data_iterator, model, timers=None, iteration: int | None = None,
                   per_token: bool = False):
     if timers is not None:
         timers("batch-generator", log_level=2).start()
@@ -58,7 +62,7 @@ def _forward_step(data_iterator, model, timers=None, nan: bool = False,
     loss_mask = batch["loss_mask"].to(device, non_blocking=True)
     position_ids = batch["position_ids"].to(device, non_blocking=True)
     output = model(tokens, position_ids, None, labels=labels)
-    return output, partial(_loss_func, loss_mask, nan, per_token=per_token)
+    return output, partial(_loss_func, loss_mask, iteration, per_token=per_token)
 
 
 def mean_loss(losses: list[dict], group) -> float:
@@ -93,14 +97,10 @@ def _reported_loss(args, losses: list[dict], group) -> float:
     return mean_loss(losses, group)
 
 
-def has_loss_scaler(optimizer) -> bool:
-    return any(getattr(o, "grad_scaler", None) is not None
-               for o in getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
 def grads_finite(model_chunks) -> bool:
-    """Collective over every rank: whether all gradient buffers of all ranks are finite."""
-    return all_finite(buffer.grad_data for chunk in model_chunks for buffer in chunk.buffers)
+    """Collective over every rank: whether all gradient buffers of all ranks, dense and
+    expert-parallel, are finite."""
+    return all_finite(buffer.grad_data for buffer in all_buffers(model_chunks))
 
 
 def train_step(args, state, data_iterator, num_microbatches: int,
@@ -119,9 +119,8 @@ def train_step(args, state, data_iterator, num_microbatches: int,
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
     timers = state.timers
-    nan = faults.active("nan-grad", state.iteration + 1, dist.get_rank())
     losses = get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, timers=timers, nan=nan,
+        forward_step_func=partial(_forward_step, timers=timers, iteration=state.iteration + 1,
                                   per_token=args.calculate_per_token_loss),
         data_iterator=data_iterator, model=state.model, num_microbatches=num_microbatches,
         seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,

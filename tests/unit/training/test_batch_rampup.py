@@ -19,7 +19,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from megatron.sdp4bit.training import build, loop, step
+from megatron.sdp4bit.training import build, loop, metrics_step, step
 from megatron.sdp4bit.training.cli.arguments import parse_args
 from megatron.sdp4bit.training.observe.logging import parse_log_line
 
@@ -70,7 +70,6 @@ def test_the_step_runs_this_iterations_micro_batches_and_the_schedule_counts_sam
     monkeypatch.setattr(step, "_reported_loss", lambda args, losses, group: 7.0)
     monkeypatch.setattr(step.parallel_state, "get_data_parallel_group", lambda: None)
     monkeypatch.setattr(step, "grads_finite", lambda model: True)
-    monkeypatch.setattr(step.faults, "active", lambda *a: False)
     monkeypatch.setattr(step.dist, "get_rank", lambda: 0)
     for size in SIZES:
         step.train_step(args, state, iter(()), size // 4)
@@ -80,10 +79,11 @@ def test_the_step_runs_this_iterations_micro_batches_and_the_schedule_counts_sam
     assert optimizer.param_groups[0]["lr"] == pytest.approx(_linear_lr(52), rel=1e-12)
 
 
-def _train(monkeypatch, capsys, tmp_path, iteration: int = 0, consumed: int = 0):
+def _train(monkeypatch, capsys, tmp_path, iteration: int = 0, consumed: int = 0,
+           argv: list[str] = ARGV):
     """The loop with a stand-in step; returns (iteration, consumed samples before it,
     micro-batches) per step, the log lines and TensorBoard's batch-size."""
-    args = parse_args(ARGV + ["--tensorboard-dir", str(tmp_path)], world_size=2)
+    args = parse_args(argv + ["--tensorboard-dir", str(tmp_path)], world_size=2)
     steps = []
 
     def train_step(args, state, data_iterator, num_microbatches):
@@ -91,10 +91,9 @@ def _train(monkeypatch, capsys, tmp_path, iteration: int = 0, consumed: int = 0)
         return 7.0, 1.0, True, None
 
     monkeypatch.setattr(loop, "train_step", train_step)
-    monkeypatch.setattr(loop, "add_unquantized_iteration", lambda *a, **k: None)
-    monkeypatch.setattr(loop, "_is_logging_rank", lambda: True)
+    monkeypatch.setattr(metrics_step, "add_unquantized_iteration", lambda *a, **k: None)
+    monkeypatch.setattr(metrics_step, "is_logging_rank", lambda: True)
     monkeypatch.setattr(loop.dist, "get_rank", lambda: 0)
-    monkeypatch.setattr(loop.faults, "active", lambda *a: False)
     state = loop.TrainState(model=[], optimizer=_Optimizer(), scheduler=None,
                             datasets=[None] * 3, vocab_size=1152, iteration=iteration,
                             consumed_samples=consumed)
@@ -122,6 +121,23 @@ def test_the_loop_grows_the_batch_and_a_resumed_run_continues_it(monkeypatch, ca
     assert [(m["iteration"], m["global_batch_size"], m["consumed_samples"]) for m in lines_r] \
         == [(m["iteration"], m["global_batch_size"], m["consumed_samples"]) for m in lines[4:]]
     assert board_r == board[4:]
+
+
+def test_an_uneven_ramp_up_resumes_from_every_iteration(monkeypatch, capsys, tmp_path):
+    """4 4 13 up to 12: an increment every 6.5 samples (13 / 2, not whole), so the batch
+    grows after 8 samples and jumps to 12 past 13, within one iteration each: sizes 4, 4, 8,
+    then 12. A run resumed after any iteration (its consumed samples are none of the
+    increments' boundaries) takes the uninterrupted run's remaining iterations and sizes
+    (the same held under torchrun with SDP4Bit, resumed at 4 ranks and at 2)."""
+    argv = list(ARGV)
+    argv[argv.index("--rampup-batch-size") + 3] = "13"
+    steps, _, _, state = _train(monkeypatch, capsys, tmp_path / "full", argv=argv)
+    assert [(c, m * 4) for _, c, m in steps] == [(0, 4), (4, 4), (8, 8), (16, 12), (28, 12),
+                                                 (40, 12)]
+    for k in range(1, len(steps)):
+        resumed, _, _, _ = _train(monkeypatch, capsys, tmp_path / f"from{k}", iteration=k,
+                                  consumed=steps[k][1], argv=argv)
+        assert resumed == steps[k:], k
 
 
 def test_evaluation_uses_the_full_global_batch_during_the_ramp_up(monkeypatch):

@@ -9,7 +9,8 @@ import argparse
 import pytest
 import torch
 
-from megatron.sdp4bit.training import loop
+from megatron.sdp4bit.training import checkpoint_policy, loop
+from megatron.sdp4bit.training.guards import skips
 
 
 class _Optimizer:
@@ -22,26 +23,27 @@ class _Optimizer:
 
 
 def _run(monkeypatch, capsys, outcomes, *, scale=None, save_interval=1, limit=4):
-    args = argparse.Namespace(loss_scale=None, min_loss_scale=1.0, save="CK",
+    args = argparse.Namespace(loss_scale=None, min_loss_scale=1.0, save="CK", async_save=False,
                               max_consecutive_skipped_iterations=limit,
                               ckpt_format="torch_dist", tensor_model_parallel_size=1,
                               pipeline_model_parallel_size=1)
     state = loop.TrainState(model=[], optimizer=_Optimizer(scale), scheduler=None, datasets=[],
                             vocab_size=0)
     saved = []
-    monkeypatch.setattr(loop, "_is_logging_rank", lambda: True)
-    monkeypatch.setattr(loop.checkpoint_formats, "save",
+    monkeypatch.setattr(skips, "_is_logging_rank", lambda: True)
+    monkeypatch.setattr(checkpoint_policy, "is_logging_rank", lambda: True)
+    monkeypatch.setattr(checkpoint_policy.formats, "save",
                         lambda args, it, *a, **kw: saved.append(it))
-    monkeypatch.setattr(loop.faults, "active", lambda *a: False)
-    monkeypatch.setattr(loop.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(checkpoint_policy.dist, "get_rank", lambda: 0)
+    checkpoints = checkpoint_policy.CheckpointPolicy(args, state)
     error = None
     try:
         for ok in outcomes:  # what train() does after each step
             state.iteration += 1
-            loop._count_skip(args, state, ok)
+            skips.count_skip(args, state, ok)
             if state.iteration % save_interval == 0:
-                loop._save(args, state)
-        loop._check_progress(state, 0)
+                checkpoints.save()
+        skips.check_progress(state, 0)
     except loop.TrainingStopped as err:
         error = str(err)
     return state, saved, error, capsys.readouterr().out

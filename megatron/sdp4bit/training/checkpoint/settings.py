@@ -30,10 +30,25 @@ MODEL_KEYS = (
     "norm_epsilon", "add_bias_linear", "params_dtype", "qk_layernorm", "use_rope_scaling",
     "rope_scaling_factor")
 
-# Model settings recorded since the Llama export (tools/checkpoint/export_hf.py), with the
-# trainer's defaults: a manifest written before lacks them, and such a checkpoint still
-# resumes (they are not compared); the export reads them as these defaults.
-LATER_MODEL_SETTINGS = {"norm_epsilon": 1e-5, "rotary_base": 10000, "rotary_percent": 1.0}
+# The mixture-of-experts flags a checkpoint records (what defines the experts' tensors and
+# the routing of the forward pass, sinkhorn's included; the coefficients of the auxiliary
+# losses are training choices, not the model's). A dense model records them all as None.
+MOE_KEYS = ("num_experts", "moe_ffn_hidden_size", "moe_layer_freq",
+            "moe_shared_expert_intermediate_size", "moe_router_topk",
+            "moe_router_score_function", "moe_router_pre_softmax",
+            "moe_router_load_balancing_type", "moe_grouped_gemm")
+
+# Model settings recorded since the Llama export (tools/checkpoint/export_hf.py), and the MoE
+# settings since they were recorded, with the trainer's defaults: a manifest written before
+# lacks them, and such a checkpoint still resumes (they are not compared); the export reads
+# them as these defaults (a dense model).
+LATER_MODEL_SETTINGS = {"norm_epsilon": 1e-5, "rotary_base": 10000, "rotary_percent": 1.0,
+                        **dict.fromkeys(MOE_KEYS)}
+
+# Layout entries recorded only for a MoE model, since they were recorded: a manifest without
+# them (a dense model's: then num_experts says so; or an older trainer's MoE checkpoint) is
+# compared without them.
+LATER_LAYOUT_KEYS = ("ep", "etp")
 
 # Model settings recorded since they were added, with the value every run had before (the
 # trainer refused --openai-gelu until then): an older manifest is read as having that value,
@@ -44,6 +59,14 @@ LATER_MODEL_DEFAULTS = {"openai_gelu": False, "qk_layernorm": False, "use_rope_s
 # SDP4Bit settings recorded since they were added, with the value every run had before:
 # an older manifest lacks them and is read as having that value.
 LATER_SDP4BIT_SETTINGS = {"weight_difference_target": "main"}
+
+# Error feedback, part of the method since it was recorded (before, switching it on or off,
+# or its storage, rounding, decay or reset, on resume went unnoticed): a manifest without
+# gradient_error_feedback is an older trainer's, whose runs may have had it, so these are
+# not compared with it.
+ERROR_FEEDBACK_KEYS = ("gradient_error_feedback", "gradient_error_feedback_decay",
+                       "gradient_error_feedback_reset_interval",
+                       "gradient_error_feedback_storage", "gradient_error_feedback_rounding")
 
 
 def run_settings(args: argparse.Namespace, sdp4bit_config: SDP4BitConfig,
@@ -63,10 +86,38 @@ def run_settings(args: argparse.Namespace, sdp4bit_config: SDP4BitConfig,
         layout["vpp"] = args.virtual_pipeline_model_parallel_size
     model = {k: getattr(args, k) for k in MODEL_KEYS}
     model["padded_vocab_size"] = vocab
+    model.update(moe_settings(args))
+    if model["num_experts"] is not None:
+        layout["ep"] = args.expert_model_parallel_size
+        layout["etp"] = args.expert_tensor_parallel_size
     return {"layout": layout, "model": model, "data": data_settings(args),
             "sdp4bit": method_settings(sdp4bit_config), "vocab_size": tokenizer_vocab,
             "tokenizer": tokenizer,
             "megatron_core": megatron_core_version()}  # the release that wrote it
+
+
+def moe_settings(args: argparse.Namespace) -> dict:
+    """The mixture-of-experts part of the model settings (:data:`MOE_KEYS`); ``moe_layer_freq``
+    as its per-layer pattern (megatron-core's reading of an integer N: layer i is a MoE layer
+    when i % N == 0), so that ``2`` and ``[1,0,1,0]`` compare equal."""
+    if getattr(args, "num_experts", None) is None:
+        return dict.fromkeys(MOE_KEYS)
+    freq = args.moe_layer_freq
+    pattern = list(freq) if isinstance(freq, list) else [
+        int(i % freq == 0) for i in range(args.num_layers)]
+    return {**{k: getattr(args, k) for k in MOE_KEYS}, "moe_layer_freq": pattern}
+
+
+def same_layout(saved: dict[str, Any], current: dict[str, Any]) -> bool:
+    """Whether a manifest's layout is this run's (what per-rank state, the RNG streams and
+    the error-feedback state, needs), entries a manifest may lack left out."""
+    return _comparable(saved.get("layout") or {}, current["layout"]) == \
+        _comparable(current["layout"], saved.get("layout") or {})
+
+
+def _comparable(layout: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """``layout`` without the :data:`LATER_LAYOUT_KEYS` that the ``other`` layout lacks."""
+    return {k: v for k, v in layout.items() if k not in LATER_LAYOUT_KEYS or k in other}
 
 
 def data_settings(args: argparse.Namespace) -> dict:
@@ -110,6 +161,8 @@ def method_settings(config: SDP4BitConfig) -> dict:
                  "gradients_quantization_start_iteration"]
         if config.hadamard_transform:
             keys.append("hadamard_block_size")
+        keys += ERROR_FEEDBACK_KEYS if config.gradient_error_feedback else \
+            ERROR_FEEDBACK_KEYS[:1]
     if config.enabled:
         keys.append("quantization_rounding")
     return {k: c[k] for k in keys}
@@ -153,6 +206,15 @@ def settings_problem(saved: dict[str, Any], current: dict[str, Any], directory: 
         unrecorded = [k for k in LATER_MODEL_SETTINGS if k not in saved["model"]]
         current = {**current, "model": {k: v for k, v in current["model"].items()
                                         if k not in unrecorded}}
+        experts = saved["model"].get("num_experts"), current["model"].get("num_experts")
+        if "num_experts" in saved["model"] and (experts[0] is None) != (experts[1] is None):
+            # a dense model against a mixture of experts: that one difference says it all
+            return (f"checkpoint {directory} was saved with model num_experts {experts[0]}; "
+                    f"this run has num_experts {experts[1]}: resume with the same model "
+                    "flags (--num-experts and the other MoE flags)")
+    saved_layout = saved.get("layout") or {}
+    saved = {**saved, "layout": _comparable(saved_layout, current["layout"])}
+    current = {**current, "layout": _comparable(current["layout"], saved_layout)}
     for part, fix in (("layout", "resume with the same layout (or start a new run)"),
                       ("model", "resume with the same model flags")):
         if saved.get(part) != current[part]:
@@ -176,10 +238,14 @@ def settings_problem(saved: dict[str, Any], current: dict[str, Any], directory: 
     if "sdp4bit" in saved:
         saved = {**saved, "sdp4bit": {**{k: v for k, v in LATER_SDP4BIT_SETTINGS.items()
                                          if k in current["sdp4bit"]}, **saved["sdp4bit"]}}
+        if ERROR_FEEDBACK_KEYS[0] not in saved["sdp4bit"]:  # an older trainer's manifest
+            current = {**current, "sdp4bit": {k: v for k, v in current["sdp4bit"].items()
+                                               if k not in ERROR_FEEDBACK_KEYS}}
     if saved.get("sdp4bit") != current["sdp4bit"] and not allow_sdp4bit_change:
         old, new = saved.get("sdp4bit", {}), current["sdp4bit"]
         diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-        switches = [k for k in ("quantized_weights", "quantized_gradients") if k in diff]
+        switches = [k for k in ("quantized_weights", "quantized_gradients") if k in diff] or [
+            k for k in ERROR_FEEDBACK_KEYS[:1] if k in diff]
         diff = switches or diff  # a part switched on or off: its own flags follow it
         was = {k: old.get(k, "off") for k in diff}
         now = {k: new.get(k, "off") for k in diff}

@@ -50,13 +50,20 @@ from megatron.sdp4bit.training.checkpoint import (common, disk_space, files, int
 from megatron.sdp4bit.training.checkpoint.async_save import AsyncSaves, PendingSave
 from megatron.sdp4bit.training.checkpoint import settings as settings_contract
 from megatron.sdp4bit.training.checkpoint.files import CheckpointError
-from megatron.sdp4bit.training.guards import faults
+from megatron.sdp4bit.training.guards import hooks
 
 FORMAT_NAME = "torch_dist"
 SHARDING_TYPES = ("dp_reshardable", "fully_reshardable")
-# Layout entries a checkpoint of each sharding type may change on resume.
+# Layout entries a checkpoint of each sharding type may change on resume. The expert-parallel
+# size ("ep") only between sizes above 1 (:func:`expert_parallel_problem`).
 RESHARDABLE = {"dp_reshardable": {"world_size", "dp"},
-               "fully_reshardable": {"world_size", "dp", "tp", "pp", "vpp", "ddp_bucket_size"}}
+               "fully_reshardable": {"world_size", "dp", "tp", "pp", "vpp", "ddp_bucket_size",
+                                     "ep"}}
+# What a dp_reshardable checkpoint cannot change and a fully reshardable one can, by the layout
+# entries that differ: the hint its refusal ends with.
+_NEEDS_FULLY_RESHARDABLE = ((("tp", "pp"), "a TP or PP change"),
+                            (("ep",), "an expert-parallel size change (between sizes above 1)"),
+                            (("vpp",), "a change of the interleaved pipeline's chunks"))
 
 
 def is_dist_checkpoint(directory: str) -> bool:
@@ -145,8 +152,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
     state.update(iteration=iteration, consumed_samples=consumed_samples,
                  opt_param_scheduler=scheduler.state_dict(), checkpoint_version=3.0)
     disk_space.check_space(root, partial, iteration, checkpoint_space.written_bytes(state))
-    if faults.active("fill-disk-saving", iteration, dist.get_rank()):
-        faults.fill_disk(root)
+    hooks.fire("save-space-checked", root, iteration)
     manifest_settings = {**settings, "ckpt_format": FORMAT_NAME, "optim_sharding": sharding_type,
                          # a load asks for the state only where it was written
                          **({EF_KEY: True} if error_feedback is not None else {})}
@@ -182,8 +188,7 @@ def publish(save: PendingSave) -> None:
     """Collective, once every rank's files of ``save`` are written and megatron-core has
     finalized them: hash them into the manifest, rename the partial folder to its iteration's
     and point the tracker at it, in that order ([Note: what survives a crash], files.py)."""
-    if faults.active("die-saving", save.iteration, dist.get_rank()):
-        os._exit(17)
+    hooks.fire("save-files-written", save.iteration)
     dist.barrier()
     entries = integrity.hash_shares(save.partial, integrity.shared_listing(save.partial))
     if dist.get_rank() == 0:
@@ -211,11 +216,15 @@ def settings_problem(saved: dict[str, Any], current: dict[str, Any], directory: 
                                        if k not in free}}
     problem = settings_contract.settings_problem(strip(saved), strip(current), directory,
                                                     allow_sdp4bit_change, allow_data_change)
-    if problem is not None and sharding == "dp_reshardable" and (
-            saved.get("layout", {}).get("tp") != current["layout"]["tp"]
-            or saved.get("layout", {}).get("pp") != current["layout"]["pp"]):
-        problem += ("; a TP or PP change needs a checkpoint saved with "
+    before, now = saved.get("layout", {}), current["layout"]
+    changed = [what for keys, what in _NEEDS_FULLY_RESHARDABLE if any(
+        before.get(k) != now.get(k) and (k not in settings_contract.LATER_LAYOUT_KEYS
+                                          or (k in before and k in now)) for k in keys)]
+    if problem is not None and sharding == "dp_reshardable" and changed:
+        problem += (f"; {changed[0]} needs a checkpoint saved with "
                     "--dist-ckpt-optim-fully-reshardable")
+    if problem is None:
+        problem = expert_parallel_problem(before, now, directory)
     old_model, new_model = saved.get("model", {}), current["model"]
     differ = {k for k in set(old_model) | set(new_model)
               if old_model.get(k) != new_model.get(k)}
@@ -229,6 +238,22 @@ def settings_problem(saved: dict[str, Any], current: dict[str, Any], directory: 
                     f"x TP: at TP {tp}, --make-vocab-size-divisible-by {padded // tp} gives the "
                     f"checkpoint's {padded}")
     return problem
+
+
+def expert_parallel_problem(saved: dict[str, Any], current: dict[str, Any],
+                            directory: str) -> str | None:
+    """A fully reshardable checkpoint's expert-parallel size may change, but not to or from 1:
+    megatron-core gives the experts an optimizer of their own only above 1 (at 1 they share
+    the dense one), so the optimizer state's names differ and its load fails (tried: EP 2 -> 4
+    resumes, with the first loss the uninterrupted run's; EP 2 -> 1 fails in megatron-core)."""
+    ep = saved.get("ep"), current.get("ep")
+    if None in ep or ep[0] == ep[1] or 1 not in ep:
+        return None
+    return (f"checkpoint {directory} was saved with layout ep {ep[0]}; this run has ep {ep[1]}: "
+            "megatron-core's optimizer state changes the expert-parallel size only between "
+            "sizes above 1 (at 1 the experts share the dense optimizer); resume with "
+            f"--expert-model-parallel-size {ep[0]}" + (" or another size above 1"
+                                                        if ep[0] > 1 else ""))
 
 
 def load_checkpoint(directory: str, manifest: dict[str, Any] | None, model_chunks, optimizer,
@@ -254,7 +279,7 @@ def load_checkpoint(directory: str, manifest: dict[str, Any] | None, model_chunk
     problem = safe_load.dist_checkpoint_problem(directory, manifest["files"])
     if problem is not None:
         raise CheckpointError(problem)
-    same_layout = saved["layout"] == settings["layout"]
+    same_layout = settings_contract.same_layout(saved, settings)
     saved_common = dist_checkpointing.load_common_state_dict(directory)
     if load_optim:
         common.check_schedule(scheduler, saved_common["opt_param_scheduler"], directory)

@@ -175,6 +175,11 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
                    help="with --use-distributed-optimizer: megatron-core's reduce-scatter that "
                    "sends the gradients in their buffer's dtype (an all-to-all) and sums them in "
                    "fp32; not with SDP4Bit's quantized gradients or --overlap-grad-reduce")
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
+                   help="the process groups' backend (default NCCL with CUDA, gloo without). "
+                   "gloo on CUDA lets several ranks share a device, local rank r on "
+                   "cuda:(r mod devices) when there are more local ranks than devices; NCCL "
+                   "refuses that (training/cli/devices.py)")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10,
                    help="timeout of the process groups' collectives")
     g.add_argument("--heartbeat-timeout-seconds", type=float, default=120.0,

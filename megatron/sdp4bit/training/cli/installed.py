@@ -9,6 +9,8 @@ run it:
   (``--attention-backend flash|fused|unfused``, ``--use-flash-attn``) need CUDA and the
   ``transformer_engine`` package (``pip install -e ".[te]"``); ``--transformer-impl auto`` on
   CUDA without it runs megatron-core's local layers and says so once;
+* ``--distributed-backend``: ``nccl`` needs CUDA, and one device per local rank; ``gloo``
+  on CUDA lets ranks share devices (:mod:`.devices`, [Note: several ranks on one GPU]);
 * ``--context-parallel-size`` > 1 needs Transformer Engine's attention (the trainer does
   not split batches over context-parallel ranks yet, so it is refused everywhere, naming
   the first reason);
@@ -29,6 +31,7 @@ import importlib.util
 import os
 import sys
 
+from megatron.sdp4bit.training.cli import devices
 from megatron.sdp4bit.training.cli.errors import ArgumentsError
 
 __all__ = ["TE_INSTALL", "check_installed", "uses_transformer_engine"]
@@ -45,6 +48,12 @@ def _cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def _device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if _cuda() else 0
 
 
 def uses_transformer_engine(impl: str) -> bool:
@@ -142,6 +151,7 @@ def check_installed(args: argparse.Namespace, quantized: bool) -> None:
     """Refuse (one :class:`ArgumentsError` line) the flags this machine cannot honour and
     warn once about the ones it honours at a cost (module docstring). ``quantized``: the run
     installs SDP4Bit's collectives (a quantization flag is on)."""
+    devices.check_backend(args, _cuda(), _device_count())
     _check_transformer_engine(args)
     _check_context_parallel(args)
     _check_logging_packages(args)

@@ -7,6 +7,7 @@ this trainer does not support. Three kinds, all in this module:
 * honoured: sample-based training (``--train-samples``, ``--lr-decay-samples``,
   ``--lr-warmup-samples``), the batch-size ramp-up (``--rampup-batch-size``:
   :mod:`.rampup_flags`), ``--exit-duration-in-mins``, ``--distributed-timeout-minutes``,
+  ``--distributed-backend`` (defined in ``arguments.py``, checked in :mod:`.devices`),
   the scheduler's checkpoint override, the TensorBoard logging switches, the transformer
   switches of :func:`transformer_config_overrides`, ``--exit-signal-handler`` and
   ``--exit-signal`` (training/guards/exit_signal.py), the logging and profiling flags of
@@ -41,7 +42,6 @@ NO_OP_FLAGS: dict[str, str] = {
     "--no-async-tensor-model-parallel-allreduce": "megatron-core decides the overlap of the "
     "tensor-parallel all-reduce itself; the flag only toggled an overlap, never the math",
     "--log-throughput": "throughput (TFLOP/s/GPU) is always part of the log line",
-    "--distributed-backend": "the backend follows the device: NCCL with CUDA, gloo on CPU",
     "--accumulate-allreduce-grads-in-fp32": "gradients are reduced in fp32 with --bf16 unless "
     "--grad-reduce-in-bf16, as in Megatron-LM; with --fp16 and fp32 parameters too",
     "--use-mcore-models": "the trainer always builds megatron-core's GPTModel",
@@ -76,7 +76,6 @@ NO_OP_FLAGS: dict[str, str] = {
 }
 # No-op flags that take a value: flag -> argparse keywords.
 _NO_OP_VALUES: dict[str, dict] = {
-    "--distributed-backend": {"choices": ["nccl", "gloo"]},
     "--num-workers": {"type": int},
     "--num-dataset-builder-threads": {"type": int},
     "--tensorboard-queue-size": {"type": int},

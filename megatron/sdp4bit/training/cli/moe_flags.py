@@ -14,9 +14,9 @@ need Transformer Engine's CUDA kernels and are refused elsewhere, as is the flex
 from __future__ import annotations
 
 import argparse
-import re
 
 from megatron.sdp4bit.training.cli.errors import ArgumentsError
+from megatron.sdp4bit.training.cli.layer_pattern import PatternError, parse_layer_pattern
 
 __all__ = ["add_moe_flags", "check_moe_flags", "moe_config_overrides", "moe_track_names",
            "parse_moe_layer_freq"]
@@ -39,30 +39,27 @@ def _fail(message: str) -> None:
 
 
 def parse_moe_layer_freq(text: str) -> int | list[int]:
-    """``--moe-layer-freq``: an integer N (one MoE layer every N layers) or a Python list
-    expression of 0/1 per layer such as ``"([1]*3+[0]*1)*3"`` (Megatron-LM's
-    ``moe_freq_type``; evaluated here with nothing but list arithmetic allowed)."""
+    """``--moe-layer-freq``: an integer N (one MoE layer every N layers) or a list pattern of
+    0/1 per layer such as ``"([1]*3+[0]*1)*3"`` (Megatron-LM's ``moe_freq_type``), read by
+    :func:`~.layer_pattern.parse_layer_pattern`'s bounded grammar, never evaluated."""
     text = str(text).strip()
     if "[" not in text:
         try:
-            value = int(text)
+            value = int(text) if len(text) <= 12 else None
         except ValueError:
+            value = None
+        if value is None:
             raise argparse.ArgumentTypeError(
-                f"{text!r} is neither an integer nor a list pattern such as "
-                "\"([1]*3+[0]*1)*3\"") from None
+                f"{text[:40]!r} is neither an integer nor a list pattern such as "
+                "\"([1]*3+[0]*1)*3\"")
         if value < 1:
             raise argparse.ArgumentTypeError(f"{value} must be >= 1")
         return value
-    if not re.fullmatch(r"[\[\]\d\s,+*()]+", text):
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: a pattern may hold only digits, [ ] ( ) , + *")
     try:
-        pattern = eval(text, {"__builtins__": {}}, {})  # digits and list arithmetic only
-    except Exception as err:  # noqa: BLE001 - any syntax error becomes one line
-        raise argparse.ArgumentTypeError(f"{text!r} is not a valid pattern ({err})") from None
-    if not isinstance(pattern, list) or any(x not in (0, 1) for x in pattern):
-        raise argparse.ArgumentTypeError(f"{text!r} must give a list of 0s and 1s")
-    return pattern
+        return parse_layer_pattern(text)
+    except PatternError as err:
+        raise argparse.ArgumentTypeError(f"{text[:60]!r}{'...' if len(text) > 60 else ''} is "
+                                         f"not a layer pattern: {err}") from None
 
 
 parse_moe_layer_freq.__name__ = "int or pattern"  # what docs/flags.md says the flag takes

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 
-from megatron.sdp4bit.integration.microbatches import build_calculator
 from megatron.sdp4bit.training.cli.errors import ArgumentsError
 
 __all__ = ["check_rampup_sizes", "check_rampup_values", "rampup_iterations"]
@@ -38,6 +37,10 @@ def _fail(message: str) -> None:
 def _walk(args: argparse.Namespace, data_parallel_size: int) -> tuple[int, list[int]]:
     """(iterations, the batch size of each ramp-up iteration): Megatron-LM's
     ``update_train_iters`` on megatron-core's calculator."""
+    # At call time, as every import of integration/ here: it loads megatron-core, which
+    # importing the command line must not (docs/design.md, section 7).
+    from megatron.sdp4bit.integration.microbatches import build_calculator
+
     start, _, samples = args.rampup_batch_size
     calculator = build_calculator(args.global_batch_size, args.micro_batch_size,
                                   data_parallel_size, tuple(args.rampup_batch_size))

@@ -1,8 +1,10 @@
-"""Fault injection for the reliability tests; inert unless ``SDP4BIT_FAULT`` is set.
+"""Fault injection for the reliability tests; nothing is installed unless ``SDP4BIT_FAULT``
+is set.
 
 ``SDP4BIT_FAULT=KIND@ITERATION:RANK`` (several separated by commas) makes global rank RANK
 misbehave at ITERATION, so that tests can prove what a real fault does to a run
-(docs/reliability.md):
+(docs/reliability.md). :func:`install` puts each fault behind one of the run's hook points
+(:mod:`megatron.sdp4bit.training.hooks`), which are empty otherwise:
 
 * ``nan-grad``: this rank's loss of that iteration is multiplied by NaN, so its backward
   fills its gradients with NaN;
@@ -21,6 +23,11 @@ from __future__ import annotations
 
 import functools
 import os
+
+import torch
+import torch.distributed as dist
+
+from megatron.sdp4bit.training.guards import hooks
 
 ENV = "SDP4BIT_FAULT"
 KINDS = ("nan-grad", "die-saving", "nan-weight", "flip-replica", "fill-disk-saving")
@@ -68,3 +75,56 @@ def fill_disk(folder: str) -> None:
         os.ftruncate(fd, max(0, size - FILL_LEAVES))
     finally:
         os.close(fd)
+
+
+def install() -> None:
+    """Put the faults ``$SDP4BIT_FAULT`` asks for behind the run's hook points (nothing
+    without it). Each hook checks, when its point is reached, whether its fault is due on
+    this rank at this iteration."""
+    specs = parse_env()
+    kinds = {kind for kind, _, _ in specs}
+    if "nan-grad" in kinds:
+        hooks.add("loss", _nan_loss)
+    if "nan-weight" in kinds:
+        hooks.add("before-save", _nan_weight)
+    if "flip-replica" in kinds:
+        hooks.add("after-iteration", _flip_replica)
+    if "die-saving" in kinds:
+        hooks.add("save-files-written", _die)
+    if "fill-disk-saving" in kinds:
+        hooks.add("save-space-checked", _fill_disk_saving)
+
+
+def _due(kind: str, iteration: int) -> bool:
+    return active(kind, iteration, dist.get_rank())
+
+
+def _nan_loss(loss: torch.Tensor, iteration: int) -> torch.Tensor:
+    """``nan-grad``: the loss times NaN, so the backward fills this rank's gradients with NaN."""
+    return loss * float("nan") if _due("nan-grad", iteration) else loss
+
+
+def _first_weight(state) -> torch.Tensor:
+    return next(state.model[0].parameters()).view(-1)
+
+
+def _nan_weight(state) -> None:
+    if _due("nan-weight", state.iteration):
+        with torch.no_grad():
+            _first_weight(state)[0] = float("nan")
+
+
+def _flip_replica(state) -> None:
+    if _due("flip-replica", state.iteration):
+        with torch.no_grad():
+            _first_weight(state)[0] += 1.0
+
+
+def _die(iteration: int) -> None:
+    if _due("die-saving", iteration):
+        os._exit(17)
+
+
+def _fill_disk_saving(root: str, iteration: int) -> None:
+    if _due("fill-disk-saving", iteration):
+        fill_disk(root)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron.sdp4bit.integration.buckets import dense_buffers, expert_buffers
 from megatron.sdp4bit.integration.tp_duplicates import is_tp_duplicate
 
 _CHUNK = 1 << 20
@@ -52,8 +53,7 @@ def _buckets(model_chunks, expert: bool = False) -> list[tuple[object, str]]:
     out = []
     for chunk in model_chunks:
         names = {p: _short(n) for n, p in chunk.named_parameters()}
-        buffers = getattr(chunk, "expert_parallel_buffers", []) if expert else chunk.buffers
-        for buffer in buffers:
+        for buffer in (expert_buffers(chunk) if expert else dense_buffers(chunk)):
             for bucket in buffer.buckets:
                 first = sorted(names.get(p, "?") for p in bucket.params)[:2]
                 out.append((bucket, ", ".join(first)))

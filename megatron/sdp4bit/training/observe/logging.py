@@ -41,6 +41,14 @@ _BYTE_FIELDS = (("params_intra", "params intra"), ("params_inter", "params inter
                 ("grads_intra", "grads intra"), ("grads_inter", "grads inter"))
 
 
+def is_logging_rank() -> bool:
+    """Whether this rank prints the training lines: Megatron-LM's last rank, which holds the
+    loss with pipeline parallelism."""
+    import torch.distributed as dist
+
+    return dist.get_rank() == dist.get_world_size() - 1
+
+
 def _stamp() -> str:
     return datetime.now().strftime("%Y-%m-%d %H:%M:%S.%f")  # Megatron-LM's, microseconds
 

@@ -10,7 +10,7 @@ import argparse
 import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron.sdp4bit.training import loop
+from megatron.sdp4bit.training import checkpoint_policy, loop
 from megatron.sdp4bit.training.checkpoint import disk_space
 from megatron.sdp4bit.training.checkpoint.async_save import AsyncSaves, PendingSave
 from megatron.sdp4bit.training.checkpoint.files import CheckpointError
@@ -133,30 +133,31 @@ def _loop_state(monkeypatch, log):
                               tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     state = loop.TrainState(model=[], optimizer=None, scheduler=None, datasets=[],
                             vocab_size=0)
-    state.async_saves = _LoopSaves(log)
+    saves = _LoopSaves(log)
+    monkeypatch.setattr(checkpoint_policy, "AsyncSaves", lambda: saves)
 
     def save(args, iteration, *a, background=None, **kw):
         log.append(f"schedule {iteration}")
         background._pending.append(iteration)
 
-    monkeypatch.setattr(loop.checkpoint_formats, "save", save)
-    monkeypatch.setattr(loop.faults, "active", lambda *a: False)
-    monkeypatch.setattr(loop.dist, "get_rank", lambda: 0)
-    monkeypatch.setattr(loop, "_is_logging_rank", lambda: True)
-    return args, state
+    monkeypatch.setattr(checkpoint_policy.formats, "save", save)
+    monkeypatch.setattr(checkpoint_policy.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(checkpoint_policy, "is_logging_rank", lambda: True)
+    monkeypatch.setattr(loop, "is_logging_rank", lambda: True)
+    return args, state, checkpoint_policy.CheckpointPolicy(args, state)
 
 
 def test_the_loop_finishes_a_pending_save_before_the_next_and_says_when_it_is_saved(
         monkeypatch, capsys):
     log = []
-    args, state = _loop_state(monkeypatch, log)
+    args, state, checkpoints = _loop_state(monkeypatch, log)
     state.iteration = 3
-    loop._save(args, state)
+    checkpoints.save()
     out = capsys.readouterr().out
     assert "scheduled an async checkpoint save at iteration       3 to CK" in out
     assert "successfully saved" not in out and state.saved_iteration is None
     state.iteration = 6
-    loop._save(args, state)  # the save of 3 is published first
+    checkpoints.save()  # the save of 3 is published first
     assert log == ["finalize blocking=True", "schedule 3", "finalize blocking=True",
                    "schedule 6"]
     out = capsys.readouterr().out
@@ -167,23 +168,20 @@ def test_the_loop_finishes_a_pending_save_before_the_next_and_says_when_it_is_sa
 
 def test_an_exit_signal_waits_for_the_save_it_asked_for(monkeypatch, capsys):
     log = []
-    args, state = _loop_state(monkeypatch, log)
+    args, state, checkpoints = _loop_state(monkeypatch, log)
     state.iteration = 5
-    signal = argparse.Namespace(name="SIGTERM")
-    loop._exit_on_signal(args, state, signal, saved=False)
+    assert checkpoints.before_exit(wait=True).startswith("checkpoint saved in ")
     assert log[-2:] == ["schedule 5", "finalize blocking=True"]
     assert state.saved_iteration == 5
-    out = capsys.readouterr().out
-    assert "exiting program after receiving SIGTERM at iteration 5 (checkpoint saved in" in out
+    assert "successfully saved checkpoint from iteration       5 to CK" in \
+        capsys.readouterr().out
 
 
 @pytest.mark.parametrize("error,closed", [(loop.TrainingStopped("diverged"), "close abort=False"),
                                           (RuntimeError("lost a rank"), "close abort=True")])
 def test_train_publishes_on_an_agreed_stop_and_aborts_on_a_failure(monkeypatch, error, closed):
     log = []
-    args, state = _loop_state(monkeypatch, log)
-    saves = state.async_saves
-    monkeypatch.setattr(loop, "AsyncSaves", lambda: saves)
+    args, state, _ = _loop_state(monkeypatch, log)
 
     def run(*a):
         raise error
@@ -191,9 +189,8 @@ def test_train_publishes_on_an_agreed_stop_and_aborts_on_a_failure(monkeypatch, 
     monkeypatch.setattr(loop, "_train", run)
     with pytest.raises(type(error)):
         loop.train(args, state)
-    assert log[0] == closed and state.async_saves is None
+    assert log[0] == closed
     monkeypatch.setattr(loop, "_train", lambda *a: None)
     log.clear()
     assert loop.train(args, state) is state
     assert log == ["close abort=False", "finalize blocking=True"]
-

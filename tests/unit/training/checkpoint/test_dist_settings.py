@@ -82,3 +82,93 @@ def test_error_feedback_state_is_read_only_where_it_was_written_for_this_layout(
         "the checkpoint was saved with another parallel layout or bucket size")
     assert error_feedback_skipped(saved("dp_reshardable"), same_layout=True) == (
         "the checkpoint was saved without --gradient-error-feedback")
+
+
+def _moe_run(flags: str = "", world: int = 4) -> dict:
+    """What a run with these flags records (the trainer's parser and settings contract)."""
+    from megatron.sdp4bit.config import SDP4BitConfig
+    from megatron.sdp4bit.training.checkpoint.settings import run_settings
+    from megatron.sdp4bit.training.cli.arguments import parse_args
+
+    base = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+            "--micro-batch-size 2 --train-iters 10 --lr 1e-3 --mock-data").split()
+    settings = run_settings(parse_args(base + flags.split(), world_size=world),
+                            SDP4BitConfig(), 384)
+    return {k: settings[k] for k in ("layout", "model", "sdp4bit")}
+
+
+EP2 = "--num-experts 4 --expert-model-parallel-size 2"
+
+
+def _saved_moe(sharding: str, flags: str = EP2) -> dict:
+    return {**_moe_run(flags), "ckpt_format": "torch_dist", "optim_sharding": sharding}
+
+
+def test_the_manifest_records_expert_parallelism_and_the_moe_settings():
+    recorded = _moe_run(EP2 + " --moe-layer-freq 2 --moe-router-topk 1")
+    assert (recorded["layout"]["ep"], recorded["layout"]["etp"]) == (2, 1)
+    model = recorded["model"]
+    assert (model["num_experts"], model["moe_router_topk"], model["moe_ffn_hidden_size"],
+            model["moe_layer_freq"], model["moe_grouped_gemm"]) == (4, 1, 256, [1, 0], False)
+    # megatron-core's reading of an integer: the same pattern as the list
+    assert _moe_run(EP2 + " --moe-layer-freq [1,0]")["model"] == model | {"moe_router_topk": 2}
+    dense = _moe_run()
+    assert "ep" not in dense["layout"]
+    assert all(dense["model"][k] is None for k in model if k.startswith(("moe_", "num_exp")))
+
+
+def test_a_dense_run_and_a_moe_checkpoint_are_refused_naming_num_experts():
+    # before, neither was recorded: megatron-core failed on every rank reading the tensors
+    assert settings_problem(_saved_moe("dp_reshardable"), _moe_run(), "D", False) == (
+        "checkpoint D was saved with model num_experts 4; this run has num_experts None: resume "
+        "with the same model flags (--num-experts and the other MoE flags)")
+    dense = {**_moe_run(), "ckpt_format": "torch_dist", "optim_sharding": "fully_reshardable"}
+    assert settings_problem(dense, _moe_run(EP2), "D", False) == (
+        "checkpoint D was saved with model num_experts None; this run has num_experts 4: resume "
+        "with the same model flags (--num-experts and the other MoE flags)")
+    assert settings_problem(_saved_moe("dp_reshardable"),
+                            _moe_run(EP2 + " --moe-router-topk 1"), "D", False) == (
+        "checkpoint D was saved with model moe_router_topk 2; this run has moe_router_topk 1: "
+        "resume with the same model flags")
+
+
+def test_expert_parallel_size_changes_only_fully_reshardable_and_not_to_one():
+    for ep in (1, 4):
+        now = _moe_run(f"--num-experts 4 --expert-model-parallel-size {ep}")
+        assert settings_problem(_saved_moe("dp_reshardable"), now, "D", False) == (
+            f"checkpoint D was saved with layout ep 2; this run has ep {ep}: resume with the "
+            "same layout (or start a new run); an expert-parallel size change (between sizes "
+            "above 1) needs a checkpoint saved with --dist-ckpt-optim-fully-reshardable")
+    fully = _saved_moe("fully_reshardable")
+    assert settings_problem(fully, _moe_run("--num-experts 4 --expert-model-parallel-size 4"),
+                            "D", False) is None  # resumed in tests/e2e/test_moe_trainer.py
+    assert settings_problem(fully, _moe_run("--num-experts 4"), "D", False) == (
+        "checkpoint D was saved with layout ep 2; this run has ep 1: megatron-core's optimizer "
+        "state changes the expert-parallel size only between sizes above 1 (at 1 the experts "
+        "share the dense optimizer); resume with --expert-model-parallel-size 2 or another "
+        "size above 1")
+
+
+def test_a_moe_checkpoint_of_an_older_trainer_is_compared_as_before():
+    """Its manifest records neither the expert layout nor the MoE settings: nothing to compare
+    them with (as for the settings of the Llama export), and its RNG and error state are this
+    layout's."""
+    from megatron.sdp4bit.training.checkpoint.settings import MOE_KEYS, same_layout
+
+    now = _moe_run(EP2)
+    old = _saved_moe("dp_reshardable")
+    old["layout"] = {k: v for k, v in old["layout"].items() if k not in ("ep", "etp")}
+    old["model"] = {k: v for k, v in old["model"].items() if k not in MOE_KEYS}
+    assert settings_problem(old, now, "D", False) is None
+    assert same_layout(old, now) and not same_layout(_saved_moe("dp_reshardable"),
+                                                     _moe_run("--num-experts 4"))
+
+
+def test_an_interleaved_pipeline_change_names_the_fully_reshardable_format():
+    vpp = saved("dp_reshardable", pp=2, dp=2, vpp=2)
+    assert settings_problem(vpp, run(pp=2, dp=2), "D", False) == (
+        "checkpoint D was saved with layout vpp 2; this run has vpp None: resume with the same "
+        "layout (or start a new run); a change of the interleaved pipeline's chunks needs a "
+        "checkpoint saved with --dist-ckpt-optim-fully-reshardable")
+    vpp["optim_sharding"] = "fully_reshardable"
+    assert settings_problem(vpp, run(pp=2, dp=2), "D", False) is None

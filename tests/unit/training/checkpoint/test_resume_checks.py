@@ -127,6 +127,46 @@ def test_the_qwd_target_is_recorded_and_a_change_is_named():
         "rounded-main" in settings.settings_problem(older, now, "D", False)
 
 
+def test_error_feedback_is_part_of_the_method():
+    """Switching --gradient-error-feedback on or off, or changing its storage, rounding, decay
+    or reset, on resume is a method change like any other (before, a resume without the flag
+    dropped the saved error and one with another rounding or decay loaded it, silently):
+    refused in one line unless --allow-changed-sdp4bit-settings. An older trainer's manifest
+    records none of it: not compared."""
+    from megatron.sdp4bit.config import SDP4BitConfig
+    from megatron.sdp4bit.training.checkpoint.settings import method_settings
+
+    tlq = SDP4BitConfig(quantized_gradients=True)
+    ef = tlq.replace(gradient_error_feedback=True, gradient_error_feedback_storage="fp32")
+
+    def problem(before: SDP4BitConfig, after: SDP4BitConfig, allow: bool = False):
+        saved, now = _settings(), _settings()
+        saved["sdp4bit"], now["sdp4bit"] = method_settings(before), method_settings(after)
+        return settings.settings_problem(saved, now, "D", allow)
+
+    fix = ("use the same SDP4Bit flags, or pass --allow-changed-sdp4bit-settings to change the "
+           "method on resume")
+    assert problem(ef, tlq) == ("checkpoint D was trained with SDP4Bit gradient_error_feedback "
+                                "True; this run has gradient_error_feedback False: " + fix)
+    assert problem(tlq, ef) == ("checkpoint D was trained with SDP4Bit gradient_error_feedback "
+                                "False; this run has gradient_error_feedback True: " + fix)
+    for knob, value in (("storage", "int8"), ("rounding", "nearest"), ("decay", 0.5),
+                        ("reset_interval", 4)):
+        key = f"gradient_error_feedback_{knob}"
+        assert problem(ef, ef.replace(**{key: value})) == (
+            f"checkpoint D was trained with SDP4Bit {key} {getattr(ef, key)}; this run has "
+            f"{key} {value}: " + fix)
+        assert problem(ef, ef.replace(**{key: value}), allow=True) is None
+    assert problem(ef, ef) is None and problem(tlq, tlq) is None
+    older = _settings()
+    older["sdp4bit"] = {k: v for k, v in method_settings(ef).items()
+                        if not k.startswith("gradient_error_feedback")}
+    for now in (tlq, ef, ef.replace(gradient_error_feedback_storage="int8")):
+        current = _settings()
+        current["sdp4bit"] = method_settings(now)
+        assert settings.settings_problem(older, current, "D", False) is None
+
+
 def test_an_older_manifest_without_openai_gelu_is_a_plain_gelu_model():
     from megatron.sdp4bit.training.checkpoint.weights_only import model_settings_problem
 

@@ -5,22 +5,31 @@ on a CPU-only machine."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
-from megatron.sdp4bit.training.cli import installed
+from megatron.sdp4bit.training.cli import devices, installed
 from megatron.sdp4bit.training.cli.arguments import ArgumentsError, parse_args
 
 BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
         "--micro-batch-size 2 --train-iters 10 --lr 1e-3 --mock-data").split()
 
 
-def machine(monkeypatch, *, cuda: bool, have: set[str]) -> None:
+def machine(monkeypatch, *, cuda: bool, have: set[str], devices: int = 1) -> None:
+    """CUDA with ``devices`` GPUs or none, these packages importable; one local rank unless
+    the test sets torchrun's LOCAL_WORLD_SIZE."""
     monkeypatch.setattr(installed, "_cuda", lambda: cuda)
+    monkeypatch.setattr(installed, "_device_count", lambda: devices if cuda else 0)
     monkeypatch.setattr(installed, "_importable", lambda name: name in have)
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
 
 
-def check(extra: str, quantized: bool = False) -> None:
-    installed.check_installed(parse_args(BASE + extra.split(), world_size=2), quantized)
+def check(extra: str, quantized: bool = False) -> argparse.Namespace:
+    args = parse_args(BASE + extra.split(), world_size=2)
+    installed.check_installed(args, quantized)
+    return args
 
 
 def refusal(extra: str, quantized: bool = False) -> str:
@@ -183,3 +192,36 @@ def test_context_parallel_is_refused_naming_why(monkeypatch):
         "--context-parallel-size=2 is not supported by this trainer yet: it does not split its "
         "batches over context-parallel ranks")
     check("--context-parallel-size 1")
+
+
+def test_distributed_backend_follows_the_devices(monkeypatch):
+    """NCCL with CUDA and gloo without by default; nccl needs one CUDA device per local rank;
+    gloo on CUDA lets more local ranks than devices share them, local rank r on cuda:(r mod
+    devices) (training/cli/devices.py)."""
+    machine(monkeypatch, cuda=False, have=set())
+    assert check("").distributed_backend == "gloo"
+    assert check("--distributed-backend gloo").distributed_backend == "gloo"
+    assert refusal("--distributed-backend nccl") == (
+        "--distributed-backend nccl needs CUDA devices and there is none here: drop the flag "
+        "(without CUDA the ranks use gloo)")
+    machine(monkeypatch, cuda=True, have=set(), devices=8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert check("").distributed_backend == "nccl"  # one device per rank: as Megatron-LM
+    assert check("--distributed-backend gloo").distributed_backend == "gloo"
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert devices.local_device(8) == 3 and devices.sharing_note(8) is None
+    machine(monkeypatch, cuda=True, have=set(), devices=1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    expected = ("4 ranks on this node and 1 CUDA device(s): NCCL cannot put two ranks on one "
+                "device (ncclInvalidUsage): start at most one rank per device (torchrun "
+                "--nproc-per-node 1), or pass --distributed-backend gloo to let ranks share the "
+                "devices (collectives through host memory: for tests, not speed)")
+    assert refusal("") == expected and refusal("--distributed-backend nccl") == expected
+    assert check("--distributed-backend gloo").distributed_backend == "gloo"
+    for rank, on_one, on_two in ((0, 0, 0), (1, 0, 1), (2, 0, 0), (3, 0, 1)):
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        assert (devices.local_device(1), devices.local_device(2)) == (on_one, on_two)
+    assert devices.sharing_note(1) == (
+        "4 ranks share 1 CUDA device(s) (--distributed-backend gloo): local rank r runs on "
+        "cuda:(r mod 1), every collective goes through gloo")
+    assert devices.sharing_note(4) is None

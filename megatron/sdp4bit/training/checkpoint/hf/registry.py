@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from megatron.sdp4bit.training.checkpoint import settings as settings_contract
-from megatron.sdp4bit.training.checkpoint.hf import gpt2, llama, tensors
+from megatron.sdp4bit.training.checkpoint.hf import gpt2, llama, mixtral, tensors
 from megatron.sdp4bit.training.checkpoint.hf.common import ExportError, MappingError
 from megatron.sdp4bit.training.checkpoint.hf.tensors import WORD, Rule, Tensors
 
@@ -53,7 +53,9 @@ def _entry(module) -> Architecture:
 
 
 REGISTRY: Mapping[str, Architecture] = MappingProxyType(
-    {a.name: a for a in (_entry(gpt2), _entry(llama))})
+    {a.name: a for a in (_entry(gpt2), _entry(llama), _entry(mixtral))})
+# What tools/checkpoint/import_hf.py reads (the rest are exported only).
+IMPORTED = ("GPT2LMHeadModel", "LlamaForCausalLM")
 
 # What a manifest written before a model setting was recorded is read as (the trainer's
 # defaults then): the export writes a config from these.
@@ -96,9 +98,9 @@ def trainer_flags(config) -> tuple[str, list[str], int]:
     vocabulary size). Refuses, naming every setting that does not map."""
     archs = list(getattr(config, "architectures", None) or [])
     name = archs[0] if len(archs) == 1 else None
-    if name not in REGISTRY:
+    if name not in IMPORTED:
         raise MappingError(f"architecture {archs or config.model_type!r} is not imported: "
-                           f"only {' and '.join(REGISTRY)}")
+                           f"only {' and '.join(IMPORTED)}")
     flags, wrong = REGISTRY[name].flags(config)
     if wrong:
         raise MappingError(f"the {name} in config.json does not map to this trainer's model: "

@@ -30,8 +30,10 @@ Tensors = dict[str, torch.Tensor]
 @dataclass(frozen=True)
 class Rule:
     """One megatron-core tensor <-> its Hugging Face tensor(s). ``{i}`` in the names is the
-    layer; ``to_hf(tensor, model)`` gives the HF tensors in ``hf``'s order and
-    ``from_hf(tensors, model)`` puts them back together (its exact inverse)."""
+    layer; ``{e}`` in a Hugging Face name makes one name per expert (``num_experts`` of the
+    settings). ``to_hf(tensor, model)`` gives the HF tensors in the order of their names
+    (:func:`hf_names`) and ``from_hf(tensors, model)`` puts them back together (its exact
+    inverse)."""
 
     megatron: str
     hf: tuple[str, ...]
@@ -46,15 +48,35 @@ def _expand(name: str, model: dict) -> list[tuple[str, dict]]:
     return [(name.format(i=i), {"i": i}) for i in range(model["num_layers"])]
 
 
+def hf_names(rule: Rule, fmt: dict, model: dict) -> list[str]:
+    """The Hugging Face names of ``rule`` for one layer (``fmt``), each ``{e}`` name once per
+    expert, in ``rule.hf``'s order."""
+    names = []
+    for h in rule.hf:
+        experts = range(model["num_experts"]) if "{e}" in h else [None]
+        names += [h.format(**fmt, **({} if e is None else {"e": e})) for e in experts]
+    return names
+
+
 def to_hf(rules: Sequence[Rule], tensors: Tensors, model: dict) -> Tensors:
-    """megatron-core tensors (one per layer) -> the architecture's Hugging Face tensors."""
+    """megatron-core tensors (one per layer) -> the architecture's Hugging Face tensors.
+    Refuses in one line a tensor the settings need that the checkpoint lacks (its manifest
+    does not describe its model: an older trainer's MoE checkpoint records no experts)."""
     out: Tensors = {}
     for rule in rules:
         if not rule.when(model):
             continue
         for key, fmt in _expand(rule.megatron, model):
+            if key not in tensors:
+                module = key.rsplit(".", 2)[0] + "."  # e.g. decoder.layers.0.mlp.
+                near = sorted(k for k in tensors if k.startswith(module))[:3]
+                raise MappingError(f"the checkpoint holds no {key}, which its recorded model "
+                                   f"settings need (it holds {', '.join(near) or 'none like it'})"
+                                   ": its manifest does not describe its tensors")
+            names = hf_names(rule, fmt, model)
             parts = rule.to_hf(tensors[key], model)
-            out.update({h.format(**fmt): p.contiguous() for h, p in zip(rule.hf, parts)})
+            assert len(parts) == len(names), (key, len(parts), len(names))
+            out.update({h: p.contiguous() for h, p in zip(names, parts)})
     return out
 
 
@@ -67,7 +89,7 @@ def from_hf(name: str, rules: Sequence[Rule], tensors: Tensors, model: dict) -> 
         if not rule.when(model):
             continue
         for key, fmt in _expand(rule.megatron, model):
-            names = [h.format(**fmt) for h in rule.hf]
+            names = hf_names(rule, fmt, model)
             lacking = [n for n in names if n not in tensors]
             used.update(n for n in names if n in tensors)
             if lacking:

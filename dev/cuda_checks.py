@@ -1,4 +1,4 @@
-"""Run the kernel-versus-reference checks of ``tests/helpers/kernel_checks.py`` on CUDA at
+"""Run the kernel-versus-reference checks of ``dev/kernel_checks.py`` on CUDA at
 production-like sizes (groups of 2048 and 128, Hadamard block 32, several MB per call), and
 at ragged sizes (groups of 96, odd group counts, chunks smaller than a group, 3 senders).
 
@@ -6,14 +6,23 @@ What the cases cover, per operation: both weight modes of qWD (the difference to
 main weights, 'main'; the difference to the main weights rounded to the replica's dtype,
 'rounded-main'; and qW's direct quantization without a replica); both gradient hops of
 TLq-HS (the 8-bit intra-node hop and the 4-bit inter-node hop, with the 8 -> 4 bit
-requantization between them, and each single-hop topology; the 2-bit inter-node hop too); the Hadamard transform on and
-off; NaN/Inf inputs (the group's scale becomes NaN) and NaN groups on the wire (the receivers
-propagate them).
+requantization between them, and each single-hop topology; the 2-bit inter-node hop too); the
+Hadamard transform on and off; NaN/Inf inputs (the group's scale becomes NaN) and NaN groups
+on the wire (the receivers propagate them).
 
-Run as ``python -m tests.helpers.cuda_checks OP [OP ...]`` from the repository root with
+[Note: covering the kernels' branches with few cases]
+A fresh GPU compiles one kernel per combination of its compile-time settings, so a full
+product of every setting costs minutes (tlq_sender's 122 cases took 80 s on an H200). The
+two widest operations take a covering set instead: tlq_sender runs every layout with every
+bit width and both Hadamard settings, and every combination of (bits, Hadamard, rounding,
+dtype), in 30 cases; tlq_receiver every (senders, Hadamard, dtype) and every pair of those
+with the scale-and-accumulate choice, in 17. ``tests/unit/test_gpu_check.py`` checks both
+properties, so trimming further fails there.
+
+Run as ``python -m dev.cuda_checks OP [OP ...]`` from the repository root with
 ``TRITON_INTERPRET`` unset, so that the kernels are compiled, not interpreted (Triton decides
 when the kernel modules are imported). ``tests/gpu/test_kernels_cuda.py`` does that in a
-subprocess, and ``benchmarks/gpu_check.py`` (the GPU check's first step) with ``--json``.
+subprocess, and ``benchmarks/gpu_check.py`` (the GPU check's kernels step) with ``--json``.
 ``--device cpu --tiny`` runs the same cases at tiny sizes in Triton's interpreter (the GPU
 check's rehearsal on a machine without a GPU).
 """
@@ -31,7 +40,7 @@ from typing import Iterator
 
 import torch
 
-from tests.helpers import kernel_checks as kc
+from dev import kernel_checks as kc
 
 SEED = (0x9E3779B9 << 32) | 0x80000001
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -69,18 +78,35 @@ def qwd_receiver(tiny: bool = False) -> Iterator[dict]:
                    seed=bits, nan_group=1)
 
 
+# (Hadamard block, stochastic rounding, dtype): four settings and their complements, so that
+# a case and its complement differ in all three (the covering sets of [Note: covering the
+# kernels' branches with few cases])
+_SENDER_SETTINGS = ((32, True, torch.float32), (32, True, torch.bfloat16),
+                    (32, False, torch.float32), (32, False, torch.bfloat16))
+
+
+def _complement(setting: tuple) -> tuple:
+    hadamard, stochastic, dtype = setting
+    return (0 if hadamard else 32, not stochastic,
+            torch.bfloat16 if dtype == torch.float32 else torch.float32)
+
+
 def tlq_sender(tiny: bool = False) -> Iterator[dict]:
     # (blocks_per_dest M, num_dests N, slices P, chunk c): two hops, N=1 (inter only), M=1
     # (intra only), pipelined, and a chunk smaller than a group (groups span chunks).
     layouts = [(4, 8, 1, _size(tiny, 16384, 128)), (4, 8, 2, _size(tiny, 8192, 64)),
                (1, 8, 1, _size(tiny, 65536, 256)), (8, 1, 1, _size(tiny, 16384, 128)),
                (4, 2, 2, 64)]
-    for layout, bits, hadamard, stochastic, dtype in itertools.product(
-            layouts, (8, 4, 2), (32, 0), (True, False), (torch.float32, torch.bfloat16)):
-        blocks, dests, slices, chunk = layout
-        yield dict(blocks=blocks, dests=dests, slices=slices, chunk=chunk, bits=bits,
-                   group=128, hadamard=hadamard, dtype=dtype, stochastic=stochastic,
-                   seed=SEED, nonfinite=layout[0] == 4)
+    for b, bits in enumerate((8, 4, 2)):
+        for l, layout in enumerate(layouts):
+            # layout l at bit width b takes settings pair (l + b) mod 4: each bit width sees
+            # all four pairs, so all eight (Hadamard, rounding, dtype) settings
+            setting = _SENDER_SETTINGS[(l + b) % 4]
+            for hadamard, stochastic, dtype in (setting, _complement(setting)):
+                blocks, dests, slices, chunk = layout
+                yield dict(blocks=blocks, dests=dests, slices=slices, chunk=chunk, bits=bits,
+                           group=128, hadamard=hadamard, dtype=dtype, stochastic=stochastic,
+                           seed=SEED, nonfinite=blocks == 4)
     for hadamard in (32, 8):  # ragged: 3 x 5 ranks, groups of 96; an 8-point transform too
         yield dict(blocks=3, dests=5, slices=2, chunk=_size(tiny, 192 * 64, 192), bits=8,
                    group=RAGGED_GROUP, hadamard=hadamard, dtype=torch.bfloat16,
@@ -105,9 +131,13 @@ def tlq_middle(tiny: bool = False) -> Iterator[dict]:
 
 def tlq_receiver(tiny: bool = False) -> Iterator[dict]:
     numel = 128 * _size(tiny, 8192, 8)
-    for n_in, hadamard, dtype, (scale, acc) in itertools.product(
-            (4, 1), (32, 0), DTYPES, ((1 / 3, False), (1.0, False), (0.125, True))):
-        # the inter-node hop's receiver: 4-bit messages
+    scale_acc = ((1 / 3, False), (1.0, False), (0.125, True))
+    for (n, n_in), (h, hadamard), (d, dtype) in itertools.product(
+            enumerate((4, 1)), enumerate((32, 0)), enumerate(DTYPES)):
+        # the inter-node hop's receiver: 4-bit messages. The scale-and-accumulate choice
+        # rotates with the other three, so that each of its values meets every dtype, both
+        # sender counts and both Hadamard settings
+        scale, acc = scale_acc[(n + h + d) % 3]
         yield dict(n_in=n_in, numel=numel, bits=4, group=128, hadamard=hadamard,
                    scale=scale, accumulate=acc, dtype=dtype, seed=n_in, nan_group=7)
     for hadamard in (32, 0):  # the 2-bit inter-node hop's receiver
