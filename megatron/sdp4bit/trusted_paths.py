@@ -175,6 +175,15 @@ def check_tree(folder: str, what: str, fix: str) -> None:
             check(os.path.join(parent, name), f"a file of {what}", fix)
 
 
+def check_with_entries(path: str, what: str, fix: str, entry_fix: str) -> None:
+    """:func:`check` for ``path`` and, when it is a folder, every entry in it (``a file of
+    <what>``; links checked, folders not descended into): a tokenizer's file or folder."""
+    check(path, what, fix)
+    if os.path.isdir(path):
+        for name in sorted(os.listdir(path)):
+            check(os.path.join(path, name), f"a file of {what}", entry_fix)
+
+
 def refuse_link(path: str, what: str) -> None:
     """Raise :class:`UntrustedPathError` when ``path`` is a symbolic link: the run is about to
     write it, and a write would follow the link out of the folder."""

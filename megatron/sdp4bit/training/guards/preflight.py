@@ -45,7 +45,6 @@ import torch.distributed as dist
 
 from megatron.sdp4bit import trusted_paths
 from megatron.sdp4bit.training.guards import index_cache
-from megatron.sdp4bit.training.tokenizers import registry as tokenizer_registry
 
 IDX_MAGIC = b"MMIDIDX\x00\x00"
 IDX_HEADER = len(IDX_MAGIC) + 8 + 1 + 8 + 8  # magic, version, dtype code, counts
@@ -101,12 +100,18 @@ def check_outputs(args: argparse.Namespace) -> None:
 
 def check_tokenizer_files(args: argparse.Namespace) -> None:
     """The tokenizer files (``--vocab-file``, ``--merge-file``, ``--tokenizer-model``, a
-    Hugging Face tokenizer folder's files) keep the trust rule (``tokenizers.registry``'s
-    check, the export's too); also used by the tools."""
-    try:
-        tokenizer_registry.check_files(args)
-    except trusted_paths.UntrustedPathError as err:
-        raise InputError(str(err)) from None
+    Hugging Face tokenizer folder's files) keep the trust rule; also used by the tools (the
+    export's check of a manifest's tokenizer record is ``tokenizers.registry.check_files``,
+    the same rule)."""
+    for flag in ("--vocab-file", "--merge-file", "--tokenizer-model"):
+        path = getattr(args, flag[2:].replace("-", "_"), None)
+        if path and os.path.lexists(path):
+            try:
+                trusted_paths.check_with_entries(
+                    path, flag, "copy it to a folder of yours that only you can write",
+                    "copy the folder to one of yours that only you can write")
+            except trusted_paths.UntrustedPathError as err:
+                raise InputError(str(err)) from None
 
 
 def check_tokenizer(args: argparse.Namespace, build_tokenizer: Callable[[argparse.Namespace], Any]):

@@ -174,26 +174,20 @@ def _identifying(spec: TokenizerSpec, args: argparse.Namespace) -> list[str]:
         return []
 
 
-FLAGS_WITH_FILES = ("--vocab-file", "--merge-file", "--tokenizer-model")
-
-
 def check_files(args: argparse.Namespace) -> None:
     """The trust rule (``megatron/sdp4bit/trusted_paths.py``) for the tokenizer's files:
-    every file or folder ``--vocab-file``, ``--merge-file`` and ``--tokenizer-model`` name,
-    and every entry of such a folder (a Hugging Face tokenizer's); raises
-    ``trusted_paths.UntrustedPathError`` (a ``ValueError``) naming the first that breaks it.
-    What the trainer, ``tools/preprocess_data.py`` and the Hugging Face export check before
-    they read a tokenizer."""
-    for flag in FLAGS_WITH_FILES:
-        path = getattr(args, flag[2:].replace("-", "_"), None)
-        if path and os.path.lexists(path):
-            trusted_paths.check(path, flag, "copy it to a folder of yours that only you can "
-                                "write")
-            if os.path.isdir(path):  # a Hugging Face tokenizer folder
-                for name in sorted(os.listdir(path)):
-                    trusted_paths.check(os.path.join(path, name), f"a file of {flag}",
-                                        "copy the folder to one of yours that only you can "
-                                        "write")
+    every file or folder its path flags name, and every entry of such a folder (a Hugging
+    Face tokenizer's); raises ``trusted_paths.UntrustedPathError`` (a ``ValueError``) naming
+    the first that breaks it. The trainer and the tools check the flags they are given the
+    same way (``guards/preflight.check_tokenizer_files``); this is the export's check of the
+    files a manifest's record names."""
+    spec = REGISTRY[args.tokenizer_type]
+    for need in spec.needs:
+        path = getattr(args, need.dest, None)
+        if need.path and path and os.path.lexists(path):
+            trusted_paths.check_with_entries(
+                path, need.flag, "copy it to a folder of yours that only you can write",
+                "copy the folder to one of yours that only you can write")
 
 
 def record(args: argparse.Namespace, tokenizer: Tokenizer) -> dict[str, Any]:
