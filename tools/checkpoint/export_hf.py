@@ -134,9 +134,10 @@ def _hf_state(directory: str, name: str, model: dict, vocab: int | None,
 
     with torch.device("meta"):  # shapes only: nothing allocated
         expected = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).state_dict()
-    wrong = [f"{k} is {list(v.shape)}, not {list(expected[k].shape)}" if k in expected
-             else f"{k} is not a tensor of {name}" for k, v in sorted(state.items())
-             if k not in expected or v.shape != expected[k].shape]
+    # A name the module does not have is one transformers converts when it loads the file
+    # (transformers 5 fuses Mixtral's per-expert weights): the mapping's own tests cover those.
+    wrong = [f"{k} is {list(v.shape)}, not {list(expected[k].shape)}"
+             for k, v in sorted(state.items()) if k in expected and v.shape != expected[k].shape]
     if wrong:
         raise ExportError(f"{fix} ({'; '.join(wrong[:3])}"
                           + (f"; {len(wrong) - 3} more" if len(wrong) > 3 else "")
