@@ -15,7 +15,9 @@ A path read and trusted (a folder, or a file and the folder holding it) must be
   which Debian and Ubuntu give users a umask of 002, so the files megatron-core writes are
   group-writable and still nobody else's);
 * a symbolic link only if this user (or root) made it; its target is then checked the same
-  way. A link another user made is refused: it decides where the run reads and writes.
+  way. A link another user made is refused: it decides where the run reads and writes;
+* a regular file or a folder (or a link to one): a FIFO, a socket or a device is refused
+  without being opened, as reading one can block forever or never end.
 
 The folder holding a checked path may also be a sticky folder such as ``/tmp`` (owned by
 root or this user, writable by all, but nobody can rename or delete another's entries), as
@@ -30,9 +32,11 @@ instead of writing through it (:func:`open_new`, :func:`refuse_link`).
 Where the rule is applied: ``--save``, ``--load`` (the tracker, the checkpoint folder and
 every file in it, before anything is read), ``--data-cache-path`` or
 ``<prefix>/cache/GPTDataset_indices`` and every cache file in it, the tokenizer files (all
-in :mod:`megatron.sdp4bit.training.guards.preflight` and
+in :mod:`megatron.sdp4bit.training.guards.preflight`,
+:mod:`megatron.sdp4bit.training.tokenizers.registry` and
 :mod:`megatron.sdp4bit.training.checkpoint.formats`), ``tools/checkpoint/export_hf.py``'s
-checkpoint, and the CPU kernels' cache (``quantization/cpu_kernels.py``, stricter: no link
+checkpoint and the tokenizer files it ships, ``tools/checkpoint/import_hf.py``'s folder, and
+the CPU kernels' cache (``quantization/cpu_kernels.py``, stricter: no link
 at all, and the library checked is the descriptor loaded). The data files (``.bin``/``.idx``)
 are not held to it: datasets are commonly shared read-only, and the preflight checks every
 value in them instead.
@@ -124,9 +128,38 @@ def problem(path: str, what: str) -> str | None:
     return None
 
 
+def kind(st: os.stat_result) -> str:
+    """What kind of file ``st`` describes, as a noun phrase ("a FIFO")."""
+    for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a folder"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISLNK, "a symbolic link")):
+        if test(st.st_mode):
+            return name
+    return "a special file"
+
+
+def kind_problem(path: str, what: str) -> str | None:
+    """The refusal of ``path`` when it is (or links to) neither a regular file nor a folder:
+    a FIFO, a socket or a device is never opened (reading one can block forever or never
+    end); None otherwise, or when it does not exist."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode):
+        return None
+    return (f"{what} {path} is {kind(st)}, not a regular file: refused without opening it; "
+            "remove it")
+
+
 def check(path: str, what: str, fix: str) -> None:
     """Raise :class:`UntrustedPathError` (``"<problem>: refused; <fix>"``) when ``path``
-    breaks the trust rule."""
+    breaks the trust rule, or is neither a regular file nor a folder
+    (:func:`kind_problem`)."""
+    found = kind_problem(path, what)
+    if found is not None:
+        raise UntrustedPathError(found)
     found = problem(path, what)
     if found is not None:
         raise UntrustedPathError(f"{found}: refused, another user could change what the run "
@@ -140,6 +173,15 @@ def check_tree(folder: str, what: str, fix: str) -> None:
     for parent, dirs, names in os.walk(folder):
         for name in sorted(dirs + names):
             check(os.path.join(parent, name), f"a file of {what}", fix)
+
+
+def check_with_entries(path: str, what: str, fix: str, entry_fix: str) -> None:
+    """:func:`check` for ``path`` and, when it is a folder, every entry in it (``a file of
+    <what>``; links checked, folders not descended into): a tokenizer's file or folder."""
+    check(path, what, fix)
+    if os.path.isdir(path):
+        for name in sorted(os.listdir(path)):
+            check(os.path.join(path, name), f"a file of {what}", entry_fix)
 
 
 def refuse_link(path: str, what: str) -> None:

@@ -14,7 +14,6 @@ Llama-style model as a LlamaForCausalLM.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -24,6 +23,7 @@ import pytest
 from benchmarks.noise_spread import BASE, LAYOUTS, noise_bound
 from megatron.sdp4bit.integration.dist_checkpointing import (MEGATRON_INTEGRITY,
                                                              megatron_integrity_check)
+from tests.helpers import crafted
 from tests.helpers.hf_checkpoint import check_export, export_hf, init_one_rank
 from tests.helpers.spawn import spawn
 from tests.helpers.trainer import launch, one_error_line
@@ -220,10 +220,7 @@ def test_changed_checkpoint_file_is_refused_in_one_line(reference, tmp_path, dat
     folder = target.parent
     assert (folder / MEGATRON_INTEGRITY).is_file() == megatron_integrity_check()
     if megatron_integrity_check():
-        manifest = json.loads((folder / "manifest.json").read_text())
-        manifest["files"][target.name] = {"sha256": hashlib.sha256(data).hexdigest(),
-                                          "bytes": len(data)}
-        (folder / "manifest.json").write_text(json.dumps(manifest))
+        crafted.reseal(folder)  # as the checkpoint's author would
         message = one_error_line(launch(BASE + data_prefix + ["--load", str(ckpt)]))
         assert message.startswith(f"checkpoint {folder} fails megatron-core's integrity check "
                                   f"({MEGATRON_INTEGRITY}): "), message

@@ -380,3 +380,108 @@ def test_a_missing_file_and_a_full_disk_are_one_line_and_leave_nothing(checkpoin
             f"export_hf.py: error: cannot write {disk / 'hf'} (No space left on device): free "
             "space or fix the folder; nothing was written\n"))
         assert os.listdir(disk) == []
+
+
+# ------------------------------------------------ a crafted .metadata
+
+
+DAMAGED = "the checkpoint is damaged or was crafted: refusing it"
+
+
+def _crafted(checkpoint: str, tmp_path, name: str, change) -> str:
+    """A copy of the checkpoint whose ``.metadata`` ``change`` rewrote, the manifest sealed
+    again as its author would; returns its iteration folder."""
+    import shutil
+
+    from tests.helpers import crafted
+
+    root = tmp_path / name
+    shutil.copytree(checkpoint, root)
+    folder = root / "iter_0000002"
+    crafted.rewrite_metadata(folder, lambda m: change(folder, m))
+    return str(folder)
+
+
+def _refused_export(root: str, out) -> str:
+    from megatron.sdp4bit.training.checkpoint.safe_load import UnsafePickle
+
+    with pytest.raises(UnsafePickle) as err:
+        export_hf.export(root, str(out))
+    assert not os.path.exists(out)
+    return str(err.value)
+
+
+def test_tensor_entries_outside_the_folder_are_refused_before_they_are_read(checkpoint,
+                                                                            tmp_path):
+    """The export read the model's weights from a file outside the checkpoint the
+    .metadata's tensor entries named (only object entries were checked)."""
+    import shutil
+
+    from tests.helpers import crafted
+
+    outside = tmp_path / "outside.distcp"
+    shutil.copy(os.path.join(checkpoint, "iter_0000002", "__0_0.distcp"), outside)
+    folder = _crafted(checkpoint, tmp_path, "outside",
+                      lambda _, m: crafted.point_at(m, "../../outside.distcp"))
+    expected = (f"checkpoint file {folder}/.metadata names data file '../../outside.distcp' for "
+                f"tensor embedding.word_embeddings.weight chunk at [0, 0] outside its folder: "
+                f"{DAMAGED}")
+    res = _run("--load", os.path.dirname(folder), "--output", str(tmp_path / "hf"))
+    assert (res.returncode, res.stdout, res.stderr) == (2, "", f"export_hf.py: error: {expected}\n")
+    assert not (tmp_path / "hf").exists()
+    outside.unlink()  # never read: the same line without it
+    assert _refused_export(os.path.dirname(folder), tmp_path / "hf") == expected
+
+
+def _grow(folder, metadata, key: str, rows: int, chunk: bool) -> None:
+    entry = metadata.state_dict_metadata[key]
+    entry.size = torch.Size([entry.size[0] * rows, *entry.size[1:]])
+    if chunk:
+        entry.chunks[0].sizes = entry.size
+
+
+def test_sizes_and_shapes_the_metadata_gives_are_checked_before_anything_is_allocated(
+        checkpoint, tmp_path):
+    """An embedding grown 2**24 times asked torch.empty for 1 TiB here (824 GB in the probe);
+    a shape that lies ended in torch's AssertionError; one that agrees with its data but not
+    with the model was exported as it was."""
+    key = "embedding.word_embeddings.weight"
+    folder = _crafted(checkpoint, tmp_path, "grown", lambda f, m: _grow(f, m, key, 2**24, False))
+    assert _refused_export(os.path.dirname(folder), tmp_path / "hf") == (
+        f"checkpoint file {folder}/.metadata gives tensor {key} the shape [4294967296, 64] "
+        f"(274877906944 elements), but its chunks hold 16384 elements: {DAMAGED}")
+    folder = _crafted(checkpoint, tmp_path, "lying", lambda f, m: _grow(f, m, key, 2, True))
+    message = _refused_export(os.path.dirname(folder), tmp_path / "hf")
+    assert message.startswith(f"checkpoint file {folder}/__0_0.distcp holds a float32 tensor of "
+                              f"shape [256, 64], the entry says float32 [512, 64] for tensor "
+                              f"{key} chunk at [0, 0] (bytes "), message
+    assert message.endswith(f"): {DAMAGED}"), message
+
+    # shape, chunk and data agree with each other, not with the manifest's model: the export
+    # wrote a model transformers cannot load
+    from tests.helpers import crafted
+
+    norm = "decoder.final_layernorm.weight"
+    folder = _crafted(checkpoint, tmp_path, "consistent", lambda f, m: crafted.append_tensor(
+        f, m, norm, torch.ones(80)))
+    with pytest.raises(export_hf.ExportError) as err:
+        export_hf.export(os.path.dirname(folder), str(tmp_path / "hf"))
+    assert str(err.value) == (
+        f"checkpoint {folder}'s tensors do not have the shapes its manifest's model settings "
+        "give (transformer.ln_f.weight is [80], not [64]): the checkpoint is damaged or was "
+        "crafted; export an earlier one")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_fifo_in_the_checkpoint_is_refused_without_being_opened(checkpoint, tmp_path):
+    import shutil
+
+    root = tmp_path / "fifo"
+    shutil.copytree(checkpoint, root)
+    metadata = root / "iter_0000002" / ".metadata"
+    metadata.unlink()
+    os.mkfifo(metadata)
+    res = _run("--load", str(root), "--output", str(tmp_path / "hf"))  # 300 s bound
+    assert (res.returncode, res.stderr) == (2, (
+        f"export_hf.py: error: a file of checkpoint {metadata} is a FIFO, not a regular file: "
+        "refused without opening it; remove it\n"))

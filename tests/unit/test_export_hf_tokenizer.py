@@ -149,3 +149,56 @@ def test_changed_files_and_an_older_manifest_ship_no_tokenizer(tokenizers, tmp_p
     eod = build_tokenizer(args).eod
     assert notes == [] and (config["eos_token_id"], config["bos_token_id"]) == (eod, eod)
     assert "vocab.json" in os.listdir(out)
+
+
+def test_the_export_ships_only_trusted_files_whose_sha256_the_record_gives(
+        tokenizers, tmp_path, capsys):
+    """A world-writable tokenizer folder was shipped from; a settings.tokenizer rewritten to
+    another folder with an empty sha256 had that folder's files shipped."""
+    import shutil
+
+    from megatron.sdp4bit.training.checkpoint.files import CheckpointError
+    from tests.helpers import crafted
+
+    hf = tmp_path / "tokenizer"
+    shutil.copytree(tokenizers["hf"].tokenizer_model, hf)
+    args = argparse.Namespace(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(hf))
+    root = tmp_path / "ckpt"
+    _export(root, tmp_path, args, capsys)  # ships it while nothing is wrong
+    folder = root / "iter_0000002"
+
+    def refused(out: str) -> str:
+        with pytest.raises(export_hf.ExportError) as err:
+            export_hf.export(str(root), str(tmp_path / out))
+        assert not (tmp_path / out).exists()
+        return str(err.value)
+
+    hf.chmod(0o777)
+    assert refused("writable") == (
+        f"--tokenizer-model {hf} is writable by group or others (mode 0777): refused, another "
+        "user could change what the run reads; copy it to a folder of yours that only you can "
+        "write")
+    hf.chmod(0o755)
+
+    other = tmp_path / "other"
+    shutil.copytree(hf, other)
+    (other / "tokenizer_config.json").write_text("{}")
+    crafted.edit_settings(folder, lambda s: s["tokenizer"].update(
+        args={"tokenizer_model": str(other)}, sha256={}))
+    assert refused("elsewhere") == (
+        f"the checkpoint's HuggingFaceTokenizer record lists no SHA-256 for its file "
+        f"{other}/tokenizer.json, so nothing shows it is the file the model was trained with: "
+        "refusing to read it (a file added to the folder since, or an edited record)")
+    crafted.edit_settings(folder, lambda s: s["tokenizer"].update(sha256={"x": "0" * 64}),
+                          seal=False)  # a hand edit: the manifest's own SHA-256 refuses it
+    with pytest.raises(CheckpointError, match="does not match its own SHA-256"):
+        export_hf.export(str(root), str(tmp_path / "edited"))
+
+    # the run's folder, with a file added after the checkpoint was written
+    root = tmp_path / "ckpt2"
+    _export(root, tmp_path, args, capsys)
+    (hf / "special_tokens_map.json").write_text("{}")
+    assert refused("added") == (
+        f"the checkpoint's HuggingFaceTokenizer record lists no SHA-256 for its file "
+        f"{hf}/special_tokens_map.json, so nothing shows it is the file the model was trained "
+        "with: refusing to read it (a file added to the folder since, or an edited record)")

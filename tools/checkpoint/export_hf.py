@@ -12,7 +12,9 @@ it cannot (the files changed or are gone, a tokenizer without a
 Hugging Face form, an older trainer's manifest without ``--vocab-file``/``--merge-file``) it
 ships none and says why in one line (checkpoint/hf/tokenizer.py). Every file it reads keeps
 the trainer's trust rule, and the checkpoint's pickles are read through the restricted
-unpicklers (safe_load.py). The architecture follows the model flags recorded in the manifest
+unpicklers (safe_load.py), after every entry of its ``.metadata`` is checked against its
+files (dcp_entries.py); the tensors written must have the architecture's shapes under the
+``config.json`` written. The architecture follows the model flags recorded in the manifest
 (checkpoint/hf/):
 
 * the default (learned absolute positions, LayerNorm, GeLU, biases, tied embeddings) is a
@@ -93,7 +95,8 @@ def read_model_tensors(directory: str) -> dict[str, torch.Tensor]:
     return {k: v.float() for k, v in state.items()}
 
 
-def _verify(directory: str) -> None:
+def _verify(directory: str) -> dict:
+    """The manifest of ``directory``, every file it lists checked against it."""
     from megatron.sdp4bit.training.checkpoint import files, integrity
 
     manifest = files.read_manifest(directory)
@@ -106,6 +109,40 @@ def _verify(directory: str) -> None:
         if integrity.file_hash(os.path.join(directory, name)) != entry:
             raise ExportError(f"checkpoint file {os.path.join(directory, name)} does not match "
                               "its manifest: it is damaged; export an earlier checkpoint")
+    return manifest
+
+
+def _hf_state(directory: str, name: str, model: dict, vocab: int | None,
+              config: dict) -> dict[str, torch.Tensor]:
+    """The Hugging Face tensors of the checkpoint, each of the shape the architecture gives
+    it under ``config``; else ``ExportError`` naming them. The ``.metadata``'s shapes were
+    checked against the files (nothing larger than they hold is read); whether they are the
+    model's the manifest records is checked here, as the trainer's resume checks them
+    against its model."""
+    fix = (f"checkpoint {directory}'s tensors do not have the shapes its manifest's model "
+           "settings give")
+    try:
+        tensors = unstack(read_model_tensors(directory), model)
+        if vocab is not None:  # the padding rows go: the import's rule backwards (hf/tensors.py)
+            tensors = trim_vocab(tensors, vocab)
+        state = to_hf(name, tensors, model)
+    except (RuntimeError, IndexError, AssertionError) as err:  # a reshape of the wrong size
+        raise ExportError(f"{fix} ({type(err).__name__}: {str(err).splitlines()[0][:200]}): "
+                          "the checkpoint is damaged or was crafted; export an earlier one"
+                          ) from None
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):  # shapes only: nothing allocated
+        expected = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).state_dict()
+    # A name the module does not have is one transformers converts when it loads the file
+    # (transformers 5 fuses Mixtral's per-expert weights): the mapping's own tests cover those.
+    wrong = [f"{k} is {list(v.shape)}, not {list(expected[k].shape)}"
+             for k, v in sorted(state.items()) if k in expected and v.shape != expected[k].shape]
+    if wrong:
+        raise ExportError(f"{fix} ({'; '.join(wrong[:3])}"
+                          + (f"; {len(wrong) - 3} more" if len(wrong) > 3 else "")
+                          + "): the checkpoint is damaged or was crafted; export an earlier one")
+    return state
 
 
 def _check_output(output: str, overwrite: bool) -> None:
@@ -152,9 +189,12 @@ def export(load: str, output: str, iteration: int | None = None, vocab_file: str
         except trusted_paths.UntrustedPathError as err:
             raise ExportError(str(err)) from None
     directory = _checkpoint_dir(load, iteration)
-    _verify(directory)
-    safe_load.check_dist_checkpoint(directory)  # before anything unpickles its files
-    settings = files.read_manifest(directory)["settings"]
+    manifest = _verify(directory)
+    # before anything unpickles its files or allocates a tensor of the shapes it gives
+    safe_load.check_dist_checkpoint(directory, manifest["files"])
+    settings = manifest["settings"]
+    if (note := files.unsealed_note(directory, manifest)) is not None:
+        print(f"note: {note}", file=sys.stderr)
     model, assumed = with_defaults(settings["model"])
     vocab = settings.get("vocab_size")
     tokenizer, special_ids, no_tokenizer = hf_tokenizer.choose(settings, vocab_file, merge_file)
@@ -169,10 +209,7 @@ def export(load: str, output: str, iteration: int | None = None, vocab_file: str
         print(f"note: {directory}'s manifest (an older trainer's) does not record the "
               "tokenizer's vocabulary size: the model keeps the padded "
               f"{model['padded_vocab_size']} rows", file=sys.stderr)
-    tensors = unstack(read_model_tensors(directory), model)
-    if vocab is not None:  # the padding rows go: the import's rule backwards (hf/tensors.py)
-        tensors = trim_vocab(tensors, vocab)
-    state = to_hf(name, tensors, model)
+    state = _hf_state(directory, name, model, vocab, config)
     parent = os.path.dirname(output)
     tmp = None
     try:
@@ -181,7 +218,9 @@ def export(load: str, output: str, iteration: int | None = None, vocab_file: str
         os.chmod(tmp, 0o755)
         _write(tmp, state, config)
         if tokenizer is not None:
-            no_tokenizer = hf_tokenizer.write(tmp, tokenizer, model["max_position_embeddings"])
+            no_tokenizer = hf_tokenizer.write(tmp, tokenizer, model["max_position_embeddings"],
+                                              hf_tokenizer.digests(settings, vocab_file,
+                                                                   merge_file))
         replace_folder(tmp, output)
     except OSError as err:
         raise ExportError(f"cannot write {output} ({err.strerror or err}): free space or fix "

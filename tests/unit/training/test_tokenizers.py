@@ -226,3 +226,95 @@ def test_the_manifests_record_rebuilds_the_same_tokenizer_or_says_why_not(
     (folder / "tokenizer.json").unlink()
     with pytest.raises(ValueError, match=f"its file {folder / 'tokenizer.json'} is gone"):
         registry.from_record(saved)
+
+
+GIANT = 8 << 30  # a sparse file: no disk taken, but read whole it would take 8 GiB
+
+
+def _bad_tokenizers(d, gpt2_files, hf_folder, sp_model) -> dict:
+    """Each malformed or giant tokenizer file, as the flags of the tokenizer that reads it
+    and the Hugging Face folder an import reads it in (kind, flags, folder)."""
+    import random
+    import shutil
+
+    vocab, merges = gpt2_files
+    cases = {}
+
+    def gpt2(name: str, vocab_bytes: bytes | None, merges_bytes: bytes | None) -> None:
+        folder = d / name
+        folder.mkdir()
+        for path, source, data in ((folder / "vocab.json", vocab, vocab_bytes),
+                                   (folder / "merges.txt", merges, merges_bytes)):
+            shutil.copyfile(source, path) if data is None else path.write_bytes(data)
+        (folder / "tokenizer_config.json").write_text('{"tokenizer_class": "GPT2Tokenizer"}')
+        cases[name] = ("GPT2BPETokenizer", dict(vocab_file=str(folder / "vocab.json"),
+                                                merge_file=str(folder / "merges.txt")), folder)
+
+    gpt2("vocab_not_json", b"{not json", None)
+    gpt2("merges_garbage", None, random.Random(0).randbytes(5000))
+    gpt2("vocab_giant", b"", None)
+    os.truncate(d / "vocab_giant" / "vocab.json", GIANT)
+    for name in ("tokenizer_json_truncated", "tokenizer_json_giant"):
+        folder = shutil.copytree(hf_folder, d / name)
+        data = (folder / "tokenizer.json").read_bytes()
+        (folder / "tokenizer.json").write_bytes(data[:len(data) // 2])
+        cases[name] = ("HuggingFaceTokenizer", dict(tokenizer_model=str(folder)), folder)
+    os.truncate(d / "tokenizer_json_giant" / "tokenizer.json", GIANT)
+    for name, size in (("sentencepiece_random", 20000), ("sentencepiece_giant", GIANT)):
+        folder = d / name
+        folder.mkdir()
+        (folder / "tokenizer.model").write_bytes(random.Random(1).randbytes(20000))
+        os.truncate(folder / "tokenizer.model", size)
+        (folder / "tokenizer_config.json").write_text('{"tokenizer_class": "LlamaTokenizer"}')
+        cases[name] = ("GPTSentencePieceTokenizer",
+                       dict(tokenizer_model=str(folder / "tokenizer.model")), folder)
+    return cases
+
+
+def test_giant_or_malformed_files_are_one_line_in_every_tokenizer_path(
+        gpt2_files, hf_folder, sp_model, tmp_path, capsys):
+    """The trainer, tools/preprocess_data.py, the Hugging Face import and export: one line
+    each (a sentencepiece model of random bytes was a traceback in preprocess_data.py, a giant
+    tokenizer.json an IndexError), and a giant file is refused by its size, unread."""
+    import time
+
+    from megatron.sdp4bit.training.checkpoint.hf import tokenizer as hf_tokenizer
+    from megatron.sdp4bit.training.guards import preflight
+    from megatron.sdp4bit.training.tokenizers import registry
+    from tests.helpers.scripts import load_tool
+
+    preprocess, import_hf = load_tool("tools/preprocess_data.py"), load_tool(
+        "tools/checkpoint/import_hf.py")
+    (tmp_path / "in.jsonl").write_text('{"text": "hello world"}\n')
+    for name, (kind, flags, folder) in _bad_tokenizers(
+            tmp_path, gpt2_files, hf_folder, sp_model).items():
+        args = argparse.Namespace(tokenizer_type=kind, **flags)
+        paths = [p for p in flags.values() if os.path.isfile(p)] or [
+            os.path.join(folder, "tokenizer.json")]
+        giant = [p for p in paths if os.path.getsize(p) == GIANT]
+        record = {"type": kind, "args": flags, "vocab_size": 300, "eod": 2, "bos": 1,
+                  "pad": None, "sha256": {p: "0" * 64 if p in giant else registry.sha256(p)
+                                          for p in registry.REGISTRY[kind].identifying_files(args)}}
+        start = time.monotonic()
+        with pytest.raises(preflight.InputError) as err:
+            preflight.check_tokenizer(args, build_tokenizer)
+        lines = {"trainer": str(err.value)}
+        assert preprocess.main(["--input", str(tmp_path / "in.jsonl"), "--output-prefix",
+                                str(tmp_path / "out"), "--tokenizer-type", kind,
+                                *[x for k, v in flags.items()
+                                  for x in (f"--{k.replace('_', '-')}", v)]]) == 1
+        lines["preprocess"] = capsys.readouterr().err.removeprefix("preprocess_data.py: error: ")
+        assert import_hf._source_tokenizer(str(folder), 300)[0] is None
+        lines["import"] = import_hf._source_tokenizer(str(folder), 300)[1]
+        tok, _, why = hf_tokenizer.choose({"tokenizer": record}, None, None)
+        assert tok is None
+        lines["export"] = why
+        assert time.monotonic() - start < 60, name
+        for path, line in lines.items():
+            assert line and "\n" not in line.strip() and "Traceback" not in line, (name, path)
+        if giant:
+            size = (f"tokenizer file {giant[0]} is {GIANT} bytes, more than the 256 MiB a "
+                    "tokenizer file is read up to: it is not a tokenizer's file (a wrong path?)")
+            assert all(size in line for line in lines.values()), (name, lines)
+        else:
+            assert all(str(folder) in line for line in lines.values()), (name, lines)

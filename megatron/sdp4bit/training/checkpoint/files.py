@@ -19,6 +19,17 @@ On load, every file is checked against the manifest's SHA-256 before it is unpic
 ``weights_only=True``: tensors and plain containers only), so a changed bit is reported with
 the file's name instead of being trained on.
 
+[Note: the manifest's own SHA-256]
+The manifest records the SHA-256 of its own contents (``sha256``: canonical JSON of the rest,
+:func:`manifest_digest`), so its settings (the layout, the model, the tokenizer record a Hugging
+Face export ships from) and its file list are checked like the files: a manifest whose
+contents changed after its save is refused as damaged. It seals the manifest against damage
+and careless edits, not against its author, who can recompute it: what keeps an authored
+checkpoint harmless is the rest (the restricted unpicklers, the checks of every ``.metadata``
+entry, the tokenizer record's own SHA-256s). A manifest of an earlier release has no
+``sha256``: it is read as before, with a note (:func:`unsealed_note`); so checkpoints of the
+previous release still resume and export. Its file names must be plain names of its folder.
+
 [Note: nothing outside --save is written]
 The lock is opened with ``O_NOFOLLOW | O_CREAT`` and every other file is written under a
 fresh temporary name (``O_EXCL | O_NOFOLLOW``, a stale one removed first) and renamed: a
@@ -122,11 +133,20 @@ def write_text_atomic(path: str, text: str) -> None:
         f.write(text)
 
 
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """The SHA-256 of a manifest's contents but its own ``sha256`` (canonical JSON): what
+    seals its settings and file list ([Note: the manifest's own SHA-256])."""
+    body = {k: v for k, v in manifest.items() if k != "sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"))
+                          .encode()).hexdigest()
+
+
 def write_manifest(directory: str, iteration: int, files: dict[str, dict],
                    settings: dict[str, Any]) -> None:
-    write_text_atomic(os.path.join(directory, MANIFEST), json.dumps(
-        {"format": FORMAT, "iteration": iteration, "files": files, "settings": settings},
-        indent=1, sort_keys=True) + "\n")
+    manifest = {"format": FORMAT, "iteration": iteration, "files": files, "settings": settings}
+    manifest["sha256"] = manifest_digest(manifest)
+    write_text_atomic(os.path.join(directory, MANIFEST),
+                      json.dumps(manifest, indent=1, sort_keys=True) + "\n")
 
 
 def _check_manifest(manifest: Any) -> None:
@@ -136,7 +156,11 @@ def _check_manifest(manifest: Any) -> None:
     for key, kind in (("iteration", int), ("files", dict), ("settings", dict)):
         if not isinstance(manifest.get(key), kind):
             raise ValueError(f"no {key!r} {kind.__name__}")
+    if not isinstance(manifest.get("sha256", ""), str):
+        raise ValueError("its sha256 is not a string")
     for name, entry in manifest["files"].items():
+        if name in ("", ".", "..") or os.path.basename(name) != name or "\0" in name:
+            raise ValueError(f"entry {name!r} is not a file name of its folder")
         if not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str)
                 and isinstance(entry.get("bytes"), int)):
             raise ValueError(f"entry {name!r} lacks sha256/bytes")
@@ -156,7 +180,21 @@ def read_manifest(directory: str) -> dict[str, Any] | None:
         reason = getattr(err, "strerror", None) or err
         raise CheckpointError(f"{path} is unreadable or not a checkpoint manifest ({reason}): "
                               "the checkpoint is damaged; load an earlier one") from None
+    if "sha256" in manifest and manifest["sha256"] != manifest_digest(manifest):
+        raise CheckpointError(f"{path} does not match its own SHA-256: its settings or file "
+                              "list changed after it was written; the checkpoint is damaged; "
+                              "load an earlier one")
     return manifest
+
+
+def unsealed_note(directory: str, manifest: dict[str, Any] | None) -> str | None:
+    """The note for a manifest written before manifests recorded their own SHA-256 (an
+    earlier release's), or None."""
+    if manifest is None or "sha256" in manifest:
+        return None
+    return (f"{os.path.join(directory, MANIFEST)} was written by an earlier release, without "
+            "its own SHA-256: its settings are read unchecked (its files are checked as "
+            "before); the checkpoints this run saves record it")
 
 
 def read_verified(path: str, entry: dict[str, Any] | None) -> dict[str, Any]:

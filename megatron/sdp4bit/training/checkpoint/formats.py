@@ -150,6 +150,10 @@ def _verdict(root: str, ckpt_step: int | None = None) -> tuple[str | None, dict 
         except CheckpointError:
             damaged = None
         raise CheckpointError(with_earlier(problem, root, damaged))
+    if manifest is not None and dist.get_rank() == 0:
+        directory = files.iteration_dir(root, _iteration(root, ckpt_step))
+        if (note := files.unsealed_note(directory, manifest)) is not None:
+            print(f"note: {note}", flush=True)
     return found, manifest
 
 

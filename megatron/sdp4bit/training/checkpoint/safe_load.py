@@ -12,9 +12,12 @@ Every pickle of a checkpoint, ours or a foreign one (Megatron-LM's, a downloaded
 read by an unpickler that admits only the types such a file legitimately holds:
 
 * ``torch.save`` pickles (per-rank files, ``common.pt``, the ``.distcp`` objects) by
-  ``torch.load(weights_only=True)``: tensors, plain containers and numbers, the types
-  megatron-core registers at import (``megatron.core.safe_globals``: the argparse Namespace,
-  its enums, ...) and :data:`TORCH_GLOBALS`;
+  ``torch.load(weights_only=True)``: tensors, plain containers and numbers, and this
+  project's list of the types megatron-core registers (:data:`TORCH_GLOBALS`: the argparse
+  Namespace, its enums, NumPy arrays, ...), pinned by name: a type someone else registers
+  with torch (a later megatron-core, another package) is refused until it is added to the
+  list. Building an admitted type runs its own constructor (megatron-core's, NumPy's,
+  torch's) with the pickle's arguments, never code of the pickle's choosing;
 * ``.metadata`` by :class:`_MetadataUnpickler`, which admits exactly the classes PyTorch
   Distributed Checkpoint writes there (:data:`METADATA_GLOBALS`, and torch's dtypes).
 
@@ -35,15 +38,21 @@ one: a manifest is written by the checkpoint's author, who may be the attacker.
 
 from __future__ import annotations
 
-import argparse
+import contextlib
+import functools
+import importlib
 import io
 import os
 import pickle
 import re
+from collections.abc import Collection
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+from torch.distributed.checkpoint.metadata import Metadata
+
+from megatron.sdp4bit import trusted_paths
+from megatron.sdp4bit.training.checkpoint import dcp_entries
 
 DCP_METADATA = ".metadata"
 COMMON = "common.pt"
@@ -66,9 +75,75 @@ METADATA_GLOBALS = frozenset({
 # torch's dtypes, pickled by name (``torch.bfloat16``): looked up here, not with getattr.
 _DTYPES = frozenset(n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype))
 
-# Allowed in ``torch.save`` pickles on top of torch's own and megatron-core's registered types
-# (megatron-core registers these at import, but the tools read checkpoints before that).
-TORCH_GLOBALS = [argparse.Namespace]
+# The types a ``torch.save`` pickle of a checkpoint may hold beyond torch's own (tensors, plain
+# containers, numbers): module -> names. Exactly what megatron-core 0.16.1 and 0.19.2 register
+# with ``torch.serialization.add_safe_globals`` at import (``megatron/core/safe_globals.py``):
+# Megatron-LM's saved arguments and their enums, the RNG states' NumPy arrays, the rerun
+# state machine's state, Transformer Engine's extra state (a BytesIO). The list is this
+# project's: what another release or another package registers is not admitted until it is
+# added here ([Note: what is unpickled from a checkpoint, and how]).
+TORCH_GLOBALS: dict[str, tuple[str, ...]] = {
+    "argparse": ("Namespace",), "types": ("SimpleNamespace",), "pathlib": ("PosixPath",),
+    "io": ("BytesIO",), "signal": ("Signals",), "numpy": ("ndarray", "dtype"),
+    "numpy.dtypes": ("UInt32DType",),
+    "megatron.core.enums": ("ModelType",),
+    "megatron.core.optimizer": ("OptimizerConfig",),
+    "megatron.core.rerun_state_machine": ("RerunDiagnostic", "RerunMode", "RerunState"),
+    "megatron.core.transformer.enums": ("AttnBackend", "CudaGraphScope", "CudaGraphModule",
+                                        "InferenceCudaGraphScope"),
+}
+
+
+class _CheckedGenerator:
+    """Stands for ``torch.Generator`` (which megatron-core 0.19 registers) while a pickle is
+    checked: torch's own ``__setstate__`` indexes a malformed state without checking it and
+    crashes the process (SIGSEGV, seen with a one-element state), so the state's form is
+    checked first. The check's objects are discarded; a state that passes is one torch's
+    loader reads safely when megatron-core loads the file."""
+
+    def __init__(self, device: Any = None) -> None:
+        self._generator = torch.Generator(device)
+
+    def __setstate__(self, state: Any) -> None:
+        size = self._generator.get_state().numel()
+        if not (isinstance(state, tuple) and len(state) == 3 and isinstance(state[0], int)
+                and (state[1] is None or isinstance(state[1], int))
+                and isinstance(state[2], torch.Tensor) and state[2].dtype == torch.uint8
+                and state[2].dim() == 1 and state[2].numel() == size):
+            raise ValueError(f"a torch.Generator state that is not (seed, offset, {size} "
+                             "bytes)")
+        self._generator.__setstate__(state)
+
+
+@functools.lru_cache(maxsize=None)
+def allowed_torch_globals() -> tuple[Any, ...]:
+    """The objects of :data:`TORCH_GLOBALS` (a name this megatron-core release lacks is left
+    out), NumPy's array rebuilder and torch's Generator, checked (both megatron-core's too);
+    each an object or (object, the name pickles give it), as torch registers them."""
+    import numpy
+
+    found: list[Any] = [(_CheckedGenerator, "torch._C.Generator")]
+    for module, names in TORCH_GLOBALS.items():
+        imported = importlib.import_module(module)
+        found += [getattr(imported, n) for n in names if hasattr(imported, n)]
+    # NumPy moved it (numpy.core -> numpy._core); pickles name the module that wrote them
+    core = getattr(numpy, "_core", None) or numpy.core
+    found.append(core.multiarray._reconstruct)
+    return tuple(found)
+
+
+@contextlib.contextmanager
+def _only_allowed_globals():
+    """torch's weights-only loader admits :func:`allowed_torch_globals` and nothing else
+    registered (megatron-core's or any package's own registrations are put back after)."""
+    registered = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    try:
+        torch.serialization.add_safe_globals(list(allowed_torch_globals()))
+        yield
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(registered)
 
 
 class UnsafePickle(ValueError):
@@ -101,6 +176,9 @@ def _corrupt(path: str, err: BaseException) -> UnsafePickle:
 def read_dcp_metadata(directory: str) -> Metadata:
     """The ``.metadata`` of a torch_dist folder, through the restricted unpickler."""
     path = os.path.join(directory, DCP_METADATA)
+    found = trusted_paths.kind_problem(path, "checkpoint file")
+    if found is not None:  # a FIFO would block the open below forever
+        raise UnsafePickle(found)
     try:
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
@@ -120,13 +198,11 @@ _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 
 
 def torch_load(data: bytes, label: str) -> Any:
-    """``torch.load(weights_only=True)`` of ``data`` (what file ``label`` holds), with
-    :data:`TORCH_GLOBALS` allowed; a refused type or a damaged file is one line naming it."""
-    # torch's context removes its globals on exit, also ones registered before (megatron-core
-    # registers the Namespace at import): add only what is not there yet.
-    extra = [g for g in TORCH_GLOBALS if g not in torch.serialization.get_safe_globals()]
+    """``torch.load(weights_only=True)`` of ``data`` (what file ``label`` holds), admitting
+    exactly :func:`allowed_torch_globals` beyond torch's own types; a refused type or a
+    damaged file is one line naming it."""
     try:
-        with torch.serialization.safe_globals(extra):
+        with _only_allowed_globals():
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         found = _GLOBAL.search(str(err))
@@ -147,61 +223,49 @@ def _read(path: str) -> bytes:
                            "checkpoint is incomplete or unreadable") from None
 
 
-def _object_bytes(directory: str, metadata: Metadata) -> list[tuple[str, str, bytes]]:
-    """(file, key, bytes) of every non-tensor object the folder's ``.distcp`` files hold."""
-    keys = {k for k, v in metadata.state_dict_metadata.items()
-            if isinstance(v, BytesStorageMetadata)}
-    out = []
-    for index, info in (metadata.storage_data or {}).items():
-        if getattr(index, "fqn", None) not in keys:
-            continue
-        name = getattr(info, "relative_path", None)
-        path = os.path.join(directory, str(name))
-        if (not isinstance(name, str) or os.path.basename(name) != name
-                or name in ("", ".", "..")):
-            raise UnsafePickle(f"checkpoint file {os.path.join(directory, DCP_METADATA)} "
-                               f"names data file {name!r} outside its folder: refusing it")
-        if getattr(info, "transform_descriptors", None):
-            raise UnsafePickle(f"checkpoint file {path} holds object {index.fqn} stored "
-                               f"with transforms {list(info.transform_descriptors)}, which "
-                               "this trainer does not read")
-        with open(path, "rb") as f:
-            f.seek(info.offset)
-            out.append((path, index.fqn, f.read(info.length)))
-    return out
-
-
-def check_dist_checkpoint(directory: str) -> Metadata:
+def check_dist_checkpoint(directory: str, listed: Collection[str] | None = None) -> Metadata:
     """Read every pickle of a torch_dist folder through the restricted unpicklers (see
-    [Note: what is unpickled from a checkpoint, and how]); returns its ``.metadata``.
-    Raises :class:`UnsafePickle` naming the file."""
+    [Note: what is unpickled from a checkpoint, and how]), after checking every entry its
+    ``.metadata`` names (``dcp_entries.py``; ``listed``: the file names of the folder's
+    manifest, None where it has none); returns its ``.metadata``. Raises
+    :class:`UnsafePickle` naming the file."""
+    meta = os.path.join(directory, DCP_METADATA)
     metadata = read_dcp_metadata(directory)
-    common = os.path.join(directory, COMMON)
-    if os.path.isfile(common):
-        torch_load(_read(common), common)
     try:
-        objects = _object_bytes(directory, metadata)
-    except UnsafePickle:
-        raise
+        dcp_entries.check_entries(directory, metadata, listed)
+    except dcp_entries.EntryError as err:
+        raise UnsafePickle(str(err)) from None
     except OSError as err:
         raise UnsafePickle(f"cannot read the data files of checkpoint {directory} "
                            f"({err.strerror}): the checkpoint is incomplete") from None
     except (AttributeError, TypeError, ValueError) as err:  # allowed types, wrong values
-        raise _corrupt(os.path.join(directory, DCP_METADATA), err) from None
+        raise _corrupt(meta, err) from None
+    common = os.path.join(directory, COMMON)
+    found = trusted_paths.kind_problem(common, "checkpoint file")
+    if found is not None:  # megatron-core opens it next
+        raise UnsafePickle(found)
+    if os.path.isfile(common):
+        torch_load(_read(common), common)
+    try:
+        objects = dcp_entries.object_bytes(directory, metadata)
+    except OSError as err:
+        raise UnsafePickle(f"cannot read the data files of checkpoint {directory} "
+                           f"({err.strerror}): the checkpoint is incomplete") from None
     for path, key, data in objects:
         torch_load(data, f"{path} (object {key})")
     return metadata
 
 
-def dist_checkpoint_problem(directory: str) -> str | None:
-    """Collective: rank 0 runs :func:`check_dist_checkpoint`; every rank gets its problem
-    (None: every pickle of the folder holds only the allowed types)."""
+def dist_checkpoint_problem(directory: str, listed: Collection[str] | None) -> str | None:
+    """Collective: rank 0 runs :func:`check_dist_checkpoint` (``listed``: the manifest's file
+    names, None without one); every rank gets its problem (None: the folder's entries are
+    sound and every pickle holds only the allowed types)."""
     import torch.distributed as dist
 
     problem: list = [None]
     if dist.get_rank() == 0:
         try:
-            check_dist_checkpoint(directory)
+            check_dist_checkpoint(directory, listed)
         except UnsafePickle as err:
             problem[0] = str(err)
     dist.broadcast_object_list(problem, src=0)

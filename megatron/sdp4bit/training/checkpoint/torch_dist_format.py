@@ -45,7 +45,8 @@ from megatron.sdp4bit.integration.dist_checkpointing import (
     restore_steps,
     tolerate_missing_step,
 )
-from megatron.sdp4bit.training.checkpoint import common, disk_space, files, integrity, safe_load
+from megatron.sdp4bit.training.checkpoint import (common, disk_space, files, integrity, safe_load,
+                                                  stored_shapes)
 from megatron.sdp4bit.training.checkpoint.async_save import AsyncSaves, PendingSave
 from megatron.sdp4bit.training.checkpoint import settings as settings_contract
 from megatron.sdp4bit.training.checkpoint.files import CheckpointError
@@ -276,7 +277,7 @@ def load_checkpoint(directory: str, manifest: dict[str, Any] | None, model_chunk
     problem = integrity.verify_files(directory, manifest)
     if problem is not None:
         raise CheckpointError(problem)
-    problem = safe_load.dist_checkpoint_problem(directory)
+    problem = safe_load.dist_checkpoint_problem(directory, manifest["files"])
     if problem is not None:
         raise CheckpointError(problem)
     same_layout = settings_contract.same_layout(saved, settings)
@@ -298,6 +299,9 @@ def load_checkpoint(directory: str, manifest: dict[str, Any] | None, model_chunk
                                                               "dp_reshardable"),
                            is_loading=True, with_optimizer=load_optim, with_rng=with_rng,
                            error_feedback=ef_now if ef_skipped is None else None)
+    problem = stored_shapes.resume_shape_problem(directory, state)
+    if problem is not None:
+        raise CheckpointError(problem)
     strategy = TorchDistLoadShardedStrategy()
     if fully_parallel:
         strategy = FullyParallelLoadStrategyWrapper(

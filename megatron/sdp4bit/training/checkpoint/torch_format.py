@@ -161,6 +161,8 @@ def _inspect(root: str, settings: dict[str, Any], allow_sdp4bit_change: bool,
                                 "can be verified (checksums, layout, settings); restore the "
                                 "manifest, load an earlier checkpoint, or pass "
                                 "--load-without-manifest to load it unchecked")
+        if (note := files.unsealed_note(directory, manifest)) is not None:
+            print(f"note: {note}", flush=True)
         problem = settings_contract.settings_problem(
             manifest["settings"], settings, directory, allow_sdp4bit_change, allow_data_change)
         expected = {f"rank_{r:05d}.pt" for r in range(dist.get_world_size())} | {"common.pt"}

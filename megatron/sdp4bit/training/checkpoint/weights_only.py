@@ -32,8 +32,6 @@ from typing import Any
 
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
-from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelLoadStrategyWrapper,
 )
@@ -42,7 +40,7 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShard
 from megatron.sdp4bit import atomic_files
 from megatron.sdp4bit.integration.dist_checkpointing import in_process_writer
 from megatron.sdp4bit.training.checkpoint import (common, files, integrity, safe_load,
-                                                  torch_dist_format)
+                                                  stored_shapes, torch_dist_format)
 from megatron.sdp4bit.training.checkpoint import settings as settings_contract
 from megatron.sdp4bit.training.checkpoint.files import CheckpointError
 
@@ -57,20 +55,8 @@ def _chunk_state(model_chunks) -> dict[str, Any]:
     return torch_dist_format.model_state(model_chunks)
 
 
-def _sharded_tensors(state: Any) -> list[ShardedTensor]:
-    """Every ShardedTensor of a sharded state dict, those a factory makes included (SwiGLU's
-    ``linear_fc1`` is a factory that saves its two halves under the one key)."""
-    out = []
-    for value in nested_values(state) if isinstance(state, (dict, list)) else [state]:
-        if isinstance(value, ShardedTensor):
-            out.append(value)
-        elif isinstance(value, ShardedTensorFactory):
-            out += _sharded_tensors(value.build())
-    return out
-
-
 def _shapes(state: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    return {t.key: tuple(t.global_shape) for t in _sharded_tensors(state)}
+    return {t.key: tuple(t.global_shape) for t in stored_shapes.sharded_tensors(state)}
 
 
 # The tensors whose rows are the padded vocabulary.
@@ -184,7 +170,8 @@ def load_weights(directory: str, manifest: dict[str, Any] | None, model_chunks, 
             problem = integrity.verify_files(directory, manifest)
         if problem is not None:
             raise CheckpointError(problem)
-    problem = safe_load.dist_checkpoint_problem(directory)
+    problem = safe_load.dist_checkpoint_problem(
+        directory, None if manifest is None else manifest["files"])
     state = _chunk_state(model_chunks)
     problem = problem or shape_problem(directory, state)
     if problem is not None:

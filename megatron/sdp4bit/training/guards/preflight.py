@@ -100,15 +100,18 @@ def check_outputs(args: argparse.Namespace) -> None:
 
 def check_tokenizer_files(args: argparse.Namespace) -> None:
     """The tokenizer files (``--vocab-file``, ``--merge-file``, ``--tokenizer-model``, a
-    Hugging Face tokenizer folder's files) keep the trust rule; also used by the tools."""
+    Hugging Face tokenizer folder's files) keep the trust rule; also used by the tools (the
+    export's check of a manifest's tokenizer record is ``tokenizers.registry.check_files``,
+    the same rule)."""
     for flag in ("--vocab-file", "--merge-file", "--tokenizer-model"):
         path = getattr(args, flag[2:].replace("-", "_"), None)
         if path and os.path.lexists(path):
-            _trusted(path, flag, "copy it to a folder of yours that only you can write")
-            if os.path.isdir(path):  # a Hugging Face tokenizer folder
-                for name in sorted(os.listdir(path)):
-                    _trusted(os.path.join(path, name), f"a file of {flag}",
-                             "copy the folder to one of yours that only you can write")
+            try:
+                trusted_paths.check_with_entries(
+                    path, flag, "copy it to a folder of yours that only you can write",
+                    "copy the folder to one of yours that only you can write")
+            except trusted_paths.UntrustedPathError as err:
+                raise InputError(str(err)) from None
 
 
 def check_tokenizer(args: argparse.Namespace, build_tokenizer: Callable[[argparse.Namespace], Any]):

@@ -56,6 +56,36 @@ class Tokenizer(Protocol):
     def hf_files(self) -> HFTokenizerFiles | str: ...
 
 
+# The largest tokenizer file read. The largest released tokenizers' files are tens of MB
+# (a 256k-token tokenizer.json is ~35 MB); a file past this is not one, and reading it (a
+# sparse file of many GB, a wrong path) would take the machine's memory before any library
+# could say so.
+MAX_FILE_BYTES = 256 << 20
+
+
+def check_sizes(paths: list[str]) -> None:
+    """Every existing file of ``paths`` is at most :data:`MAX_FILE_BYTES`; else
+    ``ValueError`` naming it (checked with ``stat``, before anything reads it)."""
+    for path in paths:
+        try:
+            size = os.stat(path).st_size
+        except OSError:
+            continue  # missing: whoever opens it names it
+        if size > MAX_FILE_BYTES:
+            raise ValueError(f"tokenizer file {path} is {size} bytes, more than the "
+                             f"{MAX_FILE_BYTES >> 20} MiB a tokenizer file is read up to: it "
+                             "is not a tokenizer's file (a wrong path?)")
+
+
+def first_line(err: BaseException) -> str:
+    """``Type: first line`` of an exception a tokenizer library raised (some have no text;
+    a bare ``Exception``, ``tokenizers``' type, is its text alone)."""
+    lines = str(err).splitlines()
+    if not lines:
+        return type(err).__name__
+    return lines[0][:200] if type(err) is Exception else f"{type(err).__name__}: {lines[0][:200]}"
+
+
 def require_file(flag: str, path: str | None) -> str:
     """``path`` when it names a file; else ``ValueError`` naming ``flag``."""
     if not path:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 
-from megatron.sdp4bit.training.tokenizers.base import HFTokenizerFiles, identity, require_file
+from megatron.sdp4bit.training.tokenizers.base import (HFTokenizerFiles, first_line, identity,
+                                                         require_file)
 
 GPT2_EOD = "<|endoftext|>"
 
@@ -23,7 +24,7 @@ class GPT2BPETokenizer:
             model = models.BPE.from_file(vocab_file, merge_file)
         except Exception as err:  # tokenizers raises its own Exception type on bad files
             raise ValueError(f"cannot read GPT-2 BPE files {vocab_file}, {merge_file}: "
-                             f"{err}") from err
+                             f"{first_line(err)}") from None
         tok = Tokenizer(model)
         # GPT-2 splits on its own regex and never adds a prefix space.
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

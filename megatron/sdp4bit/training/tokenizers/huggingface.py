@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from megatron.sdp4bit.training.tokenizers.base import HFTokenizerFiles, identity
+from megatron.sdp4bit.training.tokenizers.base import HFTokenizerFiles, first_line, identity
 
 # The files transformers reads for a tokenizer: what identifies one in a folder that may also
 # hold a model's weights, and what an export copies.
@@ -43,8 +43,7 @@ class HuggingFaceTokenizer:
                                                       trust_remote_code=False)
         except Exception as err:  # noqa: BLE001 - transformers raises many types
             raise ValueError(f"--tokenizer-model {folder}: transformers cannot read it as a "
-                             f"tokenizer ({type(err).__name__}: "
-                             f"{str(err).splitlines()[0][:200]})") from None
+                             f"tokenizer ({first_line(err)})") from None
         if self._tok.eos_token_id is None:
             raise ValueError(f"--tokenizer-model {folder} defines no eos token to end "
                              "documents")

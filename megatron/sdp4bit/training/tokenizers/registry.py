@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from megatron.sdp4bit.training.tokenizers.base import Tokenizer, sha256
+from megatron.sdp4bit import trusted_paths
+from megatron.sdp4bit.training.tokenizers.base import Tokenizer, check_sizes, sha256
 from megatron.sdp4bit.training.tokenizers.gpt2_bpe import GPT2BPETokenizer
 from megatron.sdp4bit.training.tokenizers.huggingface import HuggingFaceTokenizer, tokenizer_files
 from megatron.sdp4bit.training.tokenizers.null import NullTokenizer
@@ -153,19 +154,46 @@ def needing(flag: str) -> list[str]:
 
 
 def build_tokenizer(args: argparse.Namespace) -> Tokenizer:
-    """The tokenizer named by ``args.tokenizer_type`` (raises ``ValueError``)."""
+    """The tokenizer named by ``args.tokenizer_type`` (raises ``ValueError``); its files are
+    no larger than a tokenizer's (``base.check_sizes``) before any library reads them."""
     spec = REGISTRY.get(args.tokenizer_type)
     if spec is None:
         choices = names()
         raise ValueError(f"--tokenizer-type {args.tokenizer_type!r}: use "
                          f"{', '.join(choices[:-1])} or {choices[-1]}")
+    check_sizes(_identifying(spec, args))
     return spec.build(args)
+
+
+def _identifying(spec: TokenizerSpec, args: argparse.Namespace) -> list[str]:
+    """:meth:`TokenizerSpec.identifying_files`, empty when a flag it needs is absent (the
+    tokenizer's constructor names it)."""
+    try:
+        return spec.identifying_files(args)
+    except TypeError:
+        return []
+
+
+def check_files(args: argparse.Namespace) -> None:
+    """The trust rule (``megatron/sdp4bit/trusted_paths.py``) for the tokenizer's files:
+    every file or folder its path flags name, and every entry of such a folder (a Hugging
+    Face tokenizer's); raises ``trusted_paths.UntrustedPathError`` (a ``ValueError``) naming
+    the first that breaks it. The trainer and the tools check the flags they are given the
+    same way (``guards/preflight.check_tokenizer_files``); this is the export's check of the
+    files a manifest's record names."""
+    spec = REGISTRY[args.tokenizer_type]
+    for need in spec.needs:
+        path = getattr(args, need.dest, None)
+        if need.path and path and os.path.lexists(path):
+            trusted_paths.check_with_entries(
+                path, need.flag, "copy it to a folder of yours that only you can write",
+                "copy the folder to one of yours that only you can write")
 
 
 def record(args: argparse.Namespace, tokenizer: Tokenizer) -> dict[str, Any]:
     """What a checkpoint's manifest keeps of the run's tokenizer: its type, the flags it was
-    built from (paths made absolute), the SHA-256 of the files that identify it, its
-    vocabulary size and special ids."""
+    built from (paths made absolute), the SHA-256 of the files that identify it (every file
+    a Hugging Face export ships), its vocabulary size and special ids."""
     spec = REGISTRY[args.tokenizer_type]
     flags = {n.dest: (os.path.abspath(getattr(args, n.dest)) if n.path
                       else getattr(args, n.dest)) for n in spec.needs}
@@ -175,15 +203,46 @@ def record(args: argparse.Namespace, tokenizer: Tokenizer) -> dict[str, Any]:
             "pad": tokenizer.pad}
 
 
+class RecordRefused(ValueError):
+    """A manifest's tokenizer record that does not vouch for a file it would have read (no
+    SHA-256 for it), or a file the trust rule refuses: one line naming it."""
+
+
 def from_record(saved: Mapping[str, Any]) -> Tokenizer:
-    """The tokenizer a manifest's :func:`record` describes, rebuilt from its files; raises
-    ``ValueError`` in one line when a file is gone or differs from what it was."""
+    """The tokenizer a manifest's :func:`record` describes, rebuilt from its files.
+
+    Every file it is built from (:meth:`TokenizerSpec.identifying_files`: for a Hugging
+    Face folder, every tokenizer file in it now) must keep the trust rule and have its
+    SHA-256 in the record, else :class:`RecordRefused`; a recorded file that is gone, larger
+    than a tokenizer's or changed since is ``ValueError``, in one line."""
     spec = REGISTRY.get(saved.get("type"))
     if spec is None:
         raise ValueError(f"the recorded tokenizer type {saved.get('type')!r} is unknown here")
-    for path, digest in sorted(saved.get("sha256", {}).items()):
+    given, digests = saved.get("args"), saved.get("sha256")
+    dests = {n.dest for n in spec.needs}
+    if not (isinstance(given, dict) and set(given) == dests
+            and all(isinstance(v, str) for n in spec.needs if n.path for v in [given[n.dest]])
+            and isinstance(digests, dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in digests.items())):
+        raise RecordRefused(f"the checkpoint's {spec.name} record is not one this trainer "
+                            "writes (its flags or SHA-256 table): refusing it")
+    args = argparse.Namespace(tokenizer_type=spec.name, **given)
+    try:
+        check_files(args)
+    except trusted_paths.UntrustedPathError as err:
+        raise RecordRefused(str(err)) from None
+    paths = spec.identifying_files(args)
+    unrecorded = [p for p in paths if p not in digests]
+    if unrecorded:
+        raise RecordRefused(
+            f"the checkpoint's {spec.name} record lists no SHA-256 for its file "
+            f"{unrecorded[0]}, so nothing shows it is the file the model was trained with: "
+            "refusing to read it (a file added to the folder since, or an edited record)")
+    for path, digest in sorted(digests.items()):
         if not os.path.isfile(path):
             raise ValueError(f"its file {path} is gone")
+    check_sizes(sorted(digests))
+    for path, digest in sorted(digests.items()):
         if sha256(path) != digest:
             raise ValueError(f"its file {path} changed since the checkpoint was written")
-    return spec.build(argparse.Namespace(tokenizer_type=spec.name, **saved["args"]))
+    return build_tokenizer(args)

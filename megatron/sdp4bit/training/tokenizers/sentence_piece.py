@@ -16,7 +16,19 @@ from __future__ import annotations
 import os
 
 from megatron.sdp4bit.training.tokenizers.base import (
-    HFTokenizerFiles, identity, optional_id, require_file)
+    HFTokenizerFiles, first_line, identity, optional_id, require_file)
+
+
+def _load(model_file: str):
+    """sentencepiece's processor of ``model_file``; a file it cannot read is ``ValueError``."""
+    import sentencepiece
+
+    require_file("--tokenizer-model", model_file)
+    try:
+        return sentencepiece.SentencePieceProcessor(model_file=model_file)
+    except Exception as err:  # noqa: BLE001 - sentencepiece raises RuntimeError, OSError, ...
+        raise ValueError(f"--tokenizer-model {model_file}: sentencepiece cannot read it as a "
+                         f"model ({first_line(err)})") from None
 
 
 class GPTSentencePieceTokenizer:
@@ -25,11 +37,8 @@ class GPTSentencePieceTokenizer:
     _adds_bos = False
 
     def __init__(self, model_file: str) -> None:
-        import sentencepiece
-
-        require_file("--tokenizer-model", model_file)
         self._file = model_file
-        self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        self._sp = _load(model_file)
         eos = self._sp.eos_id()
         if eos < 0:
             raise ValueError(f"--tokenizer-model {model_file} defines no eos piece to end "
@@ -93,10 +102,7 @@ class SentencePieceTokenizer:
     ``<EOD>``."""
 
     def __init__(self, model_file: str) -> None:
-        import sentencepiece
-
-        require_file("--tokenizer-model", model_file)
-        self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        self._sp = _load(model_file)
         self._vocab = {self._sp.id_to_piece(i): i for i in range(self._sp.get_piece_size())}
         self._special: dict[str, int] = {}  # in Megatron-LM's order: the first match wins
 

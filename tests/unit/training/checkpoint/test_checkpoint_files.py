@@ -93,6 +93,48 @@ def test_manifest(tmp_path):
         cf.read_manifest(d)
 
 
+def test_the_manifests_settings_are_covered_by_its_own_sha256(tmp_path):
+    """The settings (the tokenizer record a Hugging Face export ships from among them) were
+    checked by nothing: a rewritten settings.tokenizer was read as written."""
+    from tests.helpers import crafted
+
+    d = str(tmp_path)
+    tokenizer = {"type": "GPT2BPETokenizer", "sha256": {"/a/vocab.json": "1" * 64}}
+    (tmp_path / "a.pt").write_bytes(b"a")
+    cf.write_manifest(d, 5, {"a.pt": {"sha256": "0" * 64, "bytes": 1}},
+                      {"layout": {"dp": 2}, "tokenizer": tokenizer})
+    assert cf.read_manifest(d)["settings"]["tokenizer"] == tokenizer
+    damaged = (f"{d}/{cf.MANIFEST} does not match its own SHA-256: its settings or file list "
+               "changed after it was written; the checkpoint is damaged; load an earlier one")
+    crafted.edit_settings(d, lambda s: s["tokenizer"].update(sha256={}), seal=False)
+    with pytest.raises(cf.CheckpointError) as err:
+        cf.read_manifest(d)
+    assert str(err.value) == damaged
+    crafted.reseal(d)  # its author can seal it again: the record's own checks refuse that
+    assert cf.read_manifest(d)["settings"]["tokenizer"]["sha256"] == {}
+
+    # a manifest of the previous release has no sha256 of its own: read, with a note
+    manifest = json.loads((tmp_path / cf.MANIFEST).read_text())
+    del manifest["sha256"]
+    (tmp_path / cf.MANIFEST).write_text(json.dumps(manifest))
+    assert cf.read_manifest(d)["iteration"] == 5
+    assert cf.unsealed_note(d, cf.read_manifest(d)) == (
+        f"{d}/{cf.MANIFEST} was written by an earlier release, without its own SHA-256: its "
+        "settings are read unchecked (its files are checked as before); the checkpoints this "
+        "run saves record it")
+    cf.write_manifest(d, 5, {}, {})
+    assert cf.unsealed_note(d, cf.read_manifest(d)) is None
+
+    # file names are names of the folder: a hash check never opens a path outside it
+    for name in ("../outside.pt", "/etc/passwd", ".."):
+        cf.write_manifest(d, 5, {name: {"sha256": "0" * 64, "bytes": 1}}, {})
+        with pytest.raises(cf.CheckpointError) as err:
+            cf.read_manifest(d)
+        assert str(err.value) == (f"{d}/{cf.MANIFEST} is unreadable or not a checkpoint "
+                                  f"manifest (entry {name!r} is not a file name of its folder): "
+                                  "the checkpoint is damaged; load an earlier one")
+
+
 def test_one_run_per_save_folder(tmp_path):
     lock = cf.SaveDirLock(str(tmp_path))
     with pytest.raises(cf.CheckpointError) as err:

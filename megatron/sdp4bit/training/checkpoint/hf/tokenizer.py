@@ -6,7 +6,10 @@ ids. The export writes those ids into ``config.json`` (``eos_token_id`` is the
 end-of-document id) and ships the tokenizer's files when they are still what they were and
 transformers, reading them back, gives the trainer's ids on a few texts
 (``tokenizers.base.PROBES``). Otherwise it ships no tokenizer and says why in one line:
-never a tokenizer other than the one the model was trained with.
+never a tokenizer other than the one the model was trained with. A file it would read that
+the trust rule refuses, or that the record gives no SHA-256 for (``registry.from_record``),
+stops the export; each file shipped is hashed while it is copied and must have the
+record's SHA-256.
 
 A manifest of an older trainer records no tokenizer: ``--vocab-file``/``--merge-file``
 name the GPT-2 BPE files such a run used; without them no tokenizer and no ids are written.
@@ -17,10 +20,12 @@ SHA-256).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
-import shutil
 from typing import Any
+
+from megatron.sdp4bit import trusted_paths
 
 from megatron.sdp4bit.training.checkpoint.hf.common import ExportError
 from megatron.sdp4bit.training.tokenizers import registry
@@ -61,6 +66,8 @@ def choose(settings: dict, vocab_file: str | None, merge_file: str | None
     ids = _ids(saved)
     try:
         tok = registry.from_record(saved)
+    except registry.RecordRefused as err:
+        raise ExportError(str(err)) from None
     except ValueError as err:
         return None, ids, f"no tokenizer written: the run's {saved['type']}: {err}"
     except Exception as err:  # noqa: BLE001 - tokenizers/sentencepiece raise their own types
@@ -82,12 +89,23 @@ def _moved(saved: dict, vocab_file: str, merge_file: str) -> dict:
     return saved
 
 
-def write(folder: str, tok: Tokenizer, max_length: int) -> str | None:
-    """Ship ``tok``'s files into ``folder``; returns why nothing was shipped, or None."""
+def digests(settings: dict, vocab_file: str | None, merge_file: str | None) -> dict[str, str]:
+    """The SHA-256 every file the export ships must have: the manifest's record's; for
+    ``--vocab-file``/``--merge-file``, theirs when :func:`choose` checked them (the record's
+    own, where there is one)."""
+    given = [p for p in (vocab_file, merge_file) if p]
+    if given:
+        return {os.path.abspath(p): sha256(p) for p in given}
+    return dict((settings.get("tokenizer") or {}).get("sha256") or {})
+
+
+def write(folder: str, tok: Tokenizer, max_length: int, digests: dict[str, str]) -> str | None:
+    """Ship ``tok``'s files into ``folder``, each only when its bytes have the SHA-256
+    ``digests`` gives its path; returns why nothing was shipped, or None."""
     files = tok.hf_files()
     if isinstance(files, str):
         return f"no tokenizer written: {files}"
-    written = _copy(folder, files, max_length)
+    written = _copy(folder, files, max_length, digests)
     problem = _differs(folder, tok)
     if problem is not None:
         for name in written:
@@ -96,9 +114,31 @@ def write(folder: str, tok: Tokenizer, max_length: int) -> str | None:
     return None
 
 
-def _copy(folder: str, files: HFTokenizerFiles, max_length: int) -> list[str]:
+def _copy(folder: str, files: HFTokenizerFiles, max_length: int,
+          digests: dict[str, str]) -> list[str]:
+    """Copy the tokenizer's files, hashing the bytes copied: a file without a recorded
+    SHA-256, or whose bytes are not the recorded ones (changed since it was checked), or
+    that the trust rule refuses, is refused (``ExportError``) and nothing of it stays."""
     for name, source in files.copies.items():
-        shutil.copyfile(source, os.path.join(folder, name))
+        expected = digests.get(os.path.abspath(source))
+        if expected is None:
+            raise ExportError(f"tokenizer file {source} has no SHA-256 in the checkpoint's "
+                              "manifest: refusing to ship a file nothing checked")
+        try:
+            trusted_paths.check(source, "tokenizer file", "copy it to a folder of yours "
+                                "that only you can write")
+        except trusted_paths.UntrustedPathError as err:
+            raise ExportError(str(err)) from None
+        target = os.path.join(folder, name)
+        digest = hashlib.sha256()
+        with open(source, "rb") as src, open(target, "wb") as dst:
+            for block in iter(lambda: src.read(1 << 20), b""):
+                digest.update(block)
+                dst.write(block)
+        if digest.hexdigest() != expected:
+            os.remove(target)
+            raise ExportError(f"tokenizer file {source} changed while it was exported (its "
+                              "SHA-256 is not the checkpoint's): nothing shipped; export again")
     written = list(files.copies)
     if files.config is not None:
         config = {"model_max_length": max_length, **files.config}
