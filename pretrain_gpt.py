@@ -21,7 +21,6 @@ from megatron.sdp4bit.training.observe.noise import announce, quiet_megatron_cor
 quiet_megatron_core()  # before megatron-core's first import: its noise fires on import
 
 from megatron.sdp4bit.training.cli.arguments import ArgumentsError, parse_args, sdp4bit_config_from_args  # noqa: E402
-from megatron.sdp4bit.training.cli.installed import check_installed  # noqa: E402
 from megatron.sdp4bit.training.observe.logging import format_arguments  # noqa: E402
 from megatron.sdp4bit.training.guards import exit_signal  # noqa: E402
 
@@ -67,8 +66,8 @@ def _remove_if_unused(folder: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = parse_args(argv)
+    try:  # the flags, and what this machine lacks for them, before any process group exists
+        args = parse_args(argv, check_machine=True)
     except ArgumentsError as err:
         return _fail(str(err), 2)
     # --exit-signal-handler: from here to the process's end the signal only asks for a save
@@ -77,10 +76,6 @@ def main(argv: list[str] | None = None) -> int:
     # would kill a rank that has finished.
     signal_handler = exit_signal.install(args.exit_signal)
     sdp4bit_config = sdp4bit_config_from_args(args)
-    try:  # what this machine lacks for these flags, before any process group exists
-        check_installed(args, quantized=sdp4bit_config.enabled)
-    except ArgumentsError as err:
-        return _fail(str(err), 2)
     if os.environ.get("RANK", "0") == "0":
         print(format_arguments(args), flush=True)  # Megatron-LM's arguments dump
 

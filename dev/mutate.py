@@ -43,6 +43,7 @@ BEGIN, END = "<!-- mutate:begin -->", "<!-- mutate:end -->"
 U, D, I = "tests/unit/", "tests/distributed/", "tests/distributed/test_integration_exact.py"
 EXACT = I + "::test_synced_gradients_and_replicas_match_megatron_core"
 TIED = I + "::test_tied_embeddings_stay_bitwise_tied_under_pp"
+EVAL_RESUME = "tests/e2e/test_pretrain_gpt.py::test_sdp4bit_resume_matches_uninterrupted"
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ MOE4 = D + "test_integration_moe.py::test_moe_four_ranks_both_dispatchers"
 TP2 = D + "test_integration_sdp4bit.py::test_sdp4bit_methods_train_close_to_baseline[tp2xdp2]"
 REF, TC, CK = (f"{PKG}/quantization/reference.py", f"{PKG}/quantization/triton_common.py",
                f"{PKG}/quantization/cpu_kernels.c")
-SEED_PARTS = "parts = (self.config.seed, self.iteration, bucket_id, kind, group_id)"
+SEED_PARTS = "parts = (self.config.seed, iteration, bucket_id, kind, group_id)"
 BIAS = {
     "reference": Edit(REF, "u = uniform(seed, stream_start, x.numel(), x.device).view(x.shape)",
                       "u = 0.95 * uniform(seed, stream_start, x.numel(), x.device).view(x.shape)"),
@@ -93,7 +94,7 @@ MUTATIONS = [
              "inter_seed = derive_seed(seed, HOP_INTER, i, 0)")],
        [D + "test_rounding_noise.py", EXACT]),
     _m("seed-without-iteration", "the iteration is left out of every seed",
-       [Edit(STATE, SEED_PARTS, SEED_PARTS.replace("self.iteration", "0"))], [EXACT]),
+       [Edit(STATE, SEED_PARTS, SEED_PARTS.replace("seed, iteration", "seed, 0"))], [EXACT]),
     _m("grad-scaling-factor-dropped", "megatron-core's gradient_scaling_factor (1/DP) is skipped",
        [Edit(f"{PKG}/integration/grad_sync.py",
              "bucket.grad_data *= bucket.gradient_scaling_factor", "pass")], [EXACT]),
@@ -138,15 +139,15 @@ MUTATIONS = [
     _m("grad-and-param-noise-shared", "gradients and weights of a bucket draw the same stream",
        [Edit(STATE, "KIND_PARAM = 1", "KIND_PARAM = 0"),
         Edit(AG, "HOP_PARAM = 2", "HOP_PARAM = 0")], [EXACT]),
-    _m("extra-gather-seed-reused",
-       "an all-gather forced by an evaluation reuses the iteration's seed",
-       [Edit(STATE, "return derive_seed(*parts, call) if call else derive_seed(*parts)",
-             "return derive_seed(*parts)")], [EXACT]),
+    _m("param-seed-of-the-sync-not-the-step",
+       "a qWD all-gather draws the noise of the iteration it runs in, not of the step it sends",
+       [Edit(PSYNC, "state.seed(KIND_PARAM, bucket_id, group_id, step) if",
+             "state.seed(KIND_PARAM, bucket_id, group_id) if")], [EVAL_RESUME]),
     _m("tied-embedding-seed-per-stage",
        "the stages' copies of a tied embedding get independent qWD noise",
-       [Edit(PSYNC, "seed = (state.seed(KIND_PARAM, bucket_id, group_id, call) if tied_key is None\n"
-                    "                    else state.seed(KIND_TIED_PARAM, 0, tied_key, call))",
-             "seed = state.seed(KIND_PARAM, bucket_id, group_id, call)")], [TIED]),
+       [Edit(PSYNC, "seed = (state.seed(KIND_PARAM, bucket_id, group_id, step) if tied_key is None\n"
+                    "                    else state.seed(KIND_TIED_PARAM, 0, tied_key, step))",
+             "seed = state.seed(KIND_PARAM, bucket_id, group_id, step)")], [TIED]),
     # --- offsets, placement, configuration, backend choice
     _m("triton-int32-message-offsets", "k * msg_nbytes in int32 in the Triton kernels",
        [Edit(f"{PKG}/quantization/triton_tlq.py", "base = tl.cast(k, tl.int64) * msg_nbytes",
@@ -209,10 +210,11 @@ MUTATIONS = [
        "the optimizer step finds every bucket reduced, whatever the hook did",
        [Edit(STEPCHK, "if state.grad_syncs_since_step[bucket_id] == 0]",
              "if state.grad_syncs_since_step[bucket_id] < 0]")], [MOE4]),
-    _m("chain-gathers-every-bucket-per-optimizer",
-       "each optimizer of a chain gathers every bucket (twice per step with MoE)",
-       [Edit(PSYNC, "                return  # [Note: one all-gather per bucket and step]",
-             "                pass")], [MOE4]),
+    _m("sync-without-a-step-sends-again",
+       "a parameter sync with no optimizer step since the last one sends the residual again "
+       "(an evaluation, a save, the second optimizer of a chain)",
+       [Edit(PSYNC, "            return  # [Note: a parameter sync sends each step once]",
+             "            due = [state.iteration]")], [EXACT, MOE4]),
     _m("expert-bytes-counted-as-dense",
        "the expert buckets' bytes go to the dense counters only",
        [Edit(INSTALL, "stats = state.expert_stats if bg in expert_groups else state.stats",

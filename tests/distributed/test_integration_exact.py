@@ -15,8 +15,12 @@
   ``|w~_t - w_t| <= absmax_group(w_t - w~_{t-1}) / 7 + 2^-8 |w~_t|`` (the last term the bf16
   rounding); padding stays zero; replicas are bitwise identical on all DP ranks.
 * **Noise.** Every rounding of the run is recorded (``tests/helpers/noise.py``): no two are
-  correlated (ranks, hops, slices, buckets, iterations, gradients vs weights, and the extra
-  all-gathers an evaluation forces with ``overlap_param_gather``), and they are unbiased.
+  correlated (ranks, hops, slices, buckets, iterations, gradients vs weights, and the
+  all-gathers an evaluation's forward runs with ``overlap_param_gather``), and they are
+  unbiased.
+* **Syncs without a step.** A forced parameter sync after an evaluation and at the end of
+  training, with no optimizer step since the last all-gather, sends no byte and leaves every
+  replica bitwise unchanged.
 
 A second test runs PP2 x DP2 with tied embeddings: the first and last stages' copies of the
 shared word embedding must stay bitwise equal under qWD.
@@ -174,7 +178,8 @@ def _train(setup, cfg, steps: int, *, probe: bool, replica: bool, evaluate: bool
         T.train_step(ddp, optimizer, setup, step, before_update=before_update)
         if replica:
             _check_replica(ddp, optimizer, before, cfg)
-        if evaluate:  # as the trainer evaluates: a forward pass, which gathers again
+        if evaluate:  # as the trainer evaluates: a forward pass, which gathers the step's
+            # difference, then a save's (Megatron-LM's evaluation's) forced sync
             if recorder is not None:
                 recorder.tag = f"it{step}/eval/"
             from megatron.core import parallel_state
@@ -184,13 +189,30 @@ def _train(setup, cfg, steps: int, *, probe: bool, replica: bool, evaluate: bool
                 forward_step_func=T._forward_step, data_iterator=data, model=[ddp],
                 num_microbatches=1, seq_length=T.SEQ, micro_batch_size=T.MICRO_BATCH,
                 forward_only=True)
+            _assert_sync_sends_nothing(ddp, handle, f"after step {step}'s evaluation")
+            assert all(handle.state.param_calls[b] == step + 1 for b in handle.bucket_numels)
     if recorder is not None:
         recorder.tag = "final/"
     T.finish_param_sync(ddp)
-    ddp.start_param_sync(force_sync=True)  # one more forced gather in the same iteration
+    _assert_sync_sends_nothing(ddp, handle, "at the end")
     T.assert_replicas_identical(ddp)
     handle.uninstall()
     return handle
+
+
+def _assert_sync_sends_nothing(ddp, handle, when: str) -> None:
+    """A forced parameter sync with no optimizer step since the last one sends nothing and
+    leaves every replica bitwise as it was ([Note: a parameter sync sends each step once])."""
+    from tests.helpers import tiny_gpt as T
+
+    before, sent, calls = T.replica_snapshot(ddp), handle.stats.snapshot(), \
+        dict(handle.state.param_calls)
+    ddp.start_param_sync(force_sync=True)
+    assert handle.stats.snapshot() == sent, f"{when}: a sync without a step sent bytes"
+    assert dict(handle.state.param_calls) == calls, when
+    for old, new in zip(before, T.replica_snapshot(ddp)):
+        assert torch.equal(old.view(torch.uint8), new.view(torch.uint8)), \
+            f"{when}: a sync without a step changed the replica"
 
 
 def _check_noise(recorder: _noise.Recorder, what: str) -> int:
@@ -219,14 +241,13 @@ def _dp_worker(rank: int, world: int) -> None:
     assert _check_noise(recorder, "SUM, overlapped grads") > 1000
     # AVG in the collective, one bucket.
     _train(T.Setup(average_in_collective=True), cfg, 2, probe=True, replica=True)
-    # overlap_param_gather with an evaluation after every step and a forced sync at the end:
-    # the extra gathers of one iteration must draw fresh noise.
+    # overlap_param_gather with an evaluation after every step (its forward gathers the
+    # step's difference) and forced syncs after it and at the end, which send nothing.
     recorder = _noise.Recorder()
     with recorder.active():
-        handle = _train(T.Setup(overlap_grad_reduce=True, overlap_param_gather=True,
-                                bucket_size=40_000), dataclasses.replace(cfg), 3, probe=False,
-                        replica=False, evaluate=True, recorder=recorder)
-    assert max(handle.state.param_calls_in_iteration.values()) >= 2  # extra gathers happened
+        _train(T.Setup(overlap_grad_reduce=True, overlap_param_gather=True,
+                       bucket_size=40_000), dataclasses.replace(cfg), 3, probe=False,
+               replica=False, evaluate=True, recorder=recorder)
     _check_noise(recorder, "overlap_param_gather with evaluations")
 
 

@@ -1,4 +1,4 @@
-"""Megatron-LM's loss flags on two ranks.
+"""Megatron-LM's loss, norm and learning-rate flags on two ranks.
 
 --cross-entropy-loss-fusion: the trainer's model computes megatron-core's fused
 vocab-parallel cross entropy (its native implementation runs on CPU), on two tensor-parallel
@@ -8,6 +8,9 @@ rounding that the fused backward applies to the logits' gradient (as on a GPU).
 --calculate-per-token-loss: the loss function hands megatron-core's schedule the token sum and
 count, and the logged loss is all ranks' summed token losses over their summed token counts
 (not the mean of per-micro-batch means), on two data-parallel ranks with unequal masks.
+
+--apply-layernorm-1p and --decoupled-lr reach the model and the optimizer megatron-core
+builds (tests/unit/training/cli/test_recipe_flags.py checks the flags themselves).
 
 Micro-batches (--rampup-batch-size changes their number from one iteration to the next):
 megatron-core's schedule, running the trainer's forward step, runs the number of micro-batches
@@ -58,6 +61,68 @@ def _check(rank: int, world: int) -> None:
     assert (fused_grad - plain_grad).abs().max().item() <= bound
     assert not torch.equal(fused_grad, plain_grad)  # the fused kernel did run
     _check_micro_batch_count(model, gen)
+    _check_recipe_flags(world)
+
+
+def _check_recipe_flags(world: int) -> None:
+    """--apply-layernorm-1p: a model whose norms are zero-centred computes, at its start,
+    the plain one's loss bit for bit (scale 1 + 0). --decoupled-lr / --decoupled-min-lr: the
+    optimizer megatron-core builds gives the (tied) embedding a parameter group of its own,
+    which the trainer's scheduler takes from 5e-3 to 1e-4 while the rest goes from 1e-3 to 0."""
+    from megatron.core import tensor_parallel
+
+    from megatron.sdp4bit.training import build
+    from megatron.sdp4bit.training.cli.arguments import parse_args
+    from megatron.sdp4bit.training.model import (build_model, build_optimizer,
+                                                 transformer_config_from_args, wrap_ddp)
+
+    losses, models = [], []
+    for extra in ([], ["--apply-layernorm-1p"]):
+        tensor_parallel.model_parallel_cuda_manual_seed(1)
+        torch.manual_seed(1)
+        args = parse_args(FLAGS + extra, world_size=world)
+        config = transformer_config_from_args(args)
+        model = build_model(args, config, 128)
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, 128, (2, 16), generator=gen)
+        labels = torch.randint(0, 128, (2, 16), generator=gen)
+        losses.append(model(tokens, torch.arange(16).expand(2, -1), None,
+                            labels=labels).detach())
+        models.append((args, config, model))
+    assert torch.equal(losses[0], losses[1])
+    args, config, model = models[1]
+    norms = [p for name, p in model.named_parameters() if "layernorm.weight" in name]
+    assert len(norms) == 3 and not any(p.any() for p in norms)  # 2 layers' and the final
+
+    args = parse_args(FLAGS + ["--decoupled-lr", "5e-3", "--decoupled-min-lr", "1e-4",
+                               "--use-distributed-optimizer"], world_size=world)
+    ddp = wrap_ddp(args, config, model)
+    optimizer = build_optimizer(args, [ddp])
+    scheduler = build._scheduler(args, optimizer)
+    embedding = model.shared_embedding_or_output_weight()
+    inner, = optimizer.chained_optimizers  # megatron-core's chain of one
+
+    def groups():  # (the embedding's, the others), as the optimizer holds them now
+        index, _ = inner.model_param_group_index_map[embedding]  # its main shard's group
+        mine = inner.param_groups[index]
+        assert len(mine["params"]) == 1  # the embedding's main shard alone
+        return mine, [g for g in inner.param_groups if g["params"] and g is not mine]
+
+    mine, others = groups()
+    assert others and all(g["max_lr"] == 1e-3 and g["lr"] == 1e-3 for g in others)
+    assert (mine["max_lr"], mine["min_lr"], mine["lr"]) == (5e-3, 1e-4, 5e-3)
+    # A resume's load must give each group its own rates back (megatron-core 0.16.1 matches
+    # the saved groups by wd_mult, lr_mult, expert and is_decoupled_lr: training/model.py).
+    ddp(tokens, torch.arange(16).expand(2, -1), None, labels=labels).mean().backward()
+    ddp.finish_grad_sync()
+    assert optimizer.step()[0]  # the state a checkpoint holds exists after a step
+    optimizer.load_state_dict(optimizer.state_dict())
+    mine, others = groups()
+    assert (mine["max_lr"], mine["min_lr"]) == (5e-3, 1e-4)
+    assert all((g["max_lr"], g["min_lr"]) == (1e-3, 0.0) for g in others)
+    scheduler.step(increment=args.global_batch_size // 2)  # half the linear decay
+    assert mine["lr"] == pytest.approx(1e-4 + (5e-3 - 1e-4) / 2, rel=1e-12)
+    assert all(g["lr"] == pytest.approx(1e-3 / 2, rel=1e-12) for g in others)
 
 
 def _check_micro_batch_count(model, gen: torch.Generator) -> None:

@@ -81,13 +81,13 @@ def _check_method(name, setup, cfg, base_losses, report) -> None:
     from megatron.core import parallel_state
 
     losses, handle, ddp = _run(setup, cfg)
-    # Calls: every bucket, every step (+1 all-gather with overlap_param_gather: the first
-    # forward gathers before any step, the last step's gather is forced at the end).
+    # Calls: every bucket, every step (with overlap_param_gather the last step's all-gather is
+    # forced at the end; the first forward, before any step, has nothing to send).
     n_buckets = sum(len(b.buckets) for b in ddp.buffers)
     if setup.bucket_size is not None and parallel_state.is_pipeline_first_stage():
         assert n_buckets >= 3, n_buckets
     assert len(handle.bucket_numels) == n_buckets
-    param_calls = STEPS + (1 if setup.overlap_param_gather else 0)
+    param_calls = STEPS
     for bid in handle.bucket_numels:
         assert handle.state.grad_calls[bid] == (STEPS if cfg.quantized_gradients else 0), name
         assert handle.state.param_calls[bid] == (param_calls if cfg.quantized_weights else 0), name

@@ -1,5 +1,6 @@
 """One ``torchrun`` of ``pretrain_gpt.py`` (2 ranks, CPU) with Megatron-LM's sample-based
-training, ``--exit-duration-in-mins`` and TensorBoard switches; its console is checked for
+training, ``--exit-duration-in-mins``, TensorBoard switches and ``--empty-unused-memory-level``
+(nothing to release on CPU: the step runs through it); its console is checked for
 megatron-core's noise, for the progress lines (rank 0 only) and for Megatron-LM's start and
 save lines, its TensorBoard for Megatron-LM's tags."""
 
@@ -32,7 +33,8 @@ def test_train_samples_and_exit_duration(tmp_path):
              "--micro-batch-size 2 --global-batch-size 16 --train-samples 170 "
              "--lr-warmup-samples 32 --lr 1e-3 --bf16 --use-distributed-optimizer --mock-data "
              "--log-interval 1 --eval-interval 100 --eval-iters 1 --exit-duration-in-mins 1e-6 "
-             "--log-batch-size-to-tensorboard --distributed-timeout-minutes 3").split(),
+             "--log-batch-size-to-tensorboard --distributed-timeout-minutes 3 "
+             "--empty-unused-memory-level 2").split(),
            "--save", str(ckpt), "--metrics-jsonl", str(metrics),
            "--tensorboard-dir", str(tmp_path / "tb")]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)

@@ -110,10 +110,9 @@ def test_megatron_lm_trainer_trains_saves_and_resumes_with_sdp4bit(tmp_path):
             assert fields["sdp4bit/params bytes"] / fields["sdp4bit/params bytes unquantized"] \
                 == pytest.approx(PARAMS_RATIO, rel=1e-5), (it, fields)
     end = _end_line(out)
-    # 5 buckets x 4 iterations; the save after iteration 4 forces the last all-gather, which
-    # the end of training (Megatron-LM's disable_forward_pre_hook) forces again: qWD sends the
-    # residual left by the first one (fresh noise).
-    assert end.startswith("SDP4Bit on this rank: 20 quantized gradient reduce-scatters, 25 "
+    # 5 buckets x 4 iterations: one all-gather per step (the save after iteration 4 forces the
+    # last; the end of training forces one more, with no step since: it sends nothing).
+    assert end.startswith("SDP4Bit on this rank: 20 quantized gradient reduce-scatters, 20 "
                           "quantized parameter all-gathers, 0 unquantized"), end
     assert f"params {PARAMS_RATIO:.4f}, grads {GRADS_RATIO:.4f}" in end
     assert "model replicas on the 4 data-parallel ranks: bitwise identical" in end
@@ -125,16 +124,18 @@ def test_megatron_lm_trainer_trains_saves_and_resumes_with_sdp4bit(tmp_path):
     # Resume from iteration 2 (Megatron-LM's tracker file names the checkpoint to load).
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("2")
-    # It saves where the first run saved: with --overlap-param-gather each save forces the
-    # pending all-gather, part of the trajectory (see above).
+    # It evaluates every iteration (the first run never did): with --overlap-param-gather
+    # Megatron-LM forces the pending all-gather before each evaluation, and training must not
+    # change (integration/param_sync.py, [Note: a parameter sync sends each step once]).
     second = _launch([*SDP4BIT_FLAGS, "--load", ckpt, "--save", str(tmp_path / "again"),
-                      "--save-interval", "2"])
+                      "--save-interval", "2", "--eval-interval", "1", "--eval-iters", "1"])
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-5000:]
     out2 = second.stdout
     assert f"loading distributed checkpoint from {ckpt} at iteration 2" in out2
     assert "starts from zero error" not in out2  # the error state came back
     resumed = _iterations(out2)
     assert sorted(resumed) == [3, 4]
+    assert {"3", "4"} <= set(re.findall(r"validation loss at iteration (\d+)", out2)), out2[-3000:]
     # The first iteration after the load logs the uninterrupted run's loss, grad norm and
     # learning rate (its bytes differ: the uninterrupted run's line also counts the all-gather
     # its save forced). Later lines differ: Megatron-LM's log line keeps the first iteration

@@ -105,7 +105,12 @@ def test_interleaved_pipeline_matches_and_resumes(tmp_path):
     resumed = train_lines(resumed_run.stdout)
     assert [m["iteration"] for m in resumed] == [4, 5, 6], resumed_run.stdout[-2000:]
     for a, b in zip(vpp_sdp[3:], resumed):
-        for key in ("lm_loss", "grad_norm", "comm_bytes_params", "comm_bytes_grads_inter"):
+        # (with --overlap-param-gather the save at 3 ran step 3's all-gather, so the first
+        # run's line 4 counts its bytes and the resumed run, whose checkpoint holds the
+        # gathered weights, has none to send there)
+        keys = ("lm_loss", "grad_norm", "comm_bytes_grads_inter") + (
+            ("comm_bytes_params",) if a["iteration"] > 4 else ())
+        for key in keys:
             assert a[key] == b[key], (key, a, b)
 
 

@@ -16,8 +16,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.helpers import launch as _launch
+from tests.helpers.scripts import load_tool
 from tests.helpers.trainer import METHODS, ROOT, TINY, free_port, torchrun, train_lines, trainer_env
 
 
@@ -34,12 +36,16 @@ def check_run(lines: list[dict], method: str, consumed: list[int] | None = None)
         # N = 2, M = 2: per rank the unquantized schedule sends (N-1)*M shards inside the node
         # and (M-1) across, so the intra baseline is twice the inter one.
         assert pb > 0 and inter_b > 0 and intra_b == 2 * inter_b
-        # The all-gather sends one message to the node peer and two to the other node's ranks.
-        assert m["comm_bytes_params_inter"] == 2 * m["comm_bytes_params_intra"]
-        assert m["baseline_comm_bytes_params_inter"] == 2 * m["baseline_comm_bytes_params_intra"]
+        # The all-gather sends one message to the node peer and two to the other node's ranks
+        # (each field the interval's mean, rounded down: with --overlap-param-gather an
+        # interval need not hold one all-gather per iteration).
+        assert 0 <= m["comm_bytes_params_inter"] - 2 * m["comm_bytes_params_intra"] <= 1
+        assert 0 <= m["baseline_comm_bytes_params_inter"] - \
+            2 * m["baseline_comm_bytes_params_intra"] <= 1
         if "qWD" in method or method == "SDP4Bit":
-            # 16-bit weights vs 4 bits + one fp32 scale per 2048 = 4.0156 bits: 3.98x.
-            assert 3.7 < pb / p <= 16 / (4 + 32 / 2048) + 1e-9, (p, pb)
+            # 16-bit weights vs 4 bits + one fp32 scale per 2048 = 4.0156 bits: 3.98x (the
+            # means rounded down: p by less than a byte).
+            assert 3.7 < pb / p <= 16 / (4 + 32 / 2048) * (1 + 1 / p), (p, pb)
         else:
             assert p == pb
         if method in ("TLq-HS", "SDP4Bit"):
@@ -140,15 +146,22 @@ def _ramped(flags: list[str]) -> list[str]:
 @pytest.mark.distributed
 def test_sdp4bit_resume_matches_uninterrupted(data_prefix, tmp_path):
     """SDP4Bit on preprocessed data with the batch ramped up from 8 to 16 (from iteration
-    13). Saved every 5 iterations and at 12, before the batch grows, as Megatron-LM saves
-    then. A second launch resumes from 10 (80 samples, in the middle of the ramp-up) and must
-    log the same batch sizes, losses and bytes at 15 and 20 as the uninterrupted run."""
-    ckpt = tmp_path / "ckpt"
-    base = _ramped(TINY) + data_prefix + METHODS["SDP4Bit"] + ["--dp-ranks-per-node", "2"]
+    13), the collectives overlapped (--overlap-param-gather: each step's all-gather runs in the
+    next forward pass, or earlier in an evaluation's or before a save). Saved every 5
+    iterations and at 12, before the batch grows, as Megatron-LM saves then. A second launch
+    resumes from 10 (80 samples, in the middle of the ramp-up; an evaluation iteration) and
+    evaluates at 12, 15 and 18 instead of 20: it must log the same batch sizes, losses,
+    gradient norms and bytes at 15 and 20 as the uninterrupted run, and save the same weights
+    at 20. Neither where a run evaluates nor where it resumes changes its training
+    (integration/param_sync.py, [Note: a parameter sync sends each step once])."""
+    ckpt, again = tmp_path / "ckpt", tmp_path / "again"
+    base = _ramped(TINY) + data_prefix + METHODS["SDP4Bit"] + [
+        "--dp-ranks-per-node", "2", "--overlap-grad-reduce", "--overlap-param-gather"]
     first = torchrun(base + ["--save", str(ckpt), "--save-interval", "5"])
     assert "(TP 1, PP 1, 1 micro-batches per step rising to 2)" in first.stdout
     assert re.findall(r"successfully saved checkpoint from iteration +(\d+)", first.stdout) \
         == ["5", "10", "12", "15", "20"], first.stdout[-3000:]
+    assert re.findall(r"validation loss at iteration (\d+) ", first.stdout) == ["10", "20"]
     full = train_lines(first.stdout)
     check_run(full, "SDP4Bit", consumed=[40, 80, 144, 224])
     assert [m["global_batch_size"] for m in full] == [8, 8, 16, 16]
@@ -157,15 +170,23 @@ def test_sdp4bit_resume_matches_uninterrupted(data_prefix, tmp_path):
         lr = 3e-4 + (3e-3 - 3e-4) * 0.5 * (1 + math.cos(math.pi * decay))
         assert abs(m["learning_rate"] - lr) <= 1e-6 * lr, (m, lr)
     (ckpt / "latest_checkpointed_iteration.txt").write_text("10\n")
-    resumed_run = torchrun(base + ["--load", str(ckpt)])
+    resumed_run = torchrun(base + ["--load", str(ckpt), "--eval-interval", "3",
+                                   "--save", str(again), "--save-interval", "5"])
     assert "loaded checkpoint from" in resumed_run.stdout
+    assert re.findall(r"validation loss at iteration (\d+) ", resumed_run.stdout) == \
+        ["12", "15", "18"]
     resumed = train_lines(resumed_run.stdout)
     assert [m["iteration"] for m in resumed] == [15, 20]
-    for a, b in zip(full[2:], resumed):
+    for a, b in zip(full[2:], resumed):  # the parameter bytes of an interval are those of
+        # the all-gathers it ran, and an evaluation or a save runs the step's before its forward
         for key in ("lm_loss", "grad_norm", "learning_rate", "consumed_samples",
-                    "global_batch_size", "comm_bytes_params", "comm_bytes_grads_intra",
-                    "comm_bytes_grads_inter"):
+                    "global_batch_size", "comm_bytes_grads_intra", "comm_bytes_grads_inter"):
             assert a[key] == b[key], (key, a, b)
+    read = load_tool("tools/checkpoint/export_hf.py").read_model_tensors
+    theirs, ours = (read(str(d / "iter_0000020")) for d in (ckpt, again))
+    assert sorted(theirs) == sorted(ours)
+    for name, tensor in theirs.items():  # bf16 widened to fp32: equal iff the bits are
+        assert torch.equal(tensor, ours[name]), f"{name} differs at iteration 20"
 
 
 @pytest.mark.slow
@@ -221,6 +242,13 @@ BAD = {
     "fp16-bf16": (["--fp16", "--bf16"], "--fp16 and --bf16 are mutually exclusive: pass one"),
     "batch": (["--global-batch-size", "3"], "--global-batch-size=3 is not divisible by "
               "--micro-batch-size x data-parallel size = 2 x 1 = 2"),
+    # a refused flag, a contradiction and what this machine lacks, named at once
+    "several": (["--no-save-optim", "--fp16", "--bf16", "--attention-backend", "fused"],
+                "3 problems with this command line; drop or replace each: (1) --no-save-optim: "
+                "checkpoints always hold the optimizer state: a resumed run repeats the "
+                "uninterrupted one only with it; (2) --fp16 and --bf16 are mutually exclusive: "
+                "pass one; (3) --attention-backend fused (or --use-flash-attn) runs Transformer "
+                "Engine's CUDA kernels and there is no CUDA device here: drop the flag"),
 }
 
 

@@ -26,7 +26,8 @@ DEFAULT = {"num_layers": 2, "hidden_size": 8, "ffn_hidden_size": 32, "num_attent
            "untie_embeddings_and_output_weights": False, "swiglu": False, "openai_gelu": False,
            "normalization": "LayerNorm", "norm_epsilon": 1e-5, "add_bias_linear": True,
            "params_dtype": "bf16", "padded_vocab_size": 128, "qk_layernorm": False,
-           "use_rope_scaling": False, "rope_scaling_factor": 8.0, **dict.fromkeys(MOE_KEYS)}
+           "use_rope_scaling": False, "rope_scaling_factor": 8.0, "apply_layernorm_1p": False,
+           **dict.fromkeys(MOE_KEYS)}
 LLAMA = {**DEFAULT, "position_embedding_type": "rope", "normalization": "RMSNorm",
          "swiglu": True, "add_bias_linear": False, "untie_embeddings_and_output_weights": True,
          "num_attention_heads": 4, "group_query_attention": True, "num_query_groups": 2,
@@ -98,6 +99,16 @@ def test_llama3_rope_scaling_round_trips_with_transformers_frequencies():
     name, flags, _ = hf_arch.trainer_flags(config)
     assert name == "LlamaForCausalLM"
     assert flags[-3:] == ["--use-rope-scaling", "--rope-scaling-factor", "32.0"]
+
+
+def test_zero_centred_norms_are_refused_by_both_architectures():
+    """--apply-layernorm-1p's norms scale by 1 + weight; both architectures' by the weight."""
+    assert _refusal({**LLAMA, "apply_layernorm_1p": True}).endswith(
+        "for LlamaForCausalLM, apply_layernorm_1p is True (needs False); for "
+        "MixtralForCausalLM, apply_layernorm_1p is True (needs False), num_experts is None "
+        "(needs a mixture of experts, --num-experts)")
+    assert "for GPT2LMHeadModel, apply_layernorm_1p is True (needs False); " in _refusal(
+        {**DEFAULT, "apply_layernorm_1p": True})
 
 
 def test_qk_layernorm_is_refused_by_both_architectures():

@@ -42,7 +42,8 @@ when the iteration is not open. The first of them is the iteration's first colle
 SDP4Bit issues: with quantized gradients the reduce-scatter, with qWD alone the step's
 all-gather (behind the step). Parameter all-gathers are not checked themselves: an evaluation
 or a checkpoint save forces them between iterations, legitimately without a new
-``set_iteration``, and each forced gather draws fresh noise anyway (``RunState.next_param_call``).
+``set_iteration``, and an all-gather draws the noise of the step it sends anyway
+(param_sync.py, [Note: a parameter sync sends each step once]).
 A step skipped for non-finite gradients never reaches the copy and leaves the iteration open.
 """
 
@@ -358,7 +359,6 @@ def install_sdp4bit(model_chunks, optimizer, config: SDP4BitConfig, *,
                 bg, bucket_ids=ids, shards=shards, group_id=group_id,
                 ranks_per_node=topology.ranks_per_node, state=state, stats=stats,
                 duplicates=duplicates))
-    state.stepped.update(info.id for info in buckets)
     # Every optimizer that steps (not megatron-core's stubs, which have no parameters and
     # never copy) closes the iteration at its copy once they all have.
     check = _step_check(state, optimizers=sum(

@@ -34,25 +34,43 @@ bucket's seed depends neither on the stage's bucket numbering nor on its DP grou
 rank's embedding group (the same for the pair of stages, distinct across TP ranks); the comm
 layer still folds in the DP rank.
 
-[Note: one all-gather per bucket and step]
-megatron-core builds a chain of distributed optimizers (``ChainedOptimizer``) for a MoE
-model (one over the dense buffers, one over the expert-parallel buffers) and with
-``overlap_param_gather_with_optimizer_step`` (one per group of model chunks). Without
-``overlap_param_gather`` every optimizer of the chain ends its step with
-``model_chunk.start_param_sync()`` on *all* model chunks, so every bucket would be gathered
-once per optimizer: the first gather of a bucket whose optimizer has not stepped yet sends
-an all-zero difference, and the second gather of a bucket already gathered sends the
-rounding error of the first again; both cost a whole quantized all-gather and add noise.
-So :attr:`RunState.stepped` holds the buckets whose main weights changed since their last
-gather (every bucket from the install to the first optimizer step, so that a gather before
-any step, e.g. the forward pre-hooks of a resumed run's first iteration, runs as it always
-did; the first step's copy drops them); an optimizer's copy adds its own buckets, a gather removes its buckets, and a
-*non-forced* ``start_param_sync`` of a bucket group none of whose buckets are in it sends
-nothing. With ``overlap_param_gather`` such a skipped group stays not dispatched, so the
-forward pre-hook dispatches it once its optimizer has stepped. Forced gathers (evaluation,
-checkpoints, the end of training) always run. A single optimizer (no chain) steps every
-bucket before its gathers, so nothing changes there. The optimizer's copy itself does
-nothing else with qWD ([Note: qWD keeps the replica until the all-gather]).
+[Note: a parameter sync sends each step once]
+A qWD all-gather sends ``Q(main - replica)`` with fresh rounding noise and adds it to the
+replica. After it, ``main - replica`` is not zero but that quantization's residual, so a
+second all-gather with no optimizer step in between would send the residual again and move
+every replica by new noise: changing when the syncs run would change training. megatron-core
+asks for such syncs between steps: with ``overlap_param_gather`` a trainer forces one
+(``start_param_sync(force_sync=True)``, Megatron-LM's ``disable_forward_pre_hook``) before
+every evaluation, every checkpoint save and at the end of training, and an evaluation's
+forward pre-hooks start one too (``finish_grad_sync`` cleared ``param_gather_dispatched``).
+A chain of distributed optimizers (``ChainedOptimizer``: a MoE model's dense and
+expert-parallel buffers, ``overlap_param_gather_with_optimizer_step``) ends every
+optimizer's step with ``start_param_sync()`` on *all* model chunks, so each bucket would be
+gathered once per optimizer of the chain.
+
+So a sync sends what an optimizer step changed, once. :attr:`RunState.params_due` maps each
+bucket that an optimizer step updated since its last all-gather to the iteration of that
+step: the optimizer's copy (``_copy_main_params_to_model_params``, which every successful
+step runs after its update and a step skipped for non-finite gradients never reaches) marks
+its own buckets due, an all-gather takes its buckets out, and a ``start_param_sync`` of a
+bucket group none of whose buckets is due, forced or not, sends nothing and changes no
+replica. megatron-core's protocol holds around it: a forced sync still waits for an
+all-gather in flight (the handle), and a skipped group is left not dispatched, so the
+forward pre-hook of the next iteration, or of an evaluation, dispatches it once its optimizer
+has stepped. Each all-gather draws the noise of the step it sends (seeded with that step's
+iteration, not the one in progress): whether the evaluation's forward, a checkpoint's forced
+sync or the next iteration's forward runs it, the replica gets the same bits, so a run's
+training does not depend on ``--eval-interval`` or on where it saves.
+
+Nothing is due at install. A new model's main weights are its 16-bit weights widened to
+fp32 (the difference is zero); a checkpoint holds a synced replica, because the trainers
+force the pending all-gather before they save (Megatron-LM's trainer does, and so does this
+project's, ``training/checkpoint_policy.py``), and a load without the optimizer state takes
+the main weights from the loaded replica. So the first sync after a load sends nothing, as
+the uninterrupted run sends nothing there, and a resume is bit-exact. (A checkpoint that an
+older release saved between a step and its overlapped all-gather resumes with that step's
+difference still pending: the first iteration sees the weights before it, and the next
+all-gather sends both steps' difference, which qWD does for any residual.)
 """
 
 from __future__ import annotations
@@ -155,9 +173,11 @@ def make_start_param_sync(bucket_group, *, bucket_ids: list[int], shards: dict[i
                 return
         else:
             assert self.param_gather_handle is None
-            if not any(bucket_id in state.stepped for bucket_id in bucket_ids):
-                return  # [Note: one all-gather per bucket and step]
-        state.stepped.difference_update(bucket_ids)
+        due = [state.params_due.pop(bucket_id) for bucket_id in bucket_ids
+               if bucket_id in state.params_due]
+        if not due:
+            return  # [Note: a parameter sync sends each step once]
+        step = max(due)  # one optimizer owns the group: the same step for all its buckets
         async_op = self.ddp_config.overlap_param_gather and not force_sync
         group = self.intra_distributed_optimizer_instance_group
         works = []
@@ -165,9 +185,8 @@ def make_start_param_sync(bucket_group, *, bucket_ids: list[int], shards: dict[i
             shard = shards[bucket_id]
             with timed(stats, "params-quantize", bucket.param_data.device):
                 main = shard.gather()
-            call = state.next_param_call(bucket_id)  # fresh noise for extra gathers
-            seed = (state.seed(KIND_PARAM, bucket_id, group_id, call) if tied_key is None
-                    else state.seed(KIND_TIED_PARAM, 0, tied_key, call))
+            seed = (state.seed(KIND_PARAM, bucket_id, group_id, step) if tied_key is None
+                    else state.seed(KIND_TIED_PARAM, 0, tied_key, step))
             works.append(weight_difference_all_gather(
                 bucket.param_data, main, group=group, config=state.weight_config,
                 seed=seed, stats=stats, ranks_per_node=ranks_per_node,
@@ -192,8 +211,8 @@ def make_copy_main_params_to_model_params(optimizer, *, state: RunState, bucket_
     """The optimizer's copy of the updated main weights into the model, which every step
     makes after its update. First ``check_step`` (install.py, [Note: an iteration without
     set_iteration]). With qWD (``qwd``) the 16-bit groups are left to the qWD all-gather,
-    which the optimizer's buckets (``bucket_ids``) are now due ([Note: one all-gather per
-    bucket and step]); without, megatron-core's own copy.
+    which the optimizer's buckets (``bucket_ids``) are now due, with this step's iteration
+    ([Note: a parameter sync sends each step once]); without, megatron-core's own copy.
 
     fp32 model parameters (``model_fp32_groups``) are views of the replica that the inner
     optimizer updated in place; install refuses qWD when there are any, so the copy has
@@ -206,9 +225,6 @@ def make_copy_main_params_to_model_params(optimizer, *, state: RunState, bucket_
         if not qwd:
             return original(self)
         assert not any(self.model_fp32_groups), "qWD installed with fp32 model params"
-        if not state.stepped_since_install:  # the install's "every bucket" ends here
-            state.stepped.clear()
-            state.stepped_since_install = True
-        state.stepped.update(bucket_ids)
+        state.params_due.update(dict.fromkeys(bucket_ids, state.iteration))
 
     return _copy_main_params_to_model_params

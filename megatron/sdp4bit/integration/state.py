@@ -38,10 +38,6 @@ class RunState:
     buckets])."""
     early_grad_advances: Counter = field(default_factory=Counter)
     """Per bucket id: reduce-scatters advanced by a later bucket's start (before the wait)."""
-    param_calls_in_iteration: Counter = field(default_factory=Counter)
-    """Per bucket id: all-gathers issued so far in ``calls_iteration``."""
-    calls_iteration: int = -1
-    """The iteration ``param_calls_in_iteration`` counts for."""
     iteration_open: bool = False
     """``set_iteration`` was called since the last optimizer step (install.py, [Note: an
     iteration without set_iteration])."""
@@ -56,40 +52,25 @@ class RunState:
     that owns the bucket last stepped; a step that finds a bucket of its own at zero would
     apply gradients that no rank reduced (step_checks.py, [Note: a loop that never reduces
     its gradients])."""
-    stepped: set[int] = field(default_factory=set)
-    """Bucket ids whose main weights changed (an optimizer step, or the install) since their
-    last qWD all-gather (param_sync.py, [Note: one all-gather per bucket and step])."""
-    stepped_since_install: bool = False
-    """Whether an optimizer has stepped since the install (until then :attr:`stepped` holds
-    every bucket)."""
+    params_due: dict[int, int] = field(default_factory=dict)
+    """Bucket id -> the iteration of the optimizer step whose weight difference the bucket's
+    next qWD all-gather sends; a bucket with no step since its last all-gather is absent
+    (param_sync.py, [Note: a parameter sync sends each step once])."""
 
-    def seed(self, kind: int, bucket_id: int, group_id: int, call: int = 0) -> int:
-        """Rounding-noise seed of one collective: (user seed, iteration, bucket, kind, group,
-        call).
+    def seed(self, kind: int, bucket_id: int, group_id: int,
+             iteration: int | None = None) -> int:
+        """Rounding-noise seed of one collective: (user seed, iteration, bucket, kind, group).
 
         ``group_id`` (the lowest global rank of the DP group) keeps the streams of different
         DP groups (other TP/PP ranks) apart; the comm layer adds the DP rank and the hop.
-        ``call`` numbers the collectives of one bucket within an iteration (see
-        :meth:`next_param_call`); the first (0) keeps the seed it has always had, so runs
-        without extra all-gathers draw the same bits as before the counter existed.
+        ``iteration``: the iteration the noise belongs to (default the one in progress); a
+        qWD all-gather passes the one of the step it sends, whenever it runs (param_sync.py,
+        [Note: a parameter sync sends each step once]).
         """
-        parts = (self.config.seed, self.iteration, bucket_id, kind, group_id)
-        return derive_seed(*parts, call) if call else derive_seed(*parts)
-
-    def next_param_call(self, bucket_id: int) -> int:
-        """The number of all-gathers bucket ``bucket_id`` issued earlier in this iteration.
-
-        With ``overlap_param_gather`` the forward pre-hooks gather once per iteration, but an
-        evaluation or the end of training forces more gathers in the same iteration: each
-        must draw fresh noise, so this count goes into the seed. Counted per iteration (not
-        per run), so a resumed run derives the seeds an uninterrupted one does.
-        """
-        if self.calls_iteration != self.iteration:
-            self.param_calls_in_iteration.clear()
-            self.calls_iteration = self.iteration
-        call = self.param_calls_in_iteration[bucket_id]
-        self.param_calls_in_iteration[bucket_id] += 1
-        return call
+        if iteration is None:
+            iteration = self.iteration
+        parts = (self.config.seed, iteration, bucket_id, kind, group_id)
+        return derive_seed(*parts)
 
     def require_iteration(self, what: str) -> None:
         """Raise (one line) if ``what`` comes in an iteration that never called

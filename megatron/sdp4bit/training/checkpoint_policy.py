@@ -9,6 +9,9 @@ Megatron-LM's points, each at the end of an iteration:
 * before an early exit (``guards/exit_conditions.py``), unless this iteration was just saved;
 * at the end of training, unless the last iteration was just saved.
 
+With ``--overlap-param-gather`` each save first completes the step's parameter all-gather,
+as Megatron-LM's trainer does, so that a checkpoint holds the synced replica.
+
 A run that diverges saves nothing while its steps are being skipped (the last checkpoint is
 the one from before the trouble). With ``--async-save`` the saves are written in the
 background (``checkpoint/async_save.py``): finished ones are published at the start of each iteration
@@ -108,6 +111,12 @@ class CheckpointPolicy:
         # (printed when an asynchronous save is published).
         if dist.get_rank() == 0:
             print(format_saving(state.iteration, args.save, args.ckpt_format), flush=True)
+        if args.overlap_param_gather:
+            # The step's all-gather is still pending: a checkpoint holds the synced replica,
+            # as Megatron-LM saves it (and a resume is then bit-exact with qWD: param_sync.py,
+            # [Note: a parameter sync sends each step once]).
+            for chunk in state.model:
+                chunk.start_param_sync(force_sync=True)
         formats.save(args, state.iteration, state.consumed_samples, state.model,
                      state.optimizer, state.scheduler, state.settings,
                      sdp4bit_handle=state.sdp4bit_handle, background=self.saves)

@@ -2,7 +2,8 @@
 
 ``GPTModel`` with Transformer Engine's layer spec (``--transformer-impl transformer_engine``,
 or ``auto`` when it is importable and CUDA is present) or megatron-core's local one (with
-sequence-parallel norms under ``--sequence-parallel``, training/layer_spec.py), wrapped in
+norms of its own under ``--sequence-parallel`` and ``--apply-layernorm-1p``,
+training/layer_spec.py), wrapped in
 ``Float16Module`` for bf16/fp16, then in megatron-core's ``DistributedDataParallel``; the
 optimizer comes from ``get_megatron_optimizer`` (the distributed optimizer with
 ``--use-distributed-optimizer``). With the interleaved pipeline every pipeline rank holds
@@ -34,14 +35,19 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
-from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import (
+    MegatronOptimizer,
+    OptimizerConfig,
+    get_megatron_optimizer,
+    get_standard_config_overrides,
+)
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.sdp4bit.training.cli.installed import uses_transformer_engine
 from megatron.sdp4bit.training.cli.megatron_flags import transformer_config_overrides
 from megatron.sdp4bit.training.cli.moe_flags import moe_config_overrides
-from megatron.sdp4bit.training.layer_spec import local_layer_spec
+from megatron.sdp4bit.training.layer_spec import local_layer_spec, with_local_norms
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -136,9 +142,11 @@ def build_model(args: argparse.Namespace, config: TransformerConfig, vocab_size:
         # (local spec: sequential experts, one MLP each; TE: grouped GEMM with the flag)
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-        spec = get_gpt_decoder_block_spec(
-            config, use_transformer_engine=uses_transformer_engine(args.transformer_impl),
-            normalization=args.normalization, vp_stage=vp_stage)
+        te = uses_transformer_engine(args.transformer_impl)
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te,
+                                          normalization=args.normalization, vp_stage=vp_stage)
+        if not te and (config.sequence_parallel or config.layernorm_zero_centered_gamma):
+            spec = with_local_norms(spec)  # as local_layer_spec's
     kwargs = {} if vp_stage is None else {"vp_stage": vp_stage}
     model = GPTModel(
         config=config,
@@ -206,6 +214,11 @@ def build_optimizer(args: argparse.Namespace, model_chunks: list[DistributedData
         optimizer=args.optimizer,
         lr=args.lr,
         min_lr=args.min_lr,
+        # --decoupled-lr: megatron-core gives the embedding and output layer (marked
+        # is_embedding_or_output_parameter) a parameter group of their own with this max_lr
+        # (and min_lr), which the scheduler follows ([Note: the decoupled group on load])
+        decoupled_lr=args.decoupled_lr,
+        decoupled_min_lr=args.decoupled_min_lr,
         weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2,
@@ -226,4 +239,26 @@ def build_optimizer(args: argparse.Namespace, model_chunks: list[DistributedData
         barrier_with_L1_time=args.barrier_with_L1_time,
         log_num_zeros_in_grad=args.log_num_zeros_in_grad,
     )
-    return get_megatron_optimizer(config, model_chunks)
+    if config.decoupled_lr is None:
+        return get_megatron_optimizer(config, model_chunks)
+    return get_megatron_optimizer(config, model_chunks,
+                                  config_overrides=_decoupled_overrides(config))
+
+
+def _decoupled_overrides(config: OptimizerConfig) -> dict:
+    """megatron-core's standard parameter-group overrides (no weight decay on biases and
+    1-D weights; ``decoupled_lr`` and ``decoupled_min_lr`` for the embedding and output
+    layer), with the decoupled group marked ``is_decoupled_lr``.
+
+    [Note: the decoupled group on load]
+    megatron-core 0.16.1's distributed optimizer matches a checkpoint's parameter groups to
+    its own by (``wd_mult``, ``lr_mult``, ``is_expert_parallel``, ``is_decoupled_lr``) alone,
+    and its standard overrides leave ``is_decoupled_lr`` False: the embedding's group and
+    the other weights' then match the same saved group, and a resume gives both one group's
+    ``max_lr``/``min_lr`` (the other weights trained at ``--decoupled-lr``; measured in
+    tests/distributed/test_integration_loss_fusion.py). 0.19.2 matches by the rates too.
+    Marked, the group is told apart on both releases."""
+    overrides = get_standard_config_overrides(config)
+    return {key: ({**value, "is_decoupled_lr": True}
+                  if key.attr == "is_embedding_or_output_parameter" else value)
+            for key, value in overrides.items()}

@@ -97,6 +97,19 @@ def _reported_loss(args, losses: list[dict], group) -> float:
     return mean_loss(losses, group)
 
 
+# --empty-unused-memory-level: the level from which Megatron-LM empties the CUDA caching
+# allocator at each point (its training.py: after the forward-backward pass and each
+# evaluation step from 1, after the optimizer step from 2).
+_RELEASE_LEVEL = {"forward-backward": 1, "evaluation": 1, "optimizer": 2}
+
+
+def release_unused_memory(args, after: str) -> None:
+    """``torch.cuda.empty_cache()`` ``after`` a point of :data:`_RELEASE_LEVEL` when
+    ``--empty-unused-memory-level`` reaches its level (nothing to release without CUDA)."""
+    if args.empty_unused_memory_level >= _RELEASE_LEVEL[after]:
+        torch.cuda.empty_cache()
+
+
 def grads_finite(model_chunks) -> bool:
     """Collective over every rank: whether all gradient buffers of all ranks, dense and
     expert-parallel, are finite."""
@@ -125,6 +138,7 @@ def train_step(args, state, data_iterator, num_microbatches: int,
         data_iterator=data_iterator, model=state.model, num_microbatches=num_microbatches,
         seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
         forward_only=False)
+    release_unused_memory(args, "forward-backward")
     loss = _reported_loss(args, losses, parallel_state.get_data_parallel_group())
     if not has_loss_scaler(state.optimizer) and not grads_finite(state.model):
         return loss, float("nan"), False, None  # see [Note: non-finite gradients]
@@ -133,6 +147,7 @@ def train_step(args, state, data_iterator, num_microbatches: int,
     ok, grad_norm, num_zeros = state.optimizer.step()
     if timers is not None:
         timers("optimizer").stop(barrier=args.barrier_with_L1_time)
+    release_unused_memory(args, "optimizer")
     if ok:  # the schedules count samples: this iteration's batch (Megatron-LM's increment)
         state.scheduler.step(
             increment=num_microbatches * args.micro_batch_size * args.data_parallel_size)
@@ -155,6 +170,7 @@ def evaluate(args, state, iterator) -> float | None:
             data_iterator=iterator, model=state.model,
             num_microbatches=args.num_microbatches, seq_length=args.seq_length,
             micro_batch_size=args.micro_batch_size, forward_only=True)
+        release_unused_memory(args, "evaluation")
     for chunk in state.model:
         chunk.train()
     return _reported_loss(args, losses, parallel_state.get_data_parallel_group())

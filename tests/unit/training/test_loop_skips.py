@@ -26,7 +26,7 @@ def _run(monkeypatch, capsys, outcomes, *, scale=None, save_interval=1, limit=4)
     args = argparse.Namespace(loss_scale=None, min_loss_scale=1.0, save="CK", async_save=False,
                               max_consecutive_skipped_iterations=limit,
                               ckpt_format="torch_dist", tensor_model_parallel_size=1,
-                              pipeline_model_parallel_size=1)
+                              pipeline_model_parallel_size=1, overlap_param_gather=False)
     state = loop.TrainState(model=[], optimizer=_Optimizer(scale), scheduler=None, datasets=[],
                             vocab_size=0)
     saved = []

@@ -28,7 +28,7 @@ MODEL_KEYS = (
     "position_embedding_type", "rotary_base", "rotary_percent",
     "untie_embeddings_and_output_weights", "swiglu", "openai_gelu", "normalization",
     "norm_epsilon", "add_bias_linear", "params_dtype", "qk_layernorm", "use_rope_scaling",
-    "rope_scaling_factor")
+    "rope_scaling_factor", "apply_layernorm_1p")
 
 # The mixture-of-experts flags a checkpoint records (what defines the experts' tensors and
 # the routing of the forward pass, sinkhorn's included; the coefficients of the auxiliary
@@ -51,10 +51,10 @@ LATER_MODEL_SETTINGS = {"norm_epsilon": 1e-5, "rotary_base": 10000, "rotary_perc
 LATER_LAYOUT_KEYS = ("ep", "etp")
 
 # Model settings recorded since they were added, with the value every run had before (the
-# trainer refused --openai-gelu until then): an older manifest is read as having that value,
-# and compared.
+# trainer refused --openai-gelu and --apply-layernorm-1p until then): an older manifest is
+# read as having that value, and compared.
 LATER_MODEL_DEFAULTS = {"openai_gelu": False, "qk_layernorm": False, "use_rope_scaling": False,
-                        "rope_scaling_factor": 8.0}
+                        "rope_scaling_factor": 8.0, "apply_layernorm_1p": False}
 
 # SDP4Bit settings recorded since they were added, with the value every run had before:
 # an older manifest lacks them and is read as having that value.

@@ -3,7 +3,9 @@
 Flag names, defaults and meanings follow Megatron-LM's ``arguments.py`` so that existing
 scripts run unchanged. The SDP4Bit flags are generated from ``SDP4BitConfig``
 (:mod:`megatron.sdp4bit.config_flags`). Every error is a :class:`ArgumentsError`
-carrying one line that names the flag and the fix; ``pretrain_gpt.py`` prints it and exits 2.
+carrying one line that names the flag and the fix, every refusal of a command line in the
+same one (errors.py, [Note: every refusal in one message]); ``pretrain_gpt.py`` prints it
+and exits 2.
 
 The rest of Megatron-LM's flags (sample-based training, exit conditions, logging and
 transformer switches, and those refused or accepted as no-ops) live in
@@ -17,10 +19,11 @@ import os
 from collections.abc import Sequence
 
 from megatron.sdp4bit.config_flags import add_sdp4bit_flags, sdp4bit_config_from_args
-from megatron.sdp4bit.training.cli.errors import ArgumentsError
+from megatron.sdp4bit.training.cli.errors import ArgumentsError, Refusals
+from megatron.sdp4bit.training.cli.installed import installed_steps
 from megatron.sdp4bit.training.cli.megatron_flags import (NO_OP_FLAGS, add_megatron_flags,
                                                           refused_flags)
-from megatron.sdp4bit.training.cli.megatron_lm_flags import refusal_message, unknown_flags
+from megatron.sdp4bit.training.cli.megatron_lm_flags import flag_refusals, unknown_flags
 from megatron.sdp4bit.training.cli.moe_flags import add_moe_flags
 from megatron.sdp4bit.training.cli.observe_flags import add_observe_flags
 from megatron.sdp4bit.training.cli.validate import validate_args
@@ -99,6 +102,12 @@ def _add_training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
     g.add_argument("--lr", type=float, default=None)
     g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="the learning rate of the input embedding and the output layer, on "
+                   "the same schedule (megatron-core's decoupled_lr: their own parameter group)")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="with --decoupled-lr: the floor of their learning rate (default "
+                   "--min-lr)")
     g.add_argument("--lr-decay-style", default="linear",
                    choices=["constant", "linear", "cosine", "inverse-square-root"])
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
@@ -332,16 +341,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
-    """Parse and validate; ``world_size`` defaults to ``$WORLD_SIZE`` (1 if unset)."""
+def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None, *,
+               check_machine: bool = False) -> argparse.Namespace:
+    """Parse and validate; ``world_size`` defaults to ``$WORLD_SIZE`` (1 if unset).
+    ``check_machine``: also refuse what this machine cannot run (``installed.py``). Every
+    refusal of the command line comes in one :class:`ArgumentsError` (errors.py, [Note:
+    every refusal in one message])."""
     args, extras = build_parser().parse_known_args(argv)
-    # Every refusal at once: Megatron-LM flags this parser lacks, refused flags and values.
+    # Megatron-LM flags this parser lacks, refused flags and values; what it does not know
+    # at all is named last
     unknown_refused, unrecognized = unknown_flags(extras)
-    refused = unknown_refused + refused_flags(args)
-    if refused or unrecognized:
-        raise ArgumentsError(refusal_message(refused, unrecognized))
+    refusals = Refusals()
+    refusals.add(flag_refusals(unknown_refused + refused_flags(args)))
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.world_size = world_size
-    validate_args(args)
+    validate_args(args, refusals)
+    if check_machine:
+        for name, step, needs in installed_steps(
+                args, lambda: sdp4bit_config_from_args(args).enabled):
+            refusals.run(name, step, needs)
+    refusals.add(flag_refusals([], unrecognized))
+    refusals.raise_if_any()
     return args

@@ -21,20 +21,22 @@ run it:
   replaces is as it was checked, and is refused otherwise (naming the first that moved) unless
   ``--allow-untested-megatron-core`` is given, which is then said loudly.
 
-Warnings go to stderr from rank 0 (torchrun's ``$RANK``) only.
+Warnings go to stderr from rank 0 (torchrun's ``$RANK``) only. ``parse_args(...,
+check_machine=True)`` runs these checks as its last steps (:func:`installed_steps`), so
+that what this machine lacks is named in the same message as the rest (errors.py, [Note:
+every refusal in one message]).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
-import sys
+from collections.abc import Callable
 
 from megatron.sdp4bit.training.cli import devices
-from megatron.sdp4bit.training.cli.errors import ArgumentsError
+from megatron.sdp4bit.training.cli.errors import ArgumentsError, Refusals, warn
 
-__all__ = ["TE_INSTALL", "check_installed", "uses_transformer_engine"]
+__all__ = ["TE_INSTALL", "check_installed", "installed_steps", "uses_transformer_engine"]
 
 TE_INSTALL = 'pip install -e ".[te]"'  # setup.py's extra: a Transformer Engine release
 # that both tested megatron-core releases accept
@@ -62,11 +64,6 @@ def uses_transformer_engine(impl: str) -> bool:
     return impl != "local" and _cuda() and _importable("transformer_engine")
 
 
-def _warn(message: str) -> None:
-    if os.environ.get("RANK", "0") == "0":
-        print(f"warning: {message}", file=sys.stderr, flush=True)
-
-
 def _check_transformer_engine(args: argparse.Namespace) -> None:
     cuda, te = _cuda(), _importable("transformer_engine")
     attention = args.attention_backend in ("flash", "fused", "unfused")
@@ -83,9 +80,9 @@ def _check_transformer_engine(args: argparse.Namespace) -> None:
             raise ArgumentsError(f"{what} needs Transformer Engine, which is not installed: "
                                  f"{TE_INSTALL}, or {instead}")
     elif args.transformer_impl == "auto" and cuda and not te:
-        _warn("--transformer-impl auto: Transformer Engine is not installed, so this run uses "
-              "megatron-core's local layers (correct, slower on GPU); for Transformer Engine's: "
-              f"{TE_INSTALL}")
+        warn("--transformer-impl auto: Transformer Engine is not installed, so this run uses "
+             "megatron-core's local layers (correct, slower on GPU); for Transformer Engine's: "
+             f"{TE_INSTALL}")
 
 
 def _check_context_parallel(args: argparse.Namespace) -> None:
@@ -141,18 +138,29 @@ def _check_megatron_core(args: argparse.Namespace, quantized: bool) -> None:
     if installed in TESTED_MEGATRON_CORE_VERSIONS or not args.allow_untested_megatron_core:
         return
     tested = " and ".join(TESTED_MEGATRON_CORE_VERSIONS)
-    _warn("!" * 20 + f" --allow-untested-megatron-core: megatron-core {installed} is NOT a "
-          f"tested release (SDP4Bit was tested with {tested}); SDP4Bit replaces megatron-core "
-          "internals that may have changed: check the losses against a baseline run "
-          "before trusting this one " + "!" * 20)
+    warn("!" * 20 + f" --allow-untested-megatron-core: megatron-core {installed} is NOT a "
+         f"tested release (SDP4Bit was tested with {tested}); SDP4Bit replaces megatron-core "
+         "internals that may have changed: check the losses against a baseline run "
+         "before trusting this one " + "!" * 20)
+
+
+def installed_steps(args: argparse.Namespace, quantized: Callable[[], bool]
+                    ) -> list[tuple[str, Callable[[], None], tuple[str, ...]]]:
+    """The checks of :func:`check_installed` as validation steps (name, check, the steps of
+    ``validate.STEPS`` whose values it reads); ``quantized()``: whether the run installs
+    SDP4Bit's collectives (read once the SDP4Bit flags are validated)."""
+    return [("backend", lambda: devices.check_backend(args, _cuda(), _device_count()), ()),
+            ("transformer engine", lambda: _check_transformer_engine(args), ("switches",)),
+            ("context parallel", lambda: _check_context_parallel(args), ()),
+            ("logging packages", lambda: _check_logging_packages(args), ()),
+            ("megatron-core", lambda: _check_megatron_core(args, quantized()), ("sdp4bit",))]
 
 
 def check_installed(args: argparse.Namespace, quantized: bool) -> None:
-    """Refuse (one :class:`ArgumentsError` line) the flags this machine cannot honour and
-    warn once about the ones it honours at a cost (module docstring). ``quantized``: the run
-    installs SDP4Bit's collectives (a quantization flag is on)."""
-    devices.check_backend(args, _cuda(), _device_count())
-    _check_transformer_engine(args)
-    _check_context_parallel(args)
-    _check_logging_packages(args)
-    _check_megatron_core(args, quantized)
+    """Refuse (one :class:`ArgumentsError` for all of them) the flags this machine cannot
+    honour and warn once about the ones it honours at a cost (module docstring).
+    ``quantized``: the run installs SDP4Bit's collectives (a quantization flag is on)."""
+    refusals = Refusals()
+    for name, step, _ in installed_steps(args, lambda: quantized):
+        refusals.run(name, step)
+    refusals.raise_if_any()

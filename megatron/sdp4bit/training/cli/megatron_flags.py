@@ -9,7 +9,8 @@ this trainer does not support. Three kinds, all in this module:
   :mod:`.rampup_flags`), ``--exit-duration-in-mins``, ``--distributed-timeout-minutes``,
   ``--distributed-backend`` (defined in ``arguments.py``, checked in :mod:`.devices`),
   the scheduler's checkpoint override, the TensorBoard logging switches, the transformer
-  switches of :func:`transformer_config_overrides`, ``--exit-signal-handler`` and
+  switches of :func:`transformer_config_overrides` (``--apply-layernorm-1p`` among them),
+  ``--empty-unused-memory-level`` (training/step.py), ``--exit-signal-handler`` and
   ``--exit-signal`` (training/guards/exit_signal.py), the logging and profiling flags of
   :mod:`.observe_flags`, and flags whose one accepted value is
   what this trainer does (:data:`ONLY_VALUE`; other values are refused);
@@ -18,23 +19,21 @@ this trainer does not support. Three kinds, all in this module:
 * :data:`NO_OP_FLAGS`: accepted and ignored, each where doing nothing is harmless (the same
   results, only speed or I/O timing could differ), with the reason; docs/flags.md lists them.
 
-:func:`add_megatron_flags` adds them to the parser; :func:`check_megatron_flags` is the
-first step of validation (it must turn ``--train-samples`` into ``train_iters`` before the
-required-flag check).
+:func:`add_megatron_flags` adds them to the parser; :func:`refused_flags` lists the refused
+ones for the parse's one message; :func:`resolve_training_length` and :func:`check_switches`
+are steps of validation (``validate.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 
 from megatron.sdp4bit.training.cli.errors import ArgumentsError
-from megatron.sdp4bit.training.cli.megatron_lm_flags import refusal_message
 from megatron.sdp4bit.training.cli.rampup_flags import check_rampup_values, rampup_iterations
 from megatron.sdp4bit.training.guards.exit_signal import EXIT_SIGNALS
 
-__all__ = ["NO_OP_FLAGS", "ONLY_VALUE", "REFUSED_FLAGS", "add_megatron_flags",
-           "check_megatron_flags", "refused_flags", "scheduler_steps",
+__all__ = ["NO_OP_FLAGS", "ONLY_VALUE", "REFUSED_FLAGS", "add_megatron_flags", "check_switches",
+           "refused_flags", "resolve_training_length", "scheduler_steps",
            "transformer_config_overrides"]
 
 # Flag -> why doing nothing is harmless here. Switches unless listed in _NO_OP_VALUES.
@@ -118,7 +117,6 @@ REFUSED_FLAGS: dict[str, tuple[int | str, str]] = {
                                     "initialization (SDP4Bit's replicas must stay identical)"),
     "--init-method-xavier-uniform": (0, "initialization is normal with --init-method-std"),
     "--fp8-format": (1, "fp8 training is not supported"),
-    "--apply-layernorm-1p": (0, "not wired to the layer spec"),
     "--apply-residual-connection-post-layernorm": (0, "not wired to the layer spec"),
     "--squared-relu": (0, "the activation is GeLU (--openai-gelu: its tanh approximation), "
                        "or SwiGLU with --swiglu"),
@@ -133,7 +131,6 @@ REFUSED_FLAGS: dict[str, tuple[int | str, str]] = {
 # Flags whose one accepted value is what this trainer does: flag -> (type, value, reason).
 ONLY_VALUE: dict[str, tuple[type, object, str]] = {
     "--dataloader-type": (str, "single", "the training data is read once, in order"),
-    "--empty-unused-memory-level": (int, 0, "the CUDA caching allocator is never emptied"),
     "--rerun-mode": (str, "disabled", "the rerun state machine is not used"),
     "--async-strategy": (str, "mcore", "--async-save uses megatron-core's own asynchronous "
                          "writer; nvidia-resiliency-ext's is not a requirement here"),
@@ -221,6 +218,15 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rope-scaling-factor", type=float, default=None,
                    help="with --use-rope-scaling: the scaling factor (default 8.0, "
                    "Megatron-LM's)")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="zero-centred layer norms: each norm's weight starts at 0 and scales "
+                   "by 1 + weight (megatron-core's layernorm_zero_centered_gamma; weight decay "
+                   "then pulls the scale towards 1); LayerNorm and RMSNorm alike")
+    g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
+                   help="release the CUDA caching allocator's unused blocks "
+                   "(torch.cuda.empty_cache()): 1 after each forward-backward pass and each "
+                   "evaluation step, 2 also after each optimizer step, as Megatron-LM; less "
+                   "fragmentation, slower; nothing to release on CPU")
     for flag, (kind, value, why) in ONLY_VALUE.items():
         g.add_argument(flag, type=kind, default=value, help=f"only {value}: {why}")
 
@@ -255,14 +261,10 @@ def refused_flags(args: argparse.Namespace) -> list[tuple[str, str]]:
     return out
 
 
-def _check_refused(args: argparse.Namespace) -> None:
-    refused = refused_flags(args)
-    if refused:
-        _fail(refusal_message(refused))
-
-
-def _resolve_training_length(args: argparse.Namespace) -> None:
-    """Megatron-LM's rules: iteration- or sample-based, never a mix."""
+def resolve_training_length(args: argparse.Namespace) -> None:
+    """Megatron-LM's rules: iteration- or sample-based, never a mix; with
+    ``--train-samples``, ``args.train_iters`` from it (the first step of validation: the
+    required-flag check needs it)."""
     if args.train_samples is None:
         if args.rampup_batch_size is not None:
             check_rampup_values(args)  # refused: it needs --train-samples
@@ -299,7 +301,8 @@ def _resolve_training_length(args: argparse.Namespace) -> None:
     args.train_iters = args.train_samples // gbs  # a fixed batch per iteration
 
 
-def _check_switches(args: argparse.Namespace) -> None:
+def check_switches(args: argparse.Namespace) -> None:
+    """The transformer and exit switches: contradictions refused, aliases resolved."""
     if args.use_flash_attn:
         if args.attention_backend not in ("auto", "flash"):
             _fail(f"--use-flash-attn and --attention-backend {args.attention_backend} "
@@ -356,14 +359,6 @@ def _check_exit_signal(args: argparse.Namespace) -> None:
     args.exit_signal = args.exit_signal or "SIGTERM"  # Megatron-LM's default
 
 
-def check_megatron_flags(args: argparse.Namespace) -> None:
-    """First validation step: refusals, sample-based training, switches (in place)."""
-    args.start_time = time.time()  # --exit-duration-in-mins counts from here
-    _check_refused(args)
-    _resolve_training_length(args)
-    _check_switches(args)
-
-
 def scheduler_steps(args: argparse.Namespace) -> tuple[int, int, int]:
     """(warm-up, decay, weight-decay increment) lengths of the schedule in samples, which is
     how megatron-core's scheduler counts (``step(increment=global batch)``)."""
@@ -401,6 +396,8 @@ def transformer_config_overrides(args: argparse.Namespace) -> dict:
         out["clone_scatter_output_in_embedding"] = False
     if args.recompute_modules is not None:
         out["recompute_modules"] = list(args.recompute_modules)
+    if args.apply_layernorm_1p:
+        out["layernorm_zero_centered_gamma"] = True
     if args.attention_backend != "auto":
         from megatron.core.transformer.enums import AttnBackend
 

@@ -64,8 +64,6 @@ MEGATRON_LM_FLAGS: dict[str, str] = {
     '--decoder-last-pipeline-num-layers': 'distributed init',
     '--decoder-num-layers': 'network size',
     '--decoder-seq-length': 'data and dataloader',
-    '--decoupled-lr': 'learning rate and weight decay',
-    '--decoupled-min-lr': 'learning rate and weight decay',
     '--defer-embedding-wgrad-compute': 'transformer configuration',
     '--delay-offload-until-cuda-graph': 'transformer configuration',
     '--delay-wgrad-compute': 'transformer configuration',

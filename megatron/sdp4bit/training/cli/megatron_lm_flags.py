@@ -9,17 +9,20 @@ title of the argument group Megatron-LM puts them in. A launch that passes one g
 here, not argparse's bare "unrecognized arguments"; the 0.19.2 test pass checks that every
 flag of that parser is in this trainer's parser or in that list.
 
-:func:`refusal_message` words several refusals as one line, so that one launch tells the
-user everything to drop.
+:func:`flag_refusals` words them as refusals that parsing collects with validation's, so
+that one launch tells the user everything to drop (errors.py, [Note: every refusal in one
+message]).
 """
 
 from __future__ import annotations
 
 import re
 
+from megatron.sdp4bit.training.cli.errors import Refusal, message_of
 from megatron.sdp4bit.training.cli.megatron_lm_flag_list import MEGATRON_LM_FLAGS
 
-__all__ = ["FLAG_REASONS", "GROUP_REASONS", "reason", "refusal_message", "unknown_flags"]
+__all__ = ["FLAG_REASONS", "GROUP_REASONS", "flag_refusals", "reason", "refusal_message",
+           "unknown_flags"]
 
 _NOT_GPT = "it is for {} models: this trainer builds decoder-only GPTs"
 _NOT_HERE = "{} is not part of this trainer"
@@ -38,7 +41,7 @@ GROUP_REASONS: dict[str, str] = {
     "SDP4Bit quantizes",
     "training": "a training-loop option of Megatron-LM that this trainer does not implement",
     "learning rate and weight decay": "a learning-rate option that this trainer does not "
-    "implement (decoupled learning rates, the WSD schedule, frozen layers)",
+    "implement (the WSD schedule, frozen layers)",
     "regularization": "an optimizer option that this trainer does not wire: its optimizers are "
     "Adam and SGD (--optimizer)",
     "checkpointing": "a checkpoint option that this trainer does not implement: checkpoints "
@@ -123,15 +126,17 @@ def unknown_flags(extras: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
     return refused, other
 
 
+def flag_refusals(refused: list[tuple[str, str]], unrecognized: list[str] = ()
+                  ) -> list[Refusal]:
+    """The refusals of flags: ``refused`` holds (what was given, why); ``unrecognized``
+    what the parser does not know at all, as typed (one refusal for all of it)."""
+    out = [Refusal(f"{given} is not supported by this trainer: {why}", f"{given}: {why}")
+           for given, why in refused]
+    if unrecognized:
+        out.append(Refusal(f"unrecognized arguments: {' '.join(unrecognized)}"))
+    return out
+
+
 def refusal_message(refused: list[tuple[str, str]], unrecognized: list[str] = ()) -> str:
     """One line for every refusal at once. ``refused`` holds (what was given, why)."""
-    if len(refused) == 1 and not unrecognized:
-        given, why = refused[0]
-        return f"{given} is not supported by this trainer: {why}"
-    if not refused:
-        return f"unrecognized arguments: {' '.join(unrecognized)}"
-    parts = [f"{given}: {why}" for given, why in refused]
-    if unrecognized:
-        parts.append(f"unrecognized arguments: {' '.join(unrecognized)}")
-    return (f"{len(refused) + bool(unrecognized)} problems with this command line; drop or "
-            f"replace each: " + "; ".join(f"({i}) {p}" for i, p in enumerate(parts, 1)))
+    return message_of(flag_refusals(refused, unrecognized))

@@ -1,4 +1,6 @@
-"""Validation and derived values of the parsed command line (Megatron-LM's rules)."""
+"""Validation and derived values of the parsed command line (Megatron-LM's rules), as named
+steps whose refusals are collected into one message (:data:`STEPS`; errors.py, [Note: every
+refusal in one message])."""
 
 from __future__ import annotations
 
@@ -6,11 +8,14 @@ import argparse
 import math
 import os
 import re
+import time
 
 from megatron.sdp4bit.config_flags import in_flag_words, sdp4bit_config_from_args
-from megatron.sdp4bit.training.cli.errors import ArgumentsError
+from megatron.sdp4bit.training.cli.errors import ArgumentsError, Refusals, warn
 from megatron.sdp4bit.training.cli.installed import uses_transformer_engine
-from megatron.sdp4bit.training.cli.megatron_flags import check_megatron_flags, scheduler_steps
+from megatron.sdp4bit.training.cli.megatron_flags import (check_switches,
+                                                          resolve_training_length,
+                                                          scheduler_steps)
 from megatron.sdp4bit.training.cli.moe_flags import check_moe_flags
 from megatron.sdp4bit.training.cli.observe_flags import check_observe_flags
 from megatron.sdp4bit.training.cli.rampup_flags import check_rampup_sizes
@@ -128,7 +133,9 @@ def _check_parallel(args: argparse.Namespace) -> None:
         _fail(f"--num-query-groups={args.num_query_groups} is not divisible by "
               f"--tensor-model-parallel-size={tp}")
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
-        args.sequence_parallel = False  # Megatron-LM does the same: nothing to split
+        # Megatron-LM's words and rule: nothing to split, and the numerics stay TP 1's
+        warn("Disabling sequence parallelism because tensor model parallelism is disabled")
+        args.sequence_parallel = False
     per_step = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size is None:
         args.global_batch_size = per_step
@@ -203,19 +210,10 @@ def _check_virtual_pipeline(args: argparse.Namespace) -> None:
               f"data-parallel size)) to be a multiple of --pipeline-model-parallel-size={pp}")
 
 
-def _check_optimizer(args: argparse.Namespace) -> None:
+def _check_precision(args: argparse.Namespace) -> None:
+    """Precision, loss scale and what a resume keeps; needs no other step."""
     if args.fp16 and args.bf16:
         _fail("--fp16 and --bf16 are mutually exclusive: pass one")
-    if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
-        _fail("--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive: pass one")
-    if args.min_lr > args.lr:
-        _fail(f"--min-lr={args.min_lr} exceeds --lr={args.lr}")
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    if args.start_weight_decay is None:
-        args.start_weight_decay = args.weight_decay
-    if args.end_weight_decay is None:
-        args.end_weight_decay = args.weight_decay
     if args.loss_scale == 0:
         args.loss_scale = None  # Megatron-LM: 0 means dynamic loss scaling
     for flag, value in (("--loss-scale", args.loss_scale),
@@ -225,24 +223,58 @@ def _check_optimizer(args: argparse.Namespace) -> None:
             _fail(f"{flag}={value:g} is not a positive normal fp32 number "
                   f"({FP32_TINY:.3g} to {FP32_MAX:.3g}): the gradients would be unscaled by "
                   "Inf or 0")
-    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
-        _fail("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
-              "contradict each other: pass one")
     args.params_dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     if args.grad_reduce_in_bf16 and not args.bf16:
         _fail("--grad-reduce-in-bf16 needs --bf16: it keeps the gradients in the bf16 "
               "parameters' dtype (with --fp16 or fp32 parameters they are reduced in fp32)")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        _fail("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
+              "contradict each other: pass one")
     if args.finetune and not (args.load or args.pretrained_checkpoint):
         _fail("--finetune needs --load (the checkpoint whose weights to start from) or "
               "--pretrained-checkpoint")
     if (args.finetune or args.pretrained_checkpoint) and args.use_checkpoint_opt_param_scheduler:
         _fail("--use-checkpoint-opt_param-scheduler contradicts --finetune / "
               "--pretrained-checkpoint, which start a fresh learning-rate schedule: drop it")
+
+
+def _check_schedule(args: argparse.Namespace) -> None:
+    """The learning-rate and weight-decay schedule (reads --lr, the iterations and the
+    global batch)."""
+    if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
+        _fail("--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive: pass one")
+    if args.min_lr > args.lr:
+        _fail(f"--min-lr={args.min_lr} exceeds --lr={args.lr}")
+    _check_decoupled_lr(args)
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.start_weight_decay is None:
+        args.start_weight_decay = args.weight_decay
+    if args.end_weight_decay is None:
+        args.end_weight_decay = args.weight_decay
     warmup, decay, _ = scheduler_steps(args)
     if warmup >= decay:  # megatron-core's scheduler asserts it
         _fail(f"the learning-rate warm-up ({warmup} samples) is not shorter than the decay "
               f"({decay} samples, --lr-decay-iters or --train-iters x global batch): lower "
               "--lr-warmup-iters/--lr-warmup-samples/--lr-warmup-fraction")
+
+
+def _check_decoupled_lr(args: argparse.Namespace) -> None:
+    """``--decoupled-lr`` / ``--decoupled-min-lr``: the embedding's and output layer's own
+    learning rate and floor (megatron-core's ``decoupled_lr``, training/model.py)."""
+    lr, floor = args.decoupled_lr, args.decoupled_min_lr
+    if floor is not None and lr is None:
+        _fail("--decoupled-min-lr needs --decoupled-lr (without it the embedding and output "
+              "layer follow --lr and --min-lr)")
+    if lr is None:
+        return
+    if not lr >= 0:  # also refuses NaN
+        _fail(f"--decoupled-lr={lr} must be >= 0")
+    low = args.min_lr if floor is None else floor
+    if not 0 <= low <= lr:
+        _fail(f"--decoupled-min-lr={low} must be in 0 .. --decoupled-lr={lr}" if floor is not None
+              else f"--decoupled-lr={lr} is below --min-lr={low}, which the embedding and "
+              "output layer keep as their floor: pass --decoupled-min-lr too")
 
 
 PER_SPLIT_FLAGS = ("--train-data-path", "--valid-data-path", "--test-data-path")
@@ -435,17 +467,33 @@ def _check_checkpoint(args: argparse.Namespace) -> None:
             _fail(f"--ckpt-step={args.ckpt_step} must be an iteration number >= 0")
 
 
-def validate_args(args: argparse.Namespace) -> None:
-    """Check ``args`` in place and fill derived values; raise :class:`ArgumentsError`."""
-    check_megatron_flags(args)  # first: --train-samples sets train_iters
-    _check_required(args)
-    _check_model(args)
-    _check_parallel(args)
-    check_moe_flags(args, transformer_engine=uses_transformer_engine(args.transformer_impl))
-    _check_optimizer(args)
-    _check_data(args)
-    _check_memory(args)
-    _check_sdp4bit(args)
-    _check_logging(args)
-    check_observe_flags(args)
-    _check_checkpoint(args)
+# The validation steps, in order: (name, check, the steps whose values it reads). A refused
+# step leaves out the steps that need it (errors.py, [Note: every refusal in one message]).
+STEPS = (
+    ("training length", resolve_training_length, ()),  # --train-samples sets train_iters
+    ("switches", check_switches, ()),
+    ("required", _check_required, ("training length",)),
+    ("model", _check_model, ("required",)),
+    ("parallel", _check_parallel, ("required", "model")),
+    ("moe", lambda a: check_moe_flags(
+        a, transformer_engine=uses_transformer_engine(a.transformer_impl)), ("parallel",)),
+    ("precision", _check_precision, ()),
+    ("schedule", _check_schedule, ("required", "parallel")),
+    ("data", _check_data, ()),
+    ("memory", _check_memory, ("model", "precision")),
+    ("sdp4bit", _check_sdp4bit, ("moe", "precision")),
+    ("logging", _check_logging, ()),
+    ("observe", check_observe_flags, ()),
+    ("checkpoint", _check_checkpoint, ()),
+)
+
+
+def validate_args(args: argparse.Namespace, refusals: Refusals | None = None) -> None:
+    """Check ``args`` in place and fill derived values. Every refusal goes to ``refusals``;
+    without one, they are raised together as one :class:`ArgumentsError`."""
+    args.start_time = time.time()  # --exit-duration-in-mins counts from here
+    collect = Refusals() if refusals is None else refusals
+    for name, step, needs in STEPS:
+        collect.run(name, lambda step=step: step(args), needs)
+    if refusals is None:
+        collect.raise_if_any()

@@ -5,7 +5,7 @@
 handler is ``exit_signal.py``), then the interval, then the duration. The signal's and the
 duration's checks are collectives over the default group, called by every rank after every
 iteration, so all ranks stop after the same one. The flags are parsed in
-``cli/megatron_flags.py``, which also records ``args.start_time``. What is saved before the
+``cli/megatron_flags.py``; ``cli/validate.py`` records ``args.start_time``. What is saved before the
 exit is the checkpoint policy's (``training/checkpoint/policy.py``).
 """
 

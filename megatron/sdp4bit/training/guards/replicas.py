@@ -65,8 +65,8 @@ def gather_pending(overlap_param_gather: bool, quantized_weights: bool) -> bool:
     returns. With ``--overlap-param-gather`` megatron-core's optimizer writes each rank's
     own shard into the replica and leaves the all-gather to the next forward pass: until
     then the replicas differ by design. qWD's optimizer leaves the replica alone (its
-    all-gather applies the weight difference), so there it stays identical meanwhile, and
-    forcing an extra quantized gather would change the run's numerics."""
+    all-gather applies the weight difference), so there it stays identical meanwhile and the
+    check needs no all-gather."""
     return overlap_param_gather and not quantized_weights
 
 

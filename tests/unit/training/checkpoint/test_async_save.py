@@ -169,7 +169,8 @@ class _LoopSaves:
 def _loop_state(monkeypatch, log):
     args = argparse.Namespace(save="CK", ckpt_format="torch_dist", async_save=True,
                               async_save_timeout_seconds=600.0,
-                              tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+                              tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                              overlap_param_gather=False)
     state = loop.TrainState(model=[], optimizer=None, scheduler=None, datasets=[],
                             vocab_size=0)
     saves = _LoopSaves(log)

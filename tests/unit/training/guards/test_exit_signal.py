@@ -53,7 +53,8 @@ def test_the_loops_exit_saves_once_and_says_what_it_did(monkeypatch, capsys, cas
     args = argparse.Namespace(save=None if case == "no --save" else "CK", ckpt_format="torch_dist",
                               tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                               async_save=False, save_interval=7 if "interval" in case else None,
-                              train_iters=10, exit_interval=None, exit_duration_in_mins=None)
+                              train_iters=10, exit_interval=None, exit_duration_in_mins=None,
+                              overlap_param_gather=False)
     state = loop.TrainState(model=[], optimizer=None, scheduler=None, datasets=[],
                             vocab_size=0, iteration=7)
     if case == "diverging":

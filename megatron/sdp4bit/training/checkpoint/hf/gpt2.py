@@ -32,7 +32,7 @@ def mismatches(model: dict) -> list[str]:
     wrong = differences(model, {
         "position_embedding_type": "learned_absolute", "normalization": "LayerNorm",
         "swiglu": False, "add_bias_linear": True, "untie_embeddings_and_output_weights": False,
-        "qk_layernorm": False, "num_experts": None})
+        "qk_layernorm": False, "apply_layernorm_1p": False, "num_experts": None})
     heads, hidden = model["num_attention_heads"], model["hidden_size"]
     if kv_heads(model) != heads:
         wrong.append(f"num_query_groups is {model['num_query_groups']} (needs one per head, "

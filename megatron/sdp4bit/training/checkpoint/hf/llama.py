@@ -20,7 +20,8 @@ def mismatches(model: dict) -> list[str]:
     """What keeps the settings from being a LlamaForCausalLM (empty: nothing)."""
     wrong = differences(model, {"position_embedding_type": "rope", "normalization": "RMSNorm",
                                 "swiglu": True, "add_bias_linear": False,
-                                "qk_layernorm": False, "num_experts": None})
+                                "qk_layernorm": False, "apply_layernorm_1p": False,
+                                "num_experts": None})
     # The rotary percent only acts with RoPE; transformers' Llama rotates the whole head.
     if model.get("position_embedding_type") == "rope" and model["rotary_percent"] != 1.0:
         wrong.append(f"rotary_percent is {model['rotary_percent']!r} (needs 1.0)")
