@@ -10,7 +10,7 @@ as 2 nodes x 2 ranks (``--dp-ranks-per-node 2``): both hops of TLq-HS (8-bit ins
 pipeline (tests/helpers/shared_device.py). Asserted:
 
 - the exact number of quantized collectives on a rank: 13 buckets x 12 iterations = 156
-  reduce-scatters and 13 x 13 = 169 all-gathers (``shared_device.expected_counts``), so a run
+  reduce-scatters and as many all-gathers (``shared_device.expected_counts``), so a run
   that quantizes nothing fails here;
 - the bf16 replicas bitwise identical on the data-parallel ranks after every iteration
   (``--check-replicas-interval 1`` stops the run at the first bucket that differs);
@@ -77,7 +77,7 @@ def test_sdp4bit_quantizes_between_four_ranks_on_one_gpu(tmp_path):
     assert "data-parallel topology: 4 ranks = 2 per node x 2 nodes" in out
     assert "stochastic rounding, triton kernels" in out
     assert shared_device.counts(out) == (
-        BUCKETS, *shared_device.expected_counts(BUCKETS, ITERATIONS)) == (BUCKETS, 156, 169)
+        BUCKETS, *shared_device.expected_counts(BUCKETS, ITERATIONS)) == (BUCKETS, 156, 156)
     _train("torch", tmp_path / "torch.jsonl")
     triton, torch_ref = ([(r["iteration"], r["lm_loss"], r["grad_norm"]) for r in
                           read_metrics(tmp_path / f"{name}.jsonl")[0]]

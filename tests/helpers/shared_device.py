@@ -30,11 +30,11 @@ COUNTS = re.compile(r"SDP4Bit on this rank: (\d+) quantized gradient reduce-scat
 
 def expected_counts(buckets: int, iterations: int) -> tuple[int, int]:
     """(reduce-scatters, all-gathers) one rank quantizes in a run of :data:`SDP4BIT`: one
-    reduce-scatter per bucket and step; one all-gather per bucket in every step's forward pass
-    (megatron-core's forward pre-hook with --overlap-param-gather dispatches each bucket's
-    gather before its first use, the first iteration's included) and one more for the last
-    step's update, gathered when SDP4Bit is uninstalled at the end of the run."""
-    return buckets * iterations, buckets * (iterations + 1)
+    reduce-scatter per bucket and step; one all-gather per bucket and step, each step's update
+    sent once (megatron-core's forward pre-hook with --overlap-param-gather dispatches it in
+    the next iteration's forward pass; the last step's when SDP4Bit is uninstalled at the end
+    of the run). The first iteration's forward pass has no update to send and sends nothing."""
+    return buckets * iterations, buckets * iterations
 
 
 def counts(stdout: str) -> tuple[int, int, int]:
