@@ -110,7 +110,7 @@ class CheckpointPolicy:
             print(format_saving(state.iteration, args.save, args.ckpt_format), flush=True)
         formats.save(args, state.iteration, state.consumed_samples, state.model,
                      state.optimizer, state.scheduler, state.settings,
-                     sdp4bit_handle=state.sdp4bit_handle, background=self.saves)
+                     sdp4bit=state.lifecycle, background=self.saves)
         if self.saves is not None:
             if dist.get_rank() == 0:
                 print(format_scheduled(state.iteration, args.save), flush=True)
