@@ -9,7 +9,7 @@ process group that only knows its rank and size: nothing is ever sent). It is bu
 as the baseline lays its buckets out, and inside ``sdp4bit_padding`` as SDP4Bit does. It then
 reads off the buckets, sizes SDP4Bit's wire buffers with the comm layer's own functions
 (``reduce_scatter.hops``, ``format.message_nbytes``), counts bytes per step with the
-project's accounting (``CommStats``, ``integration.byte_counts``), and evaluates a stated
+project's accounting (``CommStats``, ``integration.accounting``), and evaluates a stated
 *model* of step time against link bandwidth next to the paper's Table 2.
 
     python -m benchmarks.scale                  # prints the report (a few minutes)
@@ -115,7 +115,7 @@ def build_rank(model: str, tp: int, pp: int, dp: int, rank: int, ranks_per_node:
     from megatron.sdp4bit.integration import sdp4bit_padding
     from megatron.sdp4bit.integration.buckets import main_shard_numel
     from megatron.sdp4bit.quantization.format import message_nbytes
-    from megatron.sdp4bit.integration.byte_counts import add_unquantized_iteration
+    from megatron.sdp4bit.integration.accounting import add_unquantized_iteration
     from megatron.sdp4bit.integration.topologies import ModelTopologies
     from megatron.sdp4bit.training.tokenizers import padded_vocab_size
 
@@ -150,7 +150,7 @@ def build_rank(model: str, tp: int, pp: int, dp: int, rank: int, ranks_per_node:
                 gpt.bfloat16 = lambda: gpt
                 with sdp4bit_padding(padding) if padding else _nothing():
                     ddp = DistributedDataParallel(config, ddp_config, Float16Module(config, gpt))
-                # Every buffer, as integration/byte_counts.py counts them; this rank's fp32 main
+                # Every buffer, as integration/accounting.py counts them; this rank's fp32 main
                 # parameters are the distributed optimizer's shard ranges of them.
                 buffers = list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", []))
                 main = main_shard_numel(buffers)
@@ -356,7 +356,7 @@ def markdown(results: list[dict], meta: dict) -> str:
                          f"{bk['qwd_message_bytes']:,} | {hops_txt} |")
     lines += ["", "## Bytes per step per GPU by hop (MiB, sent, rank with the most)", "",
               "Computed with the project's accounting: megatron-core's collectives by "
-              "`integration.byte_counts.add_unquantized_iteration`, SDP4Bit's by `CommStats` and "
+              "`integration.accounting.add_unquantized_iteration`, SDP4Bit's by `CommStats` and "
               "the reduce-scatter's own counter (ideal collectives: a backend may send more).",
               "", "| model | cluster | DP | N | params intra | params inter | grads intra | "
               "grads inter | total | reduction |", "|---|---|---|---|---|---|---|---|---|---|"]

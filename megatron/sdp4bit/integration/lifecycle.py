@@ -13,7 +13,7 @@ words; each keeps only the adapter that calls them at its own points:
 * every iteration: :meth:`~SDP4BitLifecycle.start_iteration` before the step (the rounding
   streams, ``--gradients-quantization-start-iteration``), and
   :meth:`~SDP4BitLifecycle.finish_iteration` after it; the bytes since the last look,
-  :meth:`~SDP4BitLifecycle.take_bytes` ([Note: one byte-accounting path], byte_counts.py);
+  :meth:`~SDP4BitLifecycle.take_bytes` ([Note: one byte-accounting path], accounting.py);
 * the end line, with the replica check of ``replicas.py`` (:meth:`~SDP4BitLifecycle.end_line`);
 * ``--gradient-error-feedback``'s state in a checkpoint: taken for a save, restored from a
   load, kept until the install when the trainer loads first (Megatron-LM's does), and the
@@ -30,7 +30,8 @@ import torch.distributed as dist
 from megatron.sdp4bit.comm.stats import CommStats
 from megatron.sdp4bit.config import SDP4BitConfig
 from megatron.sdp4bit.config_flags import in_flag_words, sdp4bit_config_from_args
-from megatron.sdp4bit.integration.byte_counts import ByteCounts, add_unquantized_iteration
+from megatron.sdp4bit.comm.byte_counts import ByteCounts
+from megatron.sdp4bit.integration.accounting import add_unquantized_iteration
 from megatron.sdp4bit.integration.support import Setup, check_supported
 from megatron.sdp4bit.integration.topologies import ModelTopologies
 

@@ -3,7 +3,7 @@
 The bytes come from SDP4Bit's lifecycle (``integration/lifecycle.py``): what SDP4Bit's
 collectives sent, and megatron-core's own collectives counted by the same rule where
 SDP4Bit does not replace them (every one of them in a baseline run), so both runs' fields
-compare ([Note: one byte-accounting path], integration/byte_counts.py). All are computed,
+compare ([Note: one byte-accounting path], integration/accounting.py). All are computed,
 ideal figures: gloo's ``reduce_scatter_tensor``, for one, sends about 3x what it counts
 (an all-reduce). This module names them: the JSON-lines keys (:data:`FIELDS`), which the
 tools under ``tools/`` read, and from those the TensorBoard names both trainers share
@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron.sdp4bit.comm.stats import COUNTERS
-from megatron.sdp4bit.integration.byte_counts import ByteCounts
+from megatron.sdp4bit.comm.byte_counts import ByteCounts
 
 FIELDS = {
     "comm_bytes_params_intra": "param_intra_bytes",
@@ -50,7 +50,7 @@ def log_fields(counts: ByteCounts) -> dict[str, int]:
 
 def scalars_of_record(record: dict[str, Any]) -> dict[str, int]:
     """The TensorBoard (and W&B) values of a record's byte fields, under the names both
-    trainers write (``integration/byte_counts.py``); nothing for a record without them."""
+    trainers write (``comm/byte_counts.py``); nothing for a record without them."""
     if not all(key in record for key in FIELDS):
         return {}
     expert = None

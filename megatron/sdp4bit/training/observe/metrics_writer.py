@@ -16,7 +16,7 @@ these runs unchanged; SDP4Bit's own figures are under ``sdp4bit/``. Which tag wh
   ``throughput`` (TFLOP/s per GPU), which Megatron-LM writes only with
   ``--log-timers-to-tensorboard`` and this trainer always; SDP4Bit's bytes per iteration,
   under the names Megatron-LM's trainer gets them through the plug-in too
-  (``integration/byte_counts.py``); with ``--log-timers-to-tensorboard`` the timers as
+  (``comm/byte_counts.py``); with ``--log-timers-to-tensorboard`` the timers as
   ``<name>-time`` (seconds, the maximum over ranks; SDP4Bit's phases as
   ``sdp4bit/<phase>-time``);
 * at each evaluation: ``lm loss validation`` and ``lm loss validation vs samples``, with

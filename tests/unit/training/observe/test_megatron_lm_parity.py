@@ -23,7 +23,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from megatron.sdp4bit.training.cli.arguments import parse_args
 from megatron.sdp4bit.training.observe import logging as console
-from megatron.sdp4bit.integration.byte_counts import BYTE_SCALARS
+from megatron.sdp4bit.comm.byte_counts import BYTE_SCALARS
 from megatron.sdp4bit.training.observe.comm_counters import FIELDS
 from megatron.sdp4bit.training.observe.metrics_writer import MetricsWriter
 
