@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from megatron.sdp4bit.comm.stats import CommStats
+from megatron.sdp4bit.integration.buckets import dense_buffers, expert_buffers
 from megatron.sdp4bit.integration.topologies import ModelTopologies
 
 
@@ -31,9 +32,10 @@ def add_unquantized_iteration(stats: CommStats, model_chunks, topologies: ModelT
     all-reduce). The expert buffers' go to ``expert_stats``, a part of ``stats``
     (``CommStats.part``), on the expert group's topology."""
     for chunk in model_chunks:
-        _add_buffers(stats, chunk.buffers, topologies.dense, chunk.ddp_config, params, grads)
+        _add_buffers(stats, dense_buffers(chunk), topologies.dense, chunk.ddp_config, params,
+                     grads)
         if topologies.expert is not None:
-            _add_buffers(expert_stats, chunk.expert_parallel_buffers, topologies.expert,
+            _add_buffers(expert_stats, expert_buffers(chunk), topologies.expert,
                          chunk.ddp_config, params, grads)
 
 

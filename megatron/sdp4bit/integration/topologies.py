@@ -14,6 +14,7 @@ import dataclasses
 
 from megatron.sdp4bit.comm import DPTopology, build_topology
 from megatron.sdp4bit.comm.topology import node_id
+from megatron.sdp4bit.integration.buckets import dense_buffers, expert_buffers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,9 +51,8 @@ def model_topologies(model_chunks, dp_ranks_per_node: int | None) -> ModelTopolo
     """The topologies of ``model_chunks``' (megatron-core DDP modules) buffers' groups.
     Collective over the world (``build_topology``): every rank calls it at the same point,
     and every rank has expert-parallel buffers or none does."""
-    dense = _one_group([b for chunk in model_chunks for b in chunk.buffers], "dense")
-    expert = _one_group([b for chunk in model_chunks
-                         for b in getattr(chunk, "expert_parallel_buffers", [])], "expert")
+    dense = _one_group([b for chunk in model_chunks for b in dense_buffers(chunk)], "dense")
+    expert = _one_group([b for chunk in model_chunks for b in expert_buffers(chunk)], "expert")
     return ModelTopologies(
         dense=None if dense is None else build_topology(dense, dp_ranks_per_node),
         expert=None if expert is None else build_topology(
