@@ -99,18 +99,15 @@ def main(argv: list[str] | None = None) -> int:
         build.print_topology(args, ranks_per_node)
         lock = build.claim_save_dir(args)
         announce("building the model, the optimizer and the datasets")
-        state, transformer_config = build.build_state(args, sdp4bit_config)
-        state.ranks_per_node = ranks_per_node
-        handle = sdp4bit_setup.install(
-            sdp4bit_config, state, transformer_config,
-            allow_untested_version=args.allow_untested_megatron_core)
+        state, _ = build.build_state(args, sdp4bit_config)
+        sdp4bit_setup.install(sdp4bit_config, state,
+                              allow_untested_version=args.allow_untested_megatron_core)
         build.restore(args, state)
         announce(f"training iterations {state.iteration + 1} to {args.train_iters}, a log "
                  f"line every {args.log_interval}")
-        loop.train(args, state, on_iteration=sdp4bit_setup.iteration_hook(handle),
-                   exit_signal=signal_handler)
-        sdp4bit_setup.uninstall(args, state, handle)
-        sdp4bit_setup.print_summary(args, state, handle)
+        loop.train(args, state, exit_signal=signal_handler)
+        sdp4bit_setup.uninstall(args, state)
+        sdp4bit_setup.print_summary(args, state)
     except build.USER_ERRORS as err:
         refused = True
         return _report(err, args.debug)

@@ -118,9 +118,8 @@ def worker(out: str, flags: list[str]) -> None:
     build.init_distributed(args)
     config = config.replace(dp_ranks_per_node=config.dp_ranks_per_node
                             or build.detect_dp_ranks_per_node())
-    state, transformer_config = build.build_state(args, config)
-    state.ranks_per_node = config.dp_ranks_per_node
-    handle = sdp4bit_setup.install(config, state, transformer_config)
+    state, _ = build.build_state(args, config)
+    sdp4bit_setup.install(config, state)
     for opt in _inner_optimizers(state.optimizer):
         if not opt.optimizer.state:
             opt._init_optimizer_states_with_dummy_values()
@@ -147,8 +146,7 @@ def worker(out: str, flags: list[str]) -> None:
         files = {n: os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder)}
         with open(out, "w", encoding="utf-8") as f:
             json.dump({"ranks": records, "files": files}, f)
-    if handle is not None:
-        handle.uninstall()
+    state.lifecycle.uninstall(finish_param_sync=False)
     build.teardown()
 
 

@@ -9,7 +9,7 @@ process group that only knows its rank and size: nothing is ever sent). It is bu
 as the baseline lays its buckets out, and inside ``sdp4bit_padding`` as SDP4Bit does. It then
 reads off the buckets, sizes SDP4Bit's wire buffers with the comm layer's own functions
 (``reduce_scatter.hops``, ``format.message_nbytes``), counts bytes per step with the
-project's accounting (``CommStats``, ``observe.comm_counters``), and evaluates a stated
+project's accounting (``CommStats``, ``integration.accounting``), and evaluates a stated
 *model* of step time against link bandwidth next to the paper's Table 2.
 
     python -m benchmarks.scale                  # prints the report (a few minutes)
@@ -110,12 +110,13 @@ def build_rank(model: str, tp: int, pp: int, dp: int, rank: int, ranks_per_node:
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron.sdp4bit.comm import CommStats, GradientQuantConfig, WeightQuantConfig
+    from megatron.sdp4bit.comm import CommStats, DPTopology, GradientQuantConfig, WeightQuantConfig
     from megatron.sdp4bit.comm.reduce_scatter import hops, record_bytes
     from megatron.sdp4bit.integration import sdp4bit_padding
     from megatron.sdp4bit.integration.buckets import main_shard_numel
     from megatron.sdp4bit.quantization.format import message_nbytes
-    from megatron.sdp4bit.training.observe.comm_counters import add_unquantized_iteration
+    from megatron.sdp4bit.integration.accounting import add_unquantized_iteration
+    from megatron.sdp4bit.integration.topologies import ModelTopologies
     from megatron.sdp4bit.training.tokenizers import padded_vocab_size
 
     layers, hidden, heads = MODELS[model]
@@ -149,7 +150,7 @@ def build_rank(model: str, tp: int, pp: int, dp: int, rank: int, ranks_per_node:
                 gpt.bfloat16 = lambda: gpt
                 with sdp4bit_padding(padding) if padding else _nothing():
                     ddp = DistributedDataParallel(config, ddp_config, Float16Module(config, gpt))
-                # Every buffer, as observe.comm_counters counts them; this rank's fp32 main
+                # Every buffer, as integration/accounting.py counts them; this rank's fp32 main
                 # parameters are the distributed optimizer's shard ranges of them.
                 buffers = list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", []))
                 main = main_shard_numel(buffers)
@@ -164,9 +165,11 @@ def build_rank(model: str, tp: int, pp: int, dp: int, rank: int, ranks_per_node:
                 main_shard_numel=main, params=params)
             stats = CommStats()
             if padding is None:
-                add_unquantized_iteration(stats, [ddp], dp_size=dp,
-                                          ranks_per_node=ranks_per_node,
-                                          distributed_optimizer=True)
+                topology = DPTopology(group=None, world=dp, ranks_per_node=ranks_per_node,
+                                      nodes=dp // ranks_per_node, rank=0, node=0, local=0,
+                                      intra_group=None, inter_group=None)
+                add_unquantized_iteration(stats, [ddp], ModelTopologies(dense=topology),
+                                          params=True, grads=True)
             else:
                 wq, gq = WeightQuantConfig.from_sdp4bit(sdp), GradientQuantConfig.from_sdp4bit(sdp)
                 extra, messages = 0, []
@@ -353,7 +356,7 @@ def markdown(results: list[dict], meta: dict) -> str:
                          f"{bk['qwd_message_bytes']:,} | {hops_txt} |")
     lines += ["", "## Bytes per step per GPU by hop (MiB, sent, rank with the most)", "",
               "Computed with the project's accounting: megatron-core's collectives by "
-              "`observe.comm_counters.add_unquantized_iteration`, SDP4Bit's by `CommStats` and "
+              "`integration.accounting.add_unquantized_iteration`, SDP4Bit's by `CommStats` and "
               "the reduce-scatter's own counter (ideal collectives: a backend may send more).",
               "", "| model | cluster | DP | N | params intra | params inter | grads intra | "
               "grads inter | total | reduction |", "|---|---|---|---|---|---|---|---|---|---|"]

@@ -8,15 +8,23 @@ the DP group and expert weights on the expert DP group after every step; megatro
 chain of two distributed optimizers steps without a false "never reduced" error and gathers
 every bucket exactly once per step; the trainer's finite check and replica check read the
 expert buffers too (a NaN only in rank 1's expert gradients is seen on every rank); bytes
-per hop and per group equal the wire formula; then
-a gradient hook that reduces only the dense buckets is refused at the first step with no
-weight (replica or fp32 main) changed, as is one that reduces only the first of a dense
-model's bucket groups; and the chain ``overlap_param_gather_with_optimizer_step`` builds
-(two model chunks) reduces and gathers every bucket once per step. 8 ranks as 2 nodes x 4: the expert DP group of 4 spans
-both nodes with 2 ranks on each, so expert gradients take both hops, the inter one at 4 bits.
+per hop and per group equal the wire formula; with the allgather dispatcher, driven by
+SDP4Bit's lifecycle (as both trainers drive it) for 10 iterations, gradients quantized from
+iteration 5: the trainer's per-iteration bytes of its two log lines add up to the handle's
+totals since the install, megatron-core's unquantized reduce-scatters count the quantized
+one's baseline, and the end line finds the replicas identical (expert weights differ across
+the expert-parallel ranks by design) and names an expert bucket when one rank's copy is
+changed; then a gradient hook that reduces only the dense buckets is refused at the first
+step with no weight (replica or fp32 main) changed, as is one that reduces only the first of
+a dense model's bucket groups; and the chain ``overlap_param_gather_with_optimizer_step``
+builds (two model chunks) reduces and gathers every bucket once per step. 8 ranks as 2 nodes
+x 4: the expert DP group of 4 spans both nodes with 2 ranks on each, so expert gradients take
+both hops, the inter one at 4 bits.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -27,6 +35,10 @@ from tests.helpers.spawn import spawn
 pytestmark = pytest.mark.distributed
 
 STEPS = 3
+LIFECYCLE_STEPS, LOG_INTERVAL = 10, 5  # the trainer's log lines after iterations 5 and 10
+COUNTERS_ALL = ("param_intra_bytes", "param_inter_bytes", "param_intra_bytes_baseline",
+                "param_inter_bytes_baseline", "grad_intra_bytes", "grad_inter_bytes",
+                "grad_intra_bytes_baseline", "grad_inter_bytes_baseline")
 COUNTERS = ("param_intra_bytes", "param_inter_bytes", "grad_intra_bytes", "grad_inter_bytes",
             "grad_intra_bytes_baseline", "grad_inter_bytes_baseline")
 
@@ -67,23 +79,88 @@ def _train(dispatcher: str, cfg, ep: int):
     return ddp, optimizer, handle, setup
 
 
-def _check_counts_and_bytes(handle, cfg, dense_nm, expert_nm) -> None:
+def _train_with_lifecycle(cfg):
+    """The allgather dispatcher, EP 2, driven as our trainer drives SDP4Bit: the lifecycle
+    hears of every iteration and a log line takes the bytes every LOG_INTERVAL iterations.
+    Returns the lifecycle, the model, the optimizer, the setup and the log lines' fields,
+    each with its number of iterations."""
+    from tests.helpers import tiny_gpt as T
+    from megatron.sdp4bit.integration.lifecycle import SDP4BitLifecycle
+    from megatron.sdp4bit.training.observe.comm_counters import log_fields
+
+    T.init_parallel(ep=2)
+    setup = T.Setup(moe_dispatcher="allgather")
+    ddp, optimizer = T.build(setup, padding_for=cfg)
+    lifecycle = SDP4BitLifecycle(cfg.replace(gradients_quantization_start_iteration=LOG_INTERVAL))
+    lifecycle.install([ddp], optimizer)
+    lines = []
+
+    def log_line() -> None:  # what the loop logs: per iteration, averaged over the interval
+        lines.append((log_fields(lifecycle.take_bytes().per_iteration(LOG_INTERVAL)),
+                      LOG_INTERVAL))
+
+    def before_step(step: int) -> None:
+        if step:
+            lifecycle.finish_iteration()
+            if step % LOG_INTERVAL == 0:
+                log_line()
+        lifecycle.start_iteration(step)
+
+    losses = T.train_checking_replicas(ddp, optimizer, setup, LIFECYCLE_STEPS,
+                                       before_step=before_step)
+    lifecycle.finish_iteration()
+    log_line()
+    assert all(loss == loss for loss in losses), losses
+    return lifecycle, ddp, optimizer, setup, lines
+
+
+def _check_log_lines_add_up(lifecycle, lines) -> None:
+    """The log lines' per-iteration bytes, times their iterations, against the handle's
+    totals since the install (a log line resets nothing), dense and expert parts: the
+    weights' all-gathers of both lines are the handle's; the gradients of the first line
+    went through megatron-core's reduce-scatter (sent = its ideal bytes, the same as the
+    quantized one's baseline), those of the second are the handle's."""
+    from megatron.sdp4bit.training.observe.comm_counters import EXPERT_FIELDS, FIELDS
+
+    handle = lifecycle.handle
+    assert len(lines) == 2 and lifecycle.iterations == LIFECYCLE_STEPS
+    for fields, stats in ((FIELDS, handle.stats), (EXPERT_FIELDS, handle.expert_stats)):
+        total = stats.snapshot()
+        first, second = ({counter: line[key] * n for key, counter in fields.items()}
+                         for line, n in lines)
+        for counter in COUNTERS_ALL:
+            if counter.startswith("param"):
+                assert first[counter] == second[counter], counter  # qWD in both lines
+                assert first[counter] + second[counter] == total[counter], counter
+            else:
+                assert second[counter] == total[counter], counter
+                baseline = counter if counter.endswith("_baseline") else counter + "_baseline"
+                assert first[counter] == second[baseline], counter
+    assert total["param_inter_bytes"] > 0 and total["grad_inter_bytes"] > 0
+
+
+def _check_counts_and_bytes(handle, cfg, dense_nm, expert_nm, grad_steps: int = STEPS,
+                            param_steps: int = STEPS) -> None:
     s = handle.state
-    every = {info.id: STEPS for info in handle.buckets}
     # one reduce-scatter and one all-gather per bucket and step, for both optimizers' buckets
     # (without the per-bucket step check the chain's second optimizer raises; without the
     # one-gather rule each step gathers every bucket twice)
-    assert dict(s.grad_calls) == every, dict(s.grad_calls)
-    assert dict(s.param_calls) == every, dict(s.param_calls)
+    assert dict(s.grad_calls) == {info.id: grad_steps for info in handle.buckets}, \
+        dict(s.grad_calls)
+    assert dict(s.param_calls) == {info.id: param_steps for info in handle.buckets}, \
+        dict(s.param_calls)
     expert_ids = {info.id for info in handle.expert_buckets}
     dense = [info for info in handle.buckets if info.id not in expert_ids]
     want_expert = _expected(cfg, handle.expert_buckets, *expert_nm)
     want_dense = _expected(cfg, dense, *dense_nm)
     got_expert = _snapshot(handle.expert_stats)
     got_total = _snapshot(handle.stats)
-    assert got_expert == {k: STEPS * v for k, v in want_expert.items()}, (got_expert, want_expert)
+    def times(want: dict) -> dict:
+        return {k: (param_steps if k.startswith("param") else grad_steps) * v
+                for k, v in want.items()}
+    assert got_expert == times(want_expert), (got_expert, want_expert)
     got_dense = {k: got_total[k] - got_expert[k] for k in COUNTERS}
-    assert got_dense == {k: STEPS * v for k, v in want_dense.items()}, (got_dense, want_dense)
+    assert got_dense == times(want_dense), (got_dense, want_dense)
 
 
 def _check_partial_hook_refused(ddp, optimizer, setup, handle) -> None:
@@ -103,7 +180,7 @@ def _check_partial_hook_refused(ddp, optimizer, setup, handle) -> None:
     replica = T.replica_snapshot(ddp)
     main = [m.detach().clone() for opt in optimizer.chained_optimizers
             for group in opt.shard_fp32_from_float16_groups for m in group]
-    handle.set_iteration(STEPS)
+    handle.set_iteration(LIFECYCLE_STEPS)
     with pytest.raises(RuntimeError, match=r"found 1 of its 1 gradient bucket\(s\) \(id \d+\) "
                                            r"with no reduce-scatter since the previous step"):
         T.train_step(ddp, optimizer, setup, STEPS)
@@ -184,15 +261,27 @@ def _check_chain_overlapping_gather_with_step(cfg) -> None:
                    for info in handle.buckets), dict(s.param_calls)
 
 
-def _check_replica_guard_sees_expert_weights(ddp, iteration: int) -> None:
-    """The trainer's --check-replicas-interval check compares the expert buckets on the
-    expert DP group: one changed expert weight on one rank stops it, naming an expert
-    bucket."""
+def _check_replica_guard_sees_expert_weights(lifecycle, ddp, iteration: int) -> None:
+    """The trainer's --check-replicas-interval check and both trainers' end line compare
+    the expert buckets on the expert DP group: identical after training (expert weights
+    differ across the expert-parallel ranks by design); one changed expert weight on one
+    rank stops the check, naming an expert bucket, and the end line (the last rank's, not
+    in that group) says DIFFERENT with the same words."""
     import torch.distributed as dist
 
     from megatron.sdp4bit.training.guards.replicas import ReplicaMismatch, check_replicas
 
     check_replicas([ddp], iteration)  # identical: passes
+    line = lifecycle.end_line()
+    assert (line is None) == (dist.get_rank() != 3)
+    if line is not None:  # 2 buckets (a dense one, an expert one), qWD from iteration 0
+        quantized = iteration - LOG_INTERVAL
+        assert re.fullmatch(
+            rf"SDP4Bit on this rank: {2 * quantized} quantized gradient reduce-scatters, "
+            rf"{2 * iteration} quantized parameter all-gathers, {2 * LOG_INTERVAL} unquantized "
+            rf"\(before --gradients-quantization-start-iteration\) in {iteration} iterations; "
+            r"bytes sent / unquantized: params 0\.2510, grads 0\.\d{4}; model replicas on the 4 "
+            r"data-parallel ranks: bitwise identical, checksum [0-9a-f]{16}", line), line
     expert = ddp.expert_parallel_buffers[0].param_data
     saved = expert[0].clone()
     if dist.get_rank() == 2:  # expert DP group {0, 2}
@@ -204,6 +293,12 @@ def _check_replica_guard_sees_expert_weights(ddp, iteration: int) -> None:
                 check_replicas([ddp], iteration)
         else:
             check_replicas([ddp], iteration)
+        line = lifecycle.end_line()
+        if line is not None:
+            numel = ddp.expert_parallel_buffers[0].buckets[0].param_data.numel()
+            assert re.search(rf"model replicas on the 4 data-parallel ranks: DIFFERENT \(expert "
+                             rf"bucket 0 \({numel} elements: .*, \.\.\.\) differs between "
+                             r"expert DP ranks 0 and 1\), checksum [0-9a-f]{16}$", line), line
     finally:
         expert[0] = saved
 
@@ -251,14 +346,22 @@ def _check_expert_group_of_one(cfg) -> None:
 def _four_rank_worker(rank: int, world_size: int) -> None:
     cfg = _config(dp_ranks_per_node=2)
     for dispatcher in ("alltoall", "allgather"):
-        ddp, optimizer, handle, setup = _train(dispatcher, cfg, ep=2)
+        if dispatcher == "alltoall":
+            ddp, optimizer, handle, setup = _train(dispatcher, cfg, ep=2)
+            _check_counts_and_bytes(handle, cfg, dense_nm=(2, 2), expert_nm=(1, 2))
+        else:
+            lifecycle, ddp, optimizer, setup, lines = _train_with_lifecycle(cfg)
+            handle = lifecycle.handle
+            _check_counts_and_bytes(handle, cfg, dense_nm=(2, 2), expert_nm=(1, 2),
+                                    grad_steps=LIFECYCLE_STEPS - LOG_INTERVAL,
+                                    param_steps=LIFECYCLE_STEPS)
+            _check_log_lines_add_up(lifecycle, lines)
         assert handle.expert_data_parallel_size == 2
-        _check_counts_and_bytes(handle, cfg, dense_nm=(2, 2), expert_nm=(1, 2))
         got = _snapshot(handle.expert_stats)
         assert got["grad_intra_bytes"] == 0 < got["grad_inter_bytes"], got  # inter hop alone
         if dispatcher == "allgather":
             _check_finite_check_sees_expert_gradients(ddp)
-            _check_replica_guard_sees_expert_weights(ddp, STEPS)
+            _check_replica_guard_sees_expert_weights(lifecycle, ddp, LIFECYCLE_STEPS)
             _check_partial_hook_refused(ddp, optimizer, setup, handle)
         handle.uninstall()
     _check_first_bucket_only_hook_refused(cfg)

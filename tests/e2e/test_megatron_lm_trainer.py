@@ -6,7 +6,8 @@ megatron.sdp4bit.megatron_lm``): a GPT script in Megatron-LM's shape
 Megatron-LM's trainer assumes CUDA (it asserts ``torch.cuda.is_available()``, asks for
 NCCL, allocates on the device), so it runs under the CUDA dry run (``dev/cuda_dryrun.py -m``):
 its CUDA branch on the CPU, every collective checked against NCCL's rules. 4 ranks as
-2 "nodes" x 2: both hops of the gradient reduce-scatter and the qWD all-gather.
+2 "nodes" x 2: both hops of the gradient reduce-scatter and the qWD all-gather; a
+mixture-of-experts GPT with expert parallelism 2 in a launch of its own.
 
 Marked ``megatron_lm``: deselected (tests/conftest.py) where the installed megatron-core has
 no ``megatron.training`` (0.16.1, the first test pass).
@@ -45,8 +46,9 @@ MEGATRON_LM_FLAGS = (
 SDP4BIT_FLAGS = ("--quantized-weights --quantized-gradients --dp-ranks-per-node 2 "
                  "--overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 20000 "
                  "--gradient-error-feedback").split()
-BYTES = ("sdp4bit/params bytes", "sdp4bit/params bytes unquantized", "sdp4bit/grads bytes",
-         "sdp4bit/grads bytes unquantized")
+# The byte fields Megatron-LM's log line gets, the names of our trainer's TensorBoard too.
+BYTES = tuple(f"sdp4bit/{kind}-{hop}bytes{unquantized}" for kind in ("params", "grads")
+              for hop in ("", "intra-", "inter-") for unquantized in ("", "-unquantized"))
 
 # Bytes sent per element over what megatron-core's unquantized collectives send (the
 # buckets are padded to whole groups, so these are exact; comm/stats.py's accounting).
@@ -93,21 +95,28 @@ def test_megatron_lm_trainer_trains_saves_and_resumes_with_sdp4bit(tmp_path):
     first = _launch([*SDP4BIT_FLAGS, "--save", ckpt, "--save-interval", "2"])
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-5000:]
     out = first.stdout
-    assert ("SDP4Bit installed on 5 bucket(s) of Megatron-LM's trainer: weights qWD 4-bit, "
-            "group 2048 | gradients TLq intra 8-bit group 512, inter 4-bit group 128") in out
+    assert ("SDP4Bit installed on 5 bucket(s): weights qWD 4-bit, group 2048 | gradients TLq "
+            "intra 8-bit group 512, inter 4-bit group 128") in out
     assert re.search(r"SDP4Bit error feedback on the inter-node hop: [0-9.]+ MiB of error "
-                     r"state on this rank", out), out[-3000:]
+                     r"state on this rank \(int8, 1/N of the gradient buckets\)", out), \
+        out[-3000:]
     logged = _iterations(out)
     assert sorted(logged) == [1, 2, 3, 4]
     assert logged[4]["lm loss"] < logged[1]["lm loss"] - 0.3, logged  # 4.85 -> 4.25
     # Every iteration's gradients quantized at the format's ratio; the weights too, from the
     # second iteration on (overlapped: an update's all-gather runs in the next forward pass).
-    assert logged[1]["sdp4bit/params bytes unquantized"] == 0
+    assert logged[1]["sdp4bit/params-bytes-unquantized"] == 0
     for it, fields in logged.items():
-        assert fields["sdp4bit/grads bytes"] / fields["sdp4bit/grads bytes unquantized"] \
+        assert set(BYTES) <= set(fields), fields
+        assert fields["sdp4bit/grads-bytes"] / fields["sdp4bit/grads-bytes-unquantized"] \
             == pytest.approx(GRADS_RATIO, rel=1e-5), (it, fields)
+        for kind in ("params", "grads"):  # the totals a dashboard sums: the two hops
+            for end in ("", "-unquantized"):
+                assert fields[f"sdp4bit/{kind}-bytes{end}"] == pytest.approx(
+                    fields[f"sdp4bit/{kind}-intra-bytes{end}"]
+                    + fields[f"sdp4bit/{kind}-inter-bytes{end}"], rel=1e-6), (it, kind, fields)
         if it > 1:
-            assert fields["sdp4bit/params bytes"] / fields["sdp4bit/params bytes unquantized"] \
+            assert fields["sdp4bit/params-bytes"] / fields["sdp4bit/params-bytes-unquantized"] \
                 == pytest.approx(PARAMS_RATIO, rel=1e-5), (it, fields)
     end = _end_line(out)
     # 5 buckets x 4 iterations: one all-gather per step (the save after iteration 4 forces the
@@ -151,6 +160,39 @@ def test_megatron_lm_trainer_trains_saves_and_resumes_with_sdp4bit(tmp_path):
     assert f"checksum {uninterrupted}" in end2, (end, end2)
 
 
+@pytest.mark.slow  # one 4-rank launch of Megatron-LM's trainer, ~20 s
+@pytest.mark.dryrun
+@pytest.mark.distributed
+def test_a_moe_run_with_expert_parallelism_reports_identical_replicas():
+    """A mixture-of-experts GPT with expert parallelism 2 (Megatron-LM's own MoE flags): the
+    expert weights differ across the expert-parallel ranks by design, so the end line
+    compares them on the expert data-parallel group and finds the replicas identical; the
+    expert buckets' bytes are on the log line, at the formats' ratios per hop (one rank per
+    node in the expert group of 2: the inter-node hop alone)."""
+    res = _launch(["--quantized-weights", "--quantized-gradients", "--dp-ranks-per-node", "2",
+                   "--num-experts", "4", "--moe-router-topk", "2",
+                   "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
+                   "allgather", "--train-iters", "2"])
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    out = res.stdout
+    assert ("SDP4Bit installed on 2 bucket(s): weights qWD 4-bit, group 2048 | gradients TLq "
+            "intra 8-bit group 512, inter 4-bit group 128, pipeline 1, from iteration 0 | "
+            "stochastic rounding, auto kernels | 1 of them expert bucket(s), on the expert "
+            "data-parallel group of 2") in out, out[-3000:]
+    logged = _iterations(out)
+    assert sorted(logged) == [1, 2]
+    for it, fields in logged.items():
+        assert fields["sdp4bit/expert-grads-intra-bytes"] == 0, (it, fields)
+        assert fields["sdp4bit/expert-grads-inter-bytes"] / fields[
+            "sdp4bit/expert-grads-inter-bytes-unquantized"] == pytest.approx(
+                (0.5 + 4 / 128) / 4, rel=1e-5), (it, fields)
+        assert 0 < fields["sdp4bit/expert-grads-inter-bytes"] < fields[
+            "sdp4bit/grads-inter-bytes"], (it, fields)  # a part of all that was sent
+    end = _end_line(out)
+    assert end.startswith("SDP4Bit on this rank: 4 quantized gradient reduce-scatters, "), end
+    assert "model replicas on the 4 data-parallel ranks: bitwise identical, checksum" in end
+
+
 @pytest.mark.parametrize("change, line", [
     (["--quantized-weights"], "--quantized-weights requires --use-distributed-optimizer"),
     (["--use-distributed-optimizer", "--quantized-gradients", "--gq-group-size-intra", "96"],
@@ -168,8 +210,12 @@ def test_megatron_lm_trainer_trains_saves_and_resumes_with_sdp4bit(tmp_path):
     (["--use-distributed-optimizer", "--quantized-gradients",
       "--gradient-quantization-bits-intra", "2"],
      "--gradient-quantization-bits-intra=2 is not supported: use one of (4, 8)"),
+    (["--use-distributed-optimizer", "--quantized-gradients",
+      "--ddp-reduce-scatter-with-fp32-accumulation"],
+     "--ddp-reduce-scatter-with-fp32-accumulation replaces the reduce-scatter that SDP4Bit "
+     "replaces (whose quantized gradients are already summed in fp32): drop it"),
 ], ids=["no-distributed-optimizer", "group-sizes", "error-feedback-torch-format",
-    "error-feedback-local", "two-bit-intra"])
+    "error-feedback-local", "two-bit-intra", "fp32-accumulation"])
 def test_bad_flags_and_layouts_are_refused_in_one_line_before_anything_runs(
         change, line, monkeypatch, capsys):
     """Megatron-LM parses and validates before it starts torch.distributed: in this process,

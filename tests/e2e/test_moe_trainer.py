@@ -204,7 +204,7 @@ def test_moe_flag_refusals_are_one_line(data_prefix) -> None:
 def test_start_up_line_names_the_expert_group() -> None:
     from types import SimpleNamespace
 
-    from megatron.sdp4bit.training.sdp4bit_setup import describe_experts
+    from megatron.sdp4bit.integration.lifecycle import describe_experts
 
     def handle(size, buckets):
         return SimpleNamespace(expert_data_parallel_size=size, expert_buckets=(None,) * buckets)

@@ -1,6 +1,7 @@
 """A GPT pretraining script in the shape Megatron-LM's trainer documents (megatron-core 0.19.2's
 ``megatron.training``): a model provider, a dataset provider and a forward step, handed to
-``megatron.training.pretrain`` with the configuration container built from the parsed flags.
+``megatron.training.pretrain`` with the configuration container built from the parsed flags
+(``--num-experts``: a mixture-of-experts GPT, as Megatron-LM's own script builds it).
 
 It knows nothing of SDP4Bit: tests/e2e/test_megatron_lm_trainer.py runs it unchanged under
 ``python -m megatron.sdp4bit.megatron_lm``, as a Megatron-LM user runs their own
@@ -39,7 +40,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     args = get_args()
     return GPTModel(
         config=core_transformer_config_from_args(args),
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=args.num_experts,
+                                                         moe_grouped_gemm=args.moe_grouped_gemm),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,

@@ -59,11 +59,7 @@ RULE_MCORE_PRIVATE = ("only integration/ (and testing/, the CUDA dry run) reads 
 # Violations that work in progress elsewhere removes, each (file, what it imports) with the
 # reason. The test fails when an entry no longer occurs: delete it then. Nothing else may be
 # added here; a new violation is fixed, not listed.
-KNOWN_VIOLATIONS = {
-    # observe/ reads the expert topology from integration/install.py: the lifecycle rework
-    # gives the install handle its topologies and deletes this import.
-    ("megatron/sdp4bit/training/observe/comm_counters.py", "megatron.sdp4bit.integration.install"),
-}
+KNOWN_VIOLATIONS: set[tuple[str, str]] = set()
 
 
 # ------------------------------------------------------------------ reading the imports

@@ -10,7 +10,7 @@ Public API::
     unquantized_all_gather(replica, main_shard, *, group, stats=None, async_op=False)
     GradientQuantConfig, WeightQuantConfig      # .from_sdp4bit(SDP4BitConfig)
     required_divisor(dp_size, ...), divisor_from_config(config, dp_size), pad_numel(numel, d)
-    CommStats                                   # bytes sent (.snapshot(), .reset()), phase times
+    CommStats                                   # bytes sent (cumulative: .snapshot()), phase times
 
 No megatron-core import here (dependency direction: integration -> comm -> quantization).
 See docs/comm.md.

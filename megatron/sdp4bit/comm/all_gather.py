@@ -158,8 +158,7 @@ def unquantized_all_gather(replica: torch.Tensor, main_shard: torch.Tensor, *,
     _validate(replica, main_shard, world)
     shard = main_shard.numel()
     if stats is not None:
-        sent = shard * replica.element_size()
-        stats.add_param_bytes(sent, sent, world, ranks_per_node or world)
+        stats.add_unquantized_params(shard, replica.element_size(), world, ranks_per_node or world)
     send = main_shard.view(-1).to(replica.dtype, copy=True)  # a copy: the output overlaps it
     handle = _all_gather(replica.view(-1), send, group)
     return _finish_with(handle, None, (send,), async_op, stats, replica.device)

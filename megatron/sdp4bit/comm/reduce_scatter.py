@@ -52,7 +52,7 @@ from megatron.sdp4bit.comm.checks import check_float_buffers
 from megatron.sdp4bit.comm.config import GradientQuantConfig
 from megatron.sdp4bit.comm.error_feedback import ErrorFeedback, check_two_hops
 from megatron.sdp4bit.comm.padding import check_padded, required_divisor
-from megatron.sdp4bit.comm.stats import CommStats, timed
+from megatron.sdp4bit.comm.stats import CommStats, grad_baseline_bytes, timed
 from megatron.sdp4bit.comm.topology import DPTopology
 from megatron.sdp4bit.comm.work import CollectiveWork
 from megatron.sdp4bit.quantization import ops
@@ -137,8 +137,7 @@ def record_bytes(stats: CommStats | None, ranks_per_node: int, nodes: int,
     sent = {"intra": 0, "inter": 0}
     for hop in hops(n, m, shard, config):
         sent["intra" if hop.name == "intra" else "inter"] += hop.sent_nbytes
-    stats.add_grad_bytes(sent["intra"], sent["inter"], (n - 1) * m * shard * elem,
-                         (m - 1) * shard * elem)
+    stats.add_grad_bytes(sent["intra"], sent["inter"], *grad_baseline_bytes(shard, elem, n, m))
 
 
 def two_level_reduce_scatter(output: torch.Tensor, input: torch.Tensor, *,

@@ -30,6 +30,15 @@ Baselines ("what an ideal unquantized collective sends from this rank"):
   so the baseline total is the standard one and the intra / inter split is that of the
   hierarchical schedule. (A flat ring over node-contiguous ranks would put the inter-node
   traffic on one rank per node; the hierarchical split spreads it evenly, like TLq does.)
+
+The same rules count megatron-core's own (unquantized) collectives, where SDP4Bit does not
+replace them (:meth:`CommStats.add_unquantized_grads`, :meth:`CommStats.add_unquantized_params`):
+sent = baseline there; without the distributed optimizer the gradients take an all-reduce,
+which a ring sends twice the reduce-scatter's bytes for.
+
+The counters only grow: a reader takes differences of :meth:`CommStats.snapshot`\ s (the
+bytes of an iteration, of a log interval), so that every reader sees the totals since the
+counters were made.
 """
 
 from __future__ import annotations
@@ -95,12 +104,12 @@ class CommStats:
         return self.timing if self.parent is None else self.parent._timing()
 
     def reset(self) -> None:
-        """Zero the byte counters."""
+        """Zero the byte counters (tests; readers take differences of snapshots instead)."""
         for name in COUNTERS:
             setattr(self, name, 0)
 
     def snapshot(self) -> dict[str, int]:
-        """A copy of the byte counters (e.g. to log and then :meth:`reset`)."""
+        """A copy of the byte counters (the difference of two is what was sent between)."""
         return {name: getattr(self, name) for name in COUNTERS}
 
     def take_seconds(self) -> dict[str, float]:
@@ -132,6 +141,21 @@ class CommStats:
         if self.parent is not None:
             self.parent.add_grad_bytes(intra, inter, intra_baseline, inter_baseline)
 
+    def add_unquantized_grads(self, shard: int, element_size: int, ranks_per_node: int,
+                              nodes: int, *, all_reduce: bool = False) -> None:
+        """Count one unquantized gradient reduction of shards of ``shard`` elements of
+        ``element_size`` bytes (sent = baseline); ``all_reduce``: a ring all-reduce instead of
+        a reduce-scatter (no distributed optimizer), twice the bytes."""
+        intra, inter = grad_baseline_bytes(shard, element_size, ranks_per_node, nodes)
+        factor = 2 if all_reduce else 1
+        self.add_grad_bytes(factor * intra, factor * inter, factor * intra, factor * inter)
+
+    def add_unquantized_params(self, shard: int, element_size: int, world: int,
+                               ranks_per_node: int) -> None:
+        """Count one unquantized all-gather of shards of ``shard`` elements of
+        ``element_size`` bytes (sent = baseline)."""
+        self.add_param_bytes(shard * element_size, shard * element_size, world, ranks_per_node)
+
     @property
     def param_bytes(self) -> int:
         return self.param_intra_bytes + self.param_inter_bytes
@@ -147,6 +171,15 @@ class CommStats:
     @property
     def grad_bytes_baseline(self) -> int:
         return self.grad_intra_bytes_baseline + self.grad_inter_bytes_baseline
+
+
+def grad_baseline_bytes(shard: int, element_size: int, ranks_per_node: int,
+                        nodes: int) -> tuple[int, int]:
+    """(intra, inter): the bytes one rank sends in the unquantized two-level schedule of a
+    reduce-scatter with ``shard`` elements per rank of ``element_size`` bytes, on
+    ``ranks_per_node`` x ``nodes`` ranks (the gradients' baseline of the module docstring)."""
+    return ((ranks_per_node - 1) * nodes * shard * element_size,
+            (nodes - 1) * shard * element_size)
 
 
 @contextmanager

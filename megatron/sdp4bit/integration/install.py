@@ -62,10 +62,8 @@ from megatron.sdp4bit.comm import (
     ErrorFeedbackConfig,
     GradientQuantConfig,
     WeightQuantConfig,
-    build_topology,
 )
 from megatron.sdp4bit.comm.error_feedback import first_damaged
-from megatron.sdp4bit.comm.topology import node_id
 from megatron.sdp4bit.config import SDP4BitConfig
 from megatron.sdp4bit.integration import patches
 from megatron.sdp4bit.integration.buckets import BucketInfo, bucket_infos
@@ -82,6 +80,7 @@ from megatron.sdp4bit.integration.step_checks import (
     make_copy_model_grads_to_main_grads,
     optimizer_bucket_ids,
 )
+from megatron.sdp4bit.integration.topologies import ModelTopologies, model_topologies
 from megatron.sdp4bit.integration.tp_duplicates import tp_duplicates
 from megatron.sdp4bit.integration.version import check_megatron_core_version
 
@@ -145,6 +144,9 @@ class SDP4BitHandle:
     expert_buckets: tuple[BucketInfo, ...] = ()
     """The buckets of the expert-parallel buffers (MoE), on their expert data-parallel
     group; also in :attr:`buckets`."""
+    topologies: ModelTopologies = ModelTopologies(dense=None)
+    """Where the dense and the expert data-parallel groups run (topologies.py): the
+    buckets are quantized on these."""
 
     @property
     def bucket_numels(self) -> dict[int, int]:
@@ -328,7 +330,10 @@ def install_sdp4bit(model_chunks, optimizer, config: SDP4BitConfig, *,
                      for bg in getattr(chunk, "expert_parallel_bucket_groups", [])]
     bucket_groups = dense_groups + expert_groups
     buckets = bucket_infos(bucket_groups, config)  # checks the padding of every bucket
-    topologies = _topologies(dense_groups, expert_groups, config)
+    topologies = model_topologies(model_chunks, config.dp_ranks_per_node)
+
+    def topology_of(bg):
+        return topologies.expert if bg in expert_groups else topologies.dense
 
     shards = main_shards(optimizers, buckets) if config.quantized_weights else {}
     # TP > 1: the weights TP does not split stay equal on all TP ranks (tp_duplicates.py)
@@ -337,7 +342,7 @@ def install_sdp4bit(model_chunks, optimizer, config: SDP4BitConfig, *,
     ef_config = ErrorFeedbackConfig.from_sdp4bit(config)
     if ef_config is not None:  # one state per bucket, sized now: memory known at start-up
         for bg in bucket_groups:
-            topo = topologies[id(bg.intra_distributed_optimizer_instance_group)]
+            topo = topology_of(bg)
             for bucket in bg.buckets:
                 state.error_feedback[buckets.of(bucket).id] = ErrorFeedback(
                     bucket.grad_data.numel(), topo.ranks_per_node, topo.nodes,
@@ -345,9 +350,8 @@ def install_sdp4bit(model_chunks, optimizer, config: SDP4BitConfig, *,
 
     planned: list[patches.Patch] = []
     for bg in bucket_groups:
-        group = bg.intra_distributed_optimizer_instance_group
-        topology = topologies[id(group)]
-        group_id = min(dist.get_process_group_ranks(group))
+        topology = topology_of(bg)
+        group_id = min(dist.get_process_group_ranks(topology.group))
         ids = [buckets.of(b).id for b in bg.buckets]
         stats = state.expert_stats if bg in expert_groups else state.stats
         if config.quantized_gradients:
@@ -378,33 +382,6 @@ def install_sdp4bit(model_chunks, optimizer, config: SDP4BitConfig, *,
     return SDP4BitHandle(state=state, _applied=applied, buckets=tuple(buckets),
                          _model_chunks=list(model_chunks),
                          expert_buckets=tuple(buckets.of(b) for bg in expert_groups
-                                              for b in bg.buckets))
+                                              for b in bg.buckets),
+                         topologies=topologies)
 
-
-def expert_node(dp_ranks_per_node: int | None) -> str | None:
-    """Where this rank runs, as the expert data-parallel group's topology sees it ([Note:
-    expert-parallel buckets]): with ``dp_ranks_per_node`` N, the simulated node of the
-    dense DP layout (its dense DP rank // N, on its real node); None: the real node."""
-    if dp_ranks_per_node is None:
-        return None
-    from megatron.core import parallel_state
-
-    dense_rank = parallel_state.get_data_parallel_rank()
-    return f"{node_id()}/dp-node{dense_rank // dp_ranks_per_node}"
-
-
-def _topologies(dense_groups, expert_groups, config: SDP4BitConfig) -> dict:
-    """``id(DP group) -> DPTopology`` for every bucket group's DP group ([Note:
-    expert-parallel buckets]). ``build_topology`` is collective over the world: every rank
-    has the same number of bucket groups of each kind, met in the same order."""
-    topologies = {}
-    for bg in dense_groups:
-        group = bg.intra_distributed_optimizer_instance_group
-        if id(group) not in topologies:
-            topologies[id(group)] = build_topology(group, config.dp_ranks_per_node)
-    node = expert_node(config.dp_ranks_per_node) if expert_groups else None
-    for bg in expert_groups:
-        group = bg.intra_distributed_optimizer_instance_group
-        if id(group) not in topologies:
-            topologies[id(group)] = build_topology(group, node=node)
-    return topologies

@@ -94,6 +94,7 @@ DECLARED_IN = (
     "megatron.sdp4bit.integration.cpu_mode",
     "megatron.sdp4bit.integration.dist_checkpointing",
     "megatron.sdp4bit.integration.megatron_lm",
+    "megatron.sdp4bit.integration.megatron_lm_bridges",
 )
 
 _MISSING = object()

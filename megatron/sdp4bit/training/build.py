@@ -257,7 +257,7 @@ def restore(args: argparse.Namespace, state: TrainState) -> None:
     if not (args.load or args.pretrained_checkpoint):
         return
     loaded = checkpoint_formats.load(args, state.model, state.optimizer, state.scheduler,
-                                     state.settings, sdp4bit_handle=state.sdp4bit_handle)
+                                     state.settings, sdp4bit=state.lifecycle)
     state.iteration, state.consumed_samples = loaded.iteration, loaded.consumed_samples
     if dist.get_rank() != 0:
         return

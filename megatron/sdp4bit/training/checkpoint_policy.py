@@ -119,7 +119,7 @@ class CheckpointPolicy:
                 chunk.start_param_sync(force_sync=True)
         formats.save(args, state.iteration, state.consumed_samples, state.model,
                      state.optimizer, state.scheduler, state.settings,
-                     sdp4bit_handle=state.sdp4bit_handle, background=self.saves)
+                     sdp4bit=state.lifecycle, background=self.saves)
         if self.saves is not None:
             if dist.get_rank() == 0:
                 print(format_scheduled(state.iteration, args.save), flush=True)

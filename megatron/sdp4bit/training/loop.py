@@ -22,8 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron.sdp4bit.comm.stats import CommStats
-from megatron.sdp4bit.config import SDP4BitConfig
+from megatron.sdp4bit.integration.lifecycle import SDP4BitLifecycle
 from megatron.sdp4bit.integration.microbatches import current_batch, install_calculator
 from megatron.sdp4bit.training.checkpoint_policy import CheckpointPolicy
 from megatron.sdp4bit.training.data import chunk_iterators
@@ -33,7 +32,6 @@ from megatron.sdp4bit.training.guards.exit_signal import ExitSignal
 from megatron.sdp4bit.training.guards.replicas import check_replicas, gather_pending
 from megatron.sdp4bit.training.guards.skips import TrainingStopped, check_progress, count_skip
 from megatron.sdp4bit.training.metrics_step import MetricsStep
-from megatron.sdp4bit.training.observe.comm_counters import ExpertLayout
 from megatron.sdp4bit.training.observe.logging import is_logging_rank
 from megatron.sdp4bit.training.observe.profiler import ProfileWindow
 from megatron.sdp4bit.training.observe.timers import Timers
@@ -53,12 +51,9 @@ class TrainState:
     vocab_size: int
     iteration: int = 0
     consumed_samples: int = 0
-    comm_stats: CommStats = field(default_factory=CommStats)
-    sdp4bit: SDP4BitConfig = field(default_factory=SDP4BitConfig)
-    """What SDP4Bit replaces; its collectives count their own bytes, the rest is added here."""
-    ranks_per_node: int = 1
-    expert_layout: ExpertLayout | None = None
-    """MoE: the expert data-parallel group, for the byte accounting of the expert buckets."""
+    lifecycle: SDP4BitLifecycle = field(default_factory=SDP4BitLifecycle)
+    """SDP4Bit in this run (training/sdp4bit_setup.py): the iteration hooks, the bytes sent,
+    the error-feedback state checkpoints hold."""
     first_loss: float | None = None
     first_loss_iteration: int | None = None
     last_loss: float | None = None
@@ -75,23 +70,20 @@ class TrainState:
     """The last checkpoint this run saved, and the last one known healthy: a step after it
     had finite gradients (weights blown up by a step look finite until the next forward)."""
     healthy_iteration: int | None = None
-    sdp4bit_handle: Any = None
-    """The installed SDP4Bit (None without): checkpoints hold its per-rank error-feedback
-    state."""
 
 
-def train(args: argparse.Namespace, state: TrainState, on_iteration=None,
+def train(args: argparse.Namespace, state: TrainState,
           exit_signal: ExitSignal | None = None) -> TrainState:
     """Run from ``state.iteration`` to ``--train-iters`` (or an early exit: ``--exit-interval``,
     ``--exit-duration-in-mins``, the iteration at whose end the ranks agree that
-    ``exit_signal`` came). ``on_iteration(iteration)`` runs before each step (SDP4Bit starts
-    its iteration there: rounding streams, ``--gradients-quantization-start-iteration``).
+    ``exit_signal`` came). ``state.lifecycle`` starts SDP4Bit's iteration before each step
+    (rounding streams, ``--gradients-quantization-start-iteration``) and hears of its end.
 
     With ``--async-save`` the pending save is published before this returns; a run that
     fails publishes nothing of it (``checkpoint/async_save.py``)."""
     checkpoints = CheckpointPolicy(args, state)
     try:
-        _train(args, state, checkpoints, ExitPolicy(args, exit_signal), on_iteration)
+        _train(args, state, checkpoints, ExitPolicy(args, exit_signal))
     except TrainingStopped:  # every rank stops together: the last save is still good
         checkpoints.close()
         raise
@@ -103,7 +95,7 @@ def train(args: argparse.Namespace, state: TrainState, on_iteration=None,
 
 
 def _train(args: argparse.Namespace, state: TrainState, checkpoints: CheckpointPolicy,
-           exits: ExitPolicy, on_iteration) -> None:
+           exits: ExitPolicy) -> None:
     # Each iteration's batch: megatron-core's calculator, from the consumed samples (so a
     # resumed run continues a --rampup-batch-size where it was)
     install_calculator(args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
@@ -120,8 +112,7 @@ def _train(args: argparse.Namespace, state: TrainState, checkpoints: CheckpointP
         while state.iteration < args.train_iters:
             profiler.before_iteration(state.iteration)
             checkpoints.before_iteration()  # publish --async-save's finished saves
-            if on_iteration is not None:
-                on_iteration(state.iteration)
+            state.lifecycle.start_iteration(state.iteration)
             batch_size, num_microbatches = current_batch(state.consumed_samples)
             loss, grad_norm, ok, num_zeros = train_step(args, state, train_iter,
                                                         num_microbatches)
@@ -136,7 +127,7 @@ def _train(args: argparse.Namespace, state: TrainState, checkpoints: CheckpointP
             if args.check_replicas_interval and \
                     state.iteration % args.check_replicas_interval == 0:
                 check_replicas(state.model, state.iteration, finish_gather=gather_pending(
-                    args.overlap_param_gather, state.sdp4bit.quantized_weights))
+                    args.overlap_param_gather, state.lifecycle.config.quantized_weights))
             checkpoints.after_iteration(num_microbatches)
             stop = exits.due(state.iteration)  # collective
             if stop is not None:

@@ -1,8 +1,9 @@
 """What the loop reports after each iteration and evaluation, as Megatron-LM's trainer does.
 
 After every step: the parameter norm (``--log-params-norm``) and the MoE routers' losses
-(collectives, every rank), the bytes of the collectives SDP4Bit does not replace, and the
-per-iteration TensorBoard/W&B scalars (``observe/metrics_writer.py``). Every
+(collectives, every rank), the end of SDP4Bit's iteration (its lifecycle counts the bytes of
+megatron-core's collectives that SDP4Bit did not replace), and the per-iteration
+TensorBoard/W&B scalars (``observe/metrics_writer.py``). Every
 ``--log-interval`` iterations: the training line (``observe/logging.py``), its
 timers block (collective) and the metrics file's record, averaged over the interval. After
 an evaluation: its lines and scalars; its time is not counted as iteration time. Only the
@@ -15,10 +16,7 @@ import argparse
 import time
 
 from megatron.sdp4bit.integration.params_norm import params_l2_norm
-from megatron.sdp4bit.training.observe.comm_counters import (
-    add_unquantized_iteration,
-    snapshot_fields,
-)
+from megatron.sdp4bit.training.observe.comm_counters import log_fields
 from megatron.sdp4bit.training.observe.logging import (
     format_eval_lines,
     format_train_line,
@@ -59,7 +57,7 @@ class MetricsStep:
         args, state = self._args, self._state
         # Megatron-LM computes it every iteration, on every rank (collective)
         params_norm = params_l2_norm(state.model, args.bf16) if args.log_params_norm else None
-        self._count_unquantized_bytes()
+        state.lifecycle.finish_iteration()  # megatron-core's own collectives, counted
         self._moe.after_iteration(state.iteration, num_microbatches)
         if state.first_loss is None:
             state.first_loss, state.first_loss_iteration = loss, state.iteration
@@ -79,27 +77,12 @@ class MetricsStep:
         if state.iteration % args.log_interval == 0:
             self._log_line(grad_norm, num_zeros, params_norm, batch_size)
 
-    def _count_unquantized_bytes(self) -> None:
-        """The collectives megatron-core ran itself in the iteration that just ended (those
-        SDP4Bit's collectives count their own bytes)."""
-        args, state = self._args, self._state
-        q = state.sdp4bit
-        ran = state.iteration - 1  # the iteration's number when it started
-        add_unquantized_iteration(
-            state.comm_stats, state.model, dp_size=args.data_parallel_size,
-            ranks_per_node=state.ranks_per_node,
-            distributed_optimizer=args.use_distributed_optimizer,
-            params=not q.quantized_weights,
-            grads=not q.quantized_gradients or ran < q.gradients_quantization_start_iteration,
-            expert=state.expert_layout)
-
     def _log_line(self, grad_norm: float, num_zeros: float | None,
                   params_norm: float | None, batch_size: int) -> None:
         args, state = self._args, self._state
         n = self._iterations
         elapsed = (time.time() - self._start) / n
-        comm = snapshot_fields(state.comm_stats, n, expert=None if state.expert_layout is None
-                               else state.expert_layout.stats)
+        comm = log_fields(state.lifecycle.take_bytes().per_iteration(n))
         record = {
             "iteration": state.iteration, "train_iters": args.train_iters,
             "time": round(time.time(), 3),
@@ -121,7 +104,7 @@ class MetricsStep:
             record["memory"] = memory_scalars()
         timer_block = None
         if state.timers is not None:  # collective: every rank takes part
-            for phase, seconds in state.comm_stats.take_seconds().items():
+            for phase, seconds in state.lifecycle.take_seconds().items():
                 state.timers.add(f"sdp4bit-{phase}", seconds)
             times = state.timers.collect(normalizer=n)
             record["timers_ms"] = max_times(times)

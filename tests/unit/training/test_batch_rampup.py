@@ -91,7 +91,6 @@ def _train(monkeypatch, capsys, tmp_path, iteration: int = 0, consumed: int = 0,
         return 7.0, 1.0, True, None
 
     monkeypatch.setattr(loop, "train_step", train_step)
-    monkeypatch.setattr(metrics_step, "add_unquantized_iteration", lambda *a, **k: None)
     monkeypatch.setattr(metrics_step, "is_logging_rank", lambda: True)
     monkeypatch.setattr(loop.dist, "get_rank", lambda: 0)
     state = loop.TrainState(model=[], optimizer=_Optimizer(), scheduler=None,

@@ -77,21 +77,17 @@ def check_schedule(scheduler, saved: dict[str, Any], directory: str) -> None:
                               "checkpoint's")
 
 
-def error_feedback_state(handle) -> dict[str, Any] | None:
-    """What a checkpoint holds of ``--gradient-error-feedback``: this rank's error state
-    (``handle``: the installed SDP4Bit handle, or None), or None."""
-    return handle.error_feedback_state() if handle is not None else None
+def error_feedback_state(sdp4bit) -> dict[str, Any] | None:
+    """What a checkpoint holds of ``--gradient-error-feedback``: this rank's error state, as
+    the run's SDP4Bit lifecycle (``sdp4bit``, or None) gives it, or None."""
+    return sdp4bit.error_feedback_state() if sdp4bit is not None else None
 
 
-def restore_error_feedback(handle, saved: dict[str, Any] | None, directory: str,
+def restore_error_feedback(sdp4bit, saved: dict[str, Any] | None, directory: str,
                            not_restorable: str | None = None) -> None:
-    """Restore this rank's error state from ``saved``; where it cannot be (a checkpoint saved
-    without the flag, another data-parallel layout or bucket size), the error starts from zero
-    and rank 0 says so in one line (the resume is then not bit-exact). ``not_restorable``:
-    why the caller did not read the state (it is then not loaded)."""
-    if handle is None or not handle.error_feedback_nbytes:
-        return
-    reason = not_restorable or handle.load_error_feedback_state(saved)
-    if reason is not None and dist.get_rank() == 0:
-        print(f"note: --gradient-error-feedback starts from zero error: {reason} ({directory})",
-              flush=True)
+    """Hand ``saved`` (the checkpoint's error state) to the run's SDP4Bit lifecycle, which
+    restores it or says in one line why the error starts from zero (a checkpoint saved
+    without the flag, another data-parallel layout or bucket size: the resume is then not
+    bit-exact). ``not_restorable``: why the caller did not read the state."""
+    if sdp4bit is not None:
+        sdp4bit.restore_error_feedback(saved, skipped=not_restorable, where=directory)

@@ -37,22 +37,22 @@ def sharding_type(args: argparse.Namespace) -> str:
 
 
 def save(args: argparse.Namespace, iteration: int, consumed_samples: int, model_chunks,
-         optimizer, scheduler, settings: dict[str, Any], sdp4bit_handle=None,
+         optimizer, scheduler, settings: dict[str, Any], sdp4bit=None,
          background: AsyncSaves | None = None) -> str:
-    """Collective: save in ``--ckpt-format``; returns the folder. ``sdp4bit_handle``: the
-    installed SDP4Bit, whose per-rank state (error feedback) the checkpoint holds too.
+    """Collective: save in ``--ckpt-format``; returns the folder. ``sdp4bit``: the
+    run's SDP4Bit lifecycle, whose per-rank state (error feedback) the checkpoint holds too.
     ``background`` (``--async-save``, torch_dist only): schedule the save there instead of
     writing it now (:mod:`.async_save`)."""
     if args.ckpt_format == "torch_dist":
         return torch_dist_format.save_checkpoint(
             args.save, iteration, consumed_samples, model_chunks, optimizer, scheduler,
             settings, sharding_type=sharding_type(args),
-            fully_parallel=args.ckpt_fully_parallel_save, sdp4bit_handle=sdp4bit_handle,
+            fully_parallel=args.ckpt_fully_parallel_save, sdp4bit=sdp4bit,
             background=background)
     assert background is None, "--async-save is refused with --ckpt-format torch"
     return torch_format.save_checkpoint(args.save, iteration, consumed_samples, model_chunks,
                                          optimizer, scheduler, settings,
-                                         sdp4bit_handle=sdp4bit_handle)
+                                         sdp4bit=sdp4bit)
 
 
 
@@ -158,10 +158,10 @@ def _verdict(root: str, ckpt_step: int | None = None) -> tuple[str | None, dict 
 
 
 def load(args: argparse.Namespace, model_chunks, optimizer, scheduler,
-         settings: dict[str, Any], sdp4bit_handle=None) -> Loaded:
+         settings: dict[str, Any], sdp4bit=None) -> Loaded:
     """Collective: restore from the latest checkpoint under ``--load``, or, when it holds
     none, from ``--pretrained-checkpoint`` with ``--finetune``'s semantics (Megatron-LM's
-    rule); nothing loaded when there is neither. ``sdp4bit_handle``: the installed SDP4Bit,
+    rule); nothing loaded when there is neither. ``sdp4bit``: the run's SDP4Bit lifecycle,
     whose error-feedback state a resume restores (a weights-only start leaves it at zero)."""
     root, finetune, step = args.load, args.finetune, args.ckpt_step
     found, manifest = _verdict(root, step) if root else (None, None)
@@ -196,7 +196,7 @@ def load(args: argparse.Namespace, model_chunks, optimizer, scheduler,
                               f"start from it with --finetune, or --pretrained-checkpoint {root}")
     options = dict(load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
                    allow_sdp4bit_change=args.allow_changed_sdp4bit_settings,
-                   allow_data_change=args.allow_changed_data, sdp4bit_handle=sdp4bit_handle)
+                   allow_data_change=args.allow_changed_data, sdp4bit=sdp4bit)
     try:
         if found == "torch_dist":
             iteration, consumed = torch_dist_format.load_checkpoint(

@@ -128,10 +128,10 @@ def _sharded_state(model_chunks, optimizer, sharding_type: str, *, is_loading: b
 
 def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chunks, optimizer,
                     scheduler, settings: dict[str, Any], *, sharding_type: str,
-                    fully_parallel: bool = False, sdp4bit_handle=None,
+                    fully_parallel: bool = False, sdp4bit=None,
                     background: AsyncSaves | None = None) -> str:
     """Collective: write this iteration's torch_dist checkpoint; returns its folder.
-    ``sdp4bit_handle``: the installed SDP4Bit (its error-feedback state is this rank's).
+    ``sdp4bit``: the run's SDP4Bit lifecycle (its error-feedback state is this rank's).
     ``background`` (``--async-save``): the state is taken now and megatron-core's forked
     writer writes it while training goes on; :func:`publish` (manifest, rename, tracker)
     runs in the save's finalize step (:mod:`.async_save`), so the folder returned exists
@@ -146,7 +146,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
         os.makedirs(partial)
     dist.barrier()
     # taken now (the error state is a copy): an asynchronous save writes it later
-    error_feedback = common.error_feedback_state(sdp4bit_handle)
+    error_feedback = common.error_feedback_state(sdp4bit)
     state = _sharded_state(model_chunks, optimizer, sharding_type, is_loading=False,
                            with_optimizer=True, with_rng=True, error_feedback=error_feedback)
     state.update(iteration=iteration, consumed_samples=consumed_samples,
@@ -261,9 +261,9 @@ def load_checkpoint(directory: str, manifest: dict[str, Any] | None, model_chunk
                     scheduler, settings: dict[str, Any], *, load_optim: bool = True,
                     load_rng: bool = True, allow_sdp4bit_change: bool = False,
                     allow_data_change: bool = False,
-                    fully_parallel: bool = False, sdp4bit_handle=None) -> tuple[int, int]:
+                    fully_parallel: bool = False, sdp4bit=None) -> tuple[int, int]:
     """Collective: restore a torch_dist checkpoint folder (already named by the tracker);
-    returns (iteration, consumed samples). ``sdp4bit_handle``: the installed SDP4Bit, whose
+    returns (iteration, consumed samples). ``sdp4bit``: the run's SDP4Bit lifecycle, whose
     error-feedback state is restored when the checkpoint holds it for this very layout."""
     if manifest is None:
         raise CheckpointError(f"{directory} holds a distributed checkpoint without "
@@ -293,7 +293,7 @@ def load_checkpoint(directory: str, manifest: dict[str, Any] | None, model_chunk
                 opt._init_optimizer_states_with_dummy_values()
     # RNG streams belong to ranks: they are restored only when every rank is where it was.
     with_rng = load_rng and same_layout
-    ef_now = common.error_feedback_state(sdp4bit_handle)
+    ef_now = common.error_feedback_state(sdp4bit)
     ef_skipped = error_feedback_skipped(saved, same_layout) if ef_now is not None else None
     state = _sharded_state(model_chunks, optimizer, saved.get("optim_sharding",
                                                               "dp_reshardable"),
@@ -333,5 +333,5 @@ def load_checkpoint(directory: str, manifest: dict[str, Any] | None, model_chunk
             opt.reload_model_params()
     if with_rng:
         common.set_rng_state(loaded["rng_state"])
-    common.restore_error_feedback(sdp4bit_handle, loaded.get(EF_KEY), directory, ef_skipped)
+    common.restore_error_feedback(sdp4bit, loaded.get(EF_KEY), directory, ef_skipped)
     return loaded["iteration"], loaded["consumed_samples"]

@@ -91,10 +91,10 @@ def _model_state(model_chunks) -> list[dict[str, torch.Tensor]]:
 
 
 def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chunks, optimizer,
-                    scheduler, settings: dict[str, Any], *, sdp4bit_handle=None) -> str:
+                    scheduler, settings: dict[str, Any], *, sdp4bit=None) -> str:
     """Collective: write this iteration's checkpoint; returns its folder. Refuses (with
     :class:`CheckpointError`, on every rank, writing nothing) when weights are non-finite.
-    ``sdp4bit_handle``: the installed SDP4Bit (its error-feedback state is this rank's)."""
+    ``sdp4bit``: the run's SDP4Bit lifecycle (its error-feedback state is this rank's)."""
     if not common.weights_finite(model_chunks, optimizer):
         raise CheckpointError(f"not saving iteration {iteration}: the weights hold NaN or Inf; "
                               f"the last complete checkpoint in {root} stays current")
@@ -104,7 +104,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
     entry, error = None, None
     payload = {"model": _model_state(model_chunks), "optimizer": _optimizer_state(optimizer),
                "rng": common.rng_state()}
-    error_feedback = common.error_feedback_state(sdp4bit_handle)
+    error_feedback = common.error_feedback_state(sdp4bit)
     if error_feedback is not None:
         payload["error_feedback"] = error_feedback
     disk_space.check_space(root, None, iteration, disk_space.tensor_bytes(payload))
@@ -185,7 +185,7 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler, settings: dic
                     load_optim: bool = True, load_rng: bool = True,
                     allow_sdp4bit_change: bool = False, allow_data_change: bool = False,
                     allow_no_manifest: bool = False, iteration: int | None = None,
-                    sdp4bit_handle=None) -> tuple[int, int]:
+                    sdp4bit=None) -> tuple[int, int]:
     """Collective: restore this rank's state from the latest checkpoint under ``root`` (or
     ``iteration``'s); returns (iteration, consumed samples), (0, 0) when there is none."""
     verdict = [None, None, None]
@@ -231,5 +231,5 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler, settings: dic
     if load_rng:
         common.set_rng_state(own["rng"])
     # The layout is this run's (checked above): the saved error is this rank's own.
-    common.restore_error_feedback(sdp4bit_handle, own.get("error_feedback"), directory)
+    common.restore_error_feedback(sdp4bit, own.get("error_feedback"), directory)
     return saved_common["iteration"], saved_common["consumed_samples"]

@@ -32,8 +32,8 @@ from megatron.sdp4bit.training.cli.errors import ArgumentsError
 from megatron.sdp4bit.training.cli.rampup_flags import check_rampup_values, rampup_iterations
 from megatron.sdp4bit.training.guards.exit_signal import EXIT_SIGNALS
 
-__all__ = ["NO_OP_FLAGS", "ONLY_VALUE", "REFUSED_FLAGS", "add_megatron_flags", "check_switches",
-           "refused_flags", "resolve_training_length", "scheduler_steps",
+__all__ = ["FIXED_SETTINGS", "NO_OP_FLAGS", "ONLY_VALUE", "REFUSED_FLAGS", "add_megatron_flags",
+           "check_switches", "refused_flags", "resolve_training_length", "scheduler_steps",
            "transformer_config_overrides"]
 
 # Flag -> why doing nothing is harmless here. Switches unless listed in _NO_OP_VALUES.
@@ -138,13 +138,28 @@ ONLY_VALUE: dict[str, tuple[type, object, str]] = {
 
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 
+# Megatron-LM settings this trainer has no flag for (their flags are refused:
+# megatron_lm_flags.py), at Megatron-LM's defaults: SDP4Bit's lifecycle reads them by
+# Megatron-LM's names, the same function in both trainers (integration/lifecycle.py).
+FIXED_SETTINGS: dict[str, object] = {
+    "num_distributed_optimizer_instances": 1,
+    "use_megatron_fsdp": False,
+    "use_torch_fsdp2": False,
+    "reuse_grad_buf_for_mxfp8_param_ag": False,
+    "fp8_param_gather": False,
+    "fp4_param_gather": False,
+    "use_precision_aware_optimizer": False,
+}
+
 
 def _dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 
 
 def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
-    """Add the honoured, refused and no-op flags of this module to ``parser``."""
+    """Add the honoured, refused and no-op flags of this module to ``parser``, and the
+    settings of :data:`FIXED_SETTINGS`."""
+    parser.set_defaults(**FIXED_SETTINGS)
     g = parser.add_argument_group("Megatron-LM: training length, exits, logging switches")
     g.add_argument("--train-samples", type=int, default=None,
                    help="train on this many samples: --train-iters = samples // global batch "

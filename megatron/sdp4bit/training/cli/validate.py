@@ -10,7 +10,6 @@ import os
 import re
 import time
 
-from megatron.sdp4bit.config_flags import in_flag_words, sdp4bit_config_from_args
 from megatron.sdp4bit.training.cli.errors import ArgumentsError, Refusals, warn
 from megatron.sdp4bit.training.cli.installed import uses_transformer_engine
 from megatron.sdp4bit.training.cli.megatron_flags import (check_switches,
@@ -375,24 +374,13 @@ def _check_sdp4bit(args: argparse.Namespace) -> None:
     if target != "main" and args.weight_quantization_mode != "diff":
         _fail(f"--weight-difference-target {target} applies to qWD only, not to "
               f"--weight-quantization-mode {args.weight_quantization_mode} (qW sends the weights)")
-    try:
-        config = sdp4bit_config_from_args(args)
-    except ValueError as err:
-        _fail(in_flag_words(err))
-        return
-    # The library's own check (install_sdp4bit runs it again on the built model), worded
-    # with the flags; the trainer has no flag for the other setups it refuses.
-    from megatron.sdp4bit.integration.support import Setup, check_supported
+    # The flags to SDP4Bit's settings, checked as in Megatron-LM's trainer through the
+    # plug-in (install_sdp4bit checks again on the built model), worded with the flags.
+    from megatron.sdp4bit.integration.lifecycle import config_of_args
 
     problem = None
     try:
-        check_supported(config, Setup(
-            distributed_optimizer=args.use_distributed_optimizer,
-            fp32_params=not (args.bf16 or args.fp16),
-            reduce_scatter_with_fp32_accumulation=args.ddp_reduce_scatter_with_fp32_accumulation,
-            expert_tensor_parallel=args.num_experts is not None
-            and args.expert_tensor_parallel_size > 1),
-                        command_line=True)
+        config = config_of_args(args)
     except ValueError as err:
         problem = str(err)
     if problem is not None:

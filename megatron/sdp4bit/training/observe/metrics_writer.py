@@ -14,8 +14,9 @@ these runs unchanged; SDP4Bit's own figures are under ``sdp4bit/``. Which tag wh
   (against the iteration only, TensorBoard only, as Megatron-LM);
 * every ``--log-interval`` iterations, over the interval: ``iteration-time`` (seconds) and
   ``throughput`` (TFLOP/s per GPU), which Megatron-LM writes only with
-  ``--log-timers-to-tensorboard`` and this trainer always; the bytes of
-  :data:`SDP4BIT_TAGS`; with ``--log-timers-to-tensorboard`` the timers as
+  ``--log-timers-to-tensorboard`` and this trainer always; SDP4Bit's bytes per iteration,
+  under the names Megatron-LM's trainer gets them through the plug-in too
+  (``comm/byte_counts.py``); with ``--log-timers-to-tensorboard`` the timers as
   ``<name>-time`` (seconds, the maximum over ranks; SDP4Bit's phases as
   ``sdp4bit/<phase>-time``);
 * at each evaluation: ``lm loss validation`` and ``lm loss validation vs samples``, with
@@ -37,29 +38,8 @@ import math
 import os
 from typing import Any
 
+from megatron.sdp4bit.training.observe.comm_counters import scalars_of_record
 from megatron.sdp4bit.training.observe.memory import memory_scalars
-
-COMM_KEYS = ("comm_bytes_params", "comm_bytes_params_intra", "comm_bytes_params_inter",
-             "comm_bytes_grads_intra", "comm_bytes_grads_inter")
-
-# metrics key -> TensorBoard tag / W&B key for SDP4Bit's figures: bytes one rank sent per
-# iteration, and what ideal unquantized collectives would have sent.
-SDP4BIT_TAGS = {
-    **{key: "sdp4bit/" + key[len("comm_bytes_"):].replace("_", "-") + "-bytes"
-       for key in COMM_KEYS},
-    **{"baseline_" + key: "sdp4bit/" + key[len("comm_bytes_"):].replace("_", "-")
-       + "-bytes-unquantized" for key in COMM_KEYS},
-}
-
-
-# MoE runs: the part of those bytes sent for the expert buckets (expert data-parallel group).
-EXPERT_COMM_KEYS = ("comm_bytes_expert_params_intra", "comm_bytes_expert_params_inter",
-                    "comm_bytes_expert_grads_intra", "comm_bytes_expert_grads_inter")
-SDP4BIT_TAGS.update({key: "sdp4bit/" + key[len("comm_bytes_"):].replace("_", "-") + "-bytes"
-                     for key in EXPERT_COMM_KEYS})
-SDP4BIT_TAGS.update({"baseline_" + key: "sdp4bit/" + key[len("comm_bytes_"):].replace("_", "-")
-                     + "-bytes-unquantized" for key in EXPERT_COMM_KEYS})
-
 
 def _timer_tag(name: str) -> str:
     if name.startswith("sdp4bit-"):
@@ -151,7 +131,7 @@ class MetricsWriter:
         """A logged iteration's record (the averages over the log interval)."""
         self._write({**m, "consumed_tokens": m["consumed_samples"] * self._seq_length})
         values = {"iteration-time": m["elapsed_ms"] / 1e3, "throughput": m["tflops_per_gpu"]}
-        values.update({tag: m[key] for key, tag in SDP4BIT_TAGS.items() if key in m})
+        values.update(scalars_of_record(m))  # SDP4Bit's bytes, named as in both trainers
         values.update({name: m[name] for name in m.get("moe_losses", ())})  # Megatron-LM's tags
         if self._tb_timers:
             values.update({_timer_tag(name): ms / 1e3

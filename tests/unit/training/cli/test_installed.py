@@ -144,8 +144,10 @@ def test_the_flag_reaches_the_integrations_version_check(monkeypatch):
     version check would otherwise stop the run after the model was built."""
     import types
 
-    import megatron.sdp4bit.integration as integration
+    from megatron.sdp4bit.comm import CommStats
     from megatron.sdp4bit.config import SDP4BitConfig
+    from megatron.sdp4bit.integration import install, lifecycle
+    from megatron.sdp4bit.integration.topologies import ModelTopologies
     from megatron.sdp4bit.training import sdp4bit_setup
     from megatron.sdp4bit.training.loop import TrainState
 
@@ -153,14 +155,14 @@ def test_the_flag_reaches_the_integrations_version_check(monkeypatch):
 
     def install_sdp4bit(model, optimizer, config, *, allow_untested_version=False):
         given.append(allow_untested_version)
-        return types.SimpleNamespace(stats=types.SimpleNamespace(), bucket_numels=[1])
+        return types.SimpleNamespace(stats=CommStats(), topologies=ModelTopologies(dense=None))
 
-    monkeypatch.setattr(integration, "install_sdp4bit", install_sdp4bit)
-    monkeypatch.setattr(sdp4bit_setup.dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(install, "install_sdp4bit", install_sdp4bit)
+    monkeypatch.setattr(lifecycle, "_rank", lambda: 1)  # the start-up lines are rank 0's
     state = TrainState(model=[], optimizer=None, scheduler=None, datasets=[], vocab_size=0)
     config = SDP4BitConfig(quantized_gradients=True)
-    sdp4bit_setup.install(config, state, None, allow_untested_version=True)
-    sdp4bit_setup.install(config, state, None)
+    sdp4bit_setup.install(config, state, allow_untested_version=True)
+    sdp4bit_setup.install(config, state)
     assert given == [True, False]
 
 

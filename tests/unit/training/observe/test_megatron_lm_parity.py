@@ -23,7 +23,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from megatron.sdp4bit.training.cli.arguments import parse_args
 from megatron.sdp4bit.training.observe import logging as console
-from megatron.sdp4bit.training.observe.metrics_writer import COMM_KEYS, SDP4BIT_TAGS, MetricsWriter
+from megatron.sdp4bit.comm.byte_counts import BYTE_SCALARS
+from megatron.sdp4bit.training.observe.comm_counters import FIELDS
+from megatron.sdp4bit.training.observe.metrics_writer import MetricsWriter
 
 # megatron/training/training.py, training_log(): written every --tensorboard-log-interval
 # iterations, each as '<tag>' against the iteration and '<tag> vs samples' against
@@ -81,8 +83,10 @@ def _record() -> dict:
          "tflops_per_gpu": 0.0104, "learning_rate": 9e-4, "global_batch_size": 8,
          "lm_loss": 5.1704361, "loss_scale": 1.0, "grad_norm": 1.23456,
          "skipped_iterations": 0, "nan_iterations": 0}
-    r.update({k: 100 + i for i, k in enumerate(COMM_KEYS)})
-    r.update({"baseline_" + k: 400 + i for i, k in enumerate(COMM_KEYS)})
+    hops = ("params_intra", "params_inter", "grads_intra", "grads_inter")
+    r.update({f"comm_bytes_{k}": 101 + i for i, k in enumerate(hops)})
+    r.update({f"baseline_comm_bytes_{k}": 401 + i for i, k in enumerate(hops)})
+    assert set(FIELDS) <= set(r)
     return r
 
 
@@ -123,9 +127,9 @@ def test_tensorboard_tags_and_wandb_keys_are_megatron_lms(tmp_path, monkeypatch)
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     ours = {t for t in tags if t.startswith("sdp4bit/")}
-    # a dense model's record: the expert part of the bytes (MoE runs) is not written
-    assert ours == {tag for key, tag in SDP4BIT_TAGS.items() if "_expert_" not in key} | {
-        "sdp4bit/grads-quantize-time"}
+    # a dense model's record: the bytes under the names both trainers write (the expert
+    # part, MoE runs only, is not written)
+    assert ours == set(BYTE_SCALARS) | {"sdp4bit/grads-quantize-time"}
     assert tags - ours - TEST_TAGS == (MEGATRON_LM_PER_ITERATION_TAGS | MEGATRON_LM_INTERVAL_TAGS
                                        | MEGATRON_LM_TIMER_TAGS | MEGATRON_LM_EVAL_TAGS)
     assert TEST_TAGS <= tags

@@ -8,7 +8,8 @@ import json
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megatron.sdp4bit.training.cli.arguments import parse_args
-from megatron.sdp4bit.training.observe.metrics_writer import COMM_KEYS, MetricsWriter
+from megatron.sdp4bit.training.observe.comm_counters import EXPERT_FIELDS, FIELDS
+from megatron.sdp4bit.training.observe.metrics_writer import MetricsWriter
 
 BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
         "--micro-batch-size 2 --train-iters 10 --lr 1e-3 --mock-data").split()
@@ -17,8 +18,7 @@ BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32
 def record(it: int) -> dict:
     r = {"iteration": it, "consumed_samples": 8 * it, "lm_loss": 5.0, "learning_rate": 1e-3,
          "grad_norm": 1.0, "loss_scale": 1.0, "elapsed_ms": 10.0 * it, "tflops_per_gpu": 0.1}
-    r.update({k: 1 for k in COMM_KEYS})
-    r.update({"baseline_" + k: 4 for k in COMM_KEYS})
+    r.update({k: 4 if k.startswith("baseline_") else 1 for k in FIELDS})
     return r
 
 
@@ -61,6 +61,7 @@ def test_per_iteration_values_against_iterations_and_samples(tmp_path):
     assert [(e.step, round(e.value, 6)) for e in acc.Scalars("iteration-time")] == [
         (2, 0.02), (4, 0.04)]
     assert [e.value for e in acc.Scalars("sdp4bit/grads-inter-bytes-unquantized")] == [4, 4]
+    assert [e.value for e in acc.Scalars("sdp4bit/grads-bytes")] == [2, 2]  # the hops' sum
 
 
 def test_tensorboard_switches(tmp_path):
@@ -77,7 +78,6 @@ def test_moe_record_writes_expert_bytes_and_auxiliary_losses(tmp_path):
     """A MoE run's record: the expert part of the bytes under sdp4bit/expert-*, the routers'
     auxiliary losses under Megatron-LM's tags; the console line carries and parses both."""
     from megatron.sdp4bit.training.observe.logging import format_train_line, parse_log_line
-    from megatron.sdp4bit.training.observe.metrics_writer import EXPERT_COMM_KEYS
 
     tb = tmp_path / "tb"
     args = parse_args(BASE + ["--tensorboard-dir", str(tb)], world_size=4)
@@ -85,8 +85,7 @@ def test_moe_record_writes_expert_bytes_and_auxiliary_losses(tmp_path):
     m = {**record(2), "train_iters": 10, "global_batch_size": 8, "skipped_iterations": 0,
          "nan_iterations": 0, "load_balancing_loss": 1.25, "z_loss": 0.5,
          "moe_losses": ["load_balancing_loss", "z_loss"]}
-    m.update({k: 7 for k in EXPERT_COMM_KEYS})
-    m.update({"baseline_" + k: 9 for k in EXPERT_COMM_KEYS})
+    m.update({k: 9 if k.startswith("baseline_") else 7 for k in EXPERT_FIELDS})
     writer.train(m)
     writer.close()
     scalars = events(tb).Tags()["scalars"]

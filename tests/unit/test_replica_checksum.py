@@ -1,15 +1,15 @@
-"""The replica checksum (training/guards/replicas.py): one changed element, one swap and one
+"""The replica checksum (integration/replicas.py): one changed element, one swap and one
 flipped bit each change it."""
 
 from __future__ import annotations
 
 import torch
 
-from megatron.sdp4bit.training.guards.replicas import checksum
+from megatron.sdp4bit.integration.replicas import checksum
 
 
 def test_checksum_sees_one_changed_element_and_a_swap(monkeypatch):
-    from megatron.sdp4bit.training.guards import replicas
+    from megatron.sdp4bit.integration import replicas
 
     monkeypatch.setattr(replicas, "_CHUNK", 1024)  # several chunks on a small tensor
     x = torch.randn(3 * 1024 + 5).to(torch.bfloat16)
