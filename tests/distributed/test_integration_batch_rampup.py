@@ -56,5 +56,10 @@ def test_the_global_calculator_counts_micro_batches_per_rank() -> None:
     microbatches.install_calculator(12, 2, 2, None, rank=1)
     assert microbatches.current_batch(0) == (12, 3)
     microbatches.install_calculator(16, 2, 2, (4, 2, 24), rank=1)
-    with pytest.raises(AssertionError, match="not divisible"):  # the command line refuses it
-        microbatches.current_batch(4)  # 6 samples: not whole micro-batches on 2 ranks
+    try:
+        with pytest.raises(AssertionError, match="not divisible"):  # the command line refuses it
+            microbatches.current_batch(4)  # 6 samples: not whole micro-batches on 2 ranks
+    finally:  # megatron-core's global: later tests of this process set their own
+        from megatron.core.num_microbatches_calculator import unset_num_microbatches_calculator
+
+        unset_num_microbatches_calculator()

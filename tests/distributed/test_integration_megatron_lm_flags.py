@@ -124,5 +124,8 @@ def test_the_lifecycle_reads_both_trainers_arguments_by_megatron_lms_names(monke
         assert save_refusal(args) is None  # torch_dist, Megatron-LM's default
         assert layout_of_args(args)["data_parallel_size"] == 1
     finally:
+        from megatron.training.global_vars import unset_global_variables
+
+        unset_global_variables()  # Megatron-LM's globals (args, the micro-batch calculator)
         megatron_lm.disable()
     assert megatron_lm.lifecycle() is None
