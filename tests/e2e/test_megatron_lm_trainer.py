@@ -193,6 +193,28 @@ def test_a_moe_run_with_expert_parallelism_reports_identical_replicas():
     assert "model replicas on the 4 data-parallel ranks: bitwise identical, checksum" in end
 
 
+def test_every_interpreter_of_the_environment_has_the_python_312_bridge():
+    """megatron.training imports ``typing.override`` (Python >= 3.12). Where megatron-core's
+    wheel asks for a newer Python than the environment's (0.19.2 on the test environment's
+    3.11), every interpreter gets it at start-up, from the ``.pth`` file tools/setup_env.sh
+    writes, through the replacement table's entry, without importing torch or megatron-core
+    (integration/megatron_lm_bridges.py); a process Megatron-LM spawns is such an
+    interpreter. On Python >= 3.12 no file is written."""
+    import sysconfig
+
+    pth = os.path.join(sysconfig.get_paths()["purelib"], "sdp4bit_python312_bridge.pth")
+    code = ("import sys, typing; print(sorted(m for m in ('torch', 'megatron.core') "
+            "if m in sys.modules)); from megatron.sdp4bit.integration.megatron_lm_bridges "
+            "import PYTHON_312; print(getattr(typing, 'override', None) is "
+            "PYTHON_312.replacement)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, cwd="/")
+    assert res.returncode == 0, res.stderr
+    bridged = sys.version_info < (3, 12)
+    assert res.stdout.split() == ["[]", str(bridged)], res.stdout
+    assert os.path.exists(pth) == bridged
+
+
 @pytest.mark.parametrize("change, line", [
     (["--quantized-weights"], "--quantized-weights requires --use-distributed-optimizer"),
     (["--use-distributed-optimizer", "--quantized-gradients", "--gq-group-size-intra", "96"],
