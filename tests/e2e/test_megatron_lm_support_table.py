@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_megatron_lm_trainer import MEGATRON_LM_FLAGS
+from tests.helpers.megatron_lm_launch import MEGATRON_LM_FLAGS
 
 pytestmark = pytest.mark.megatron_lm
 
@@ -166,9 +166,9 @@ def test_a_supported_row_names_a_test_that_launches_its_flags(row):
 
 
 def test_the_source_check_follows_module_names_and_sees_a_flag_not_passed():
-    """The source the check above reads: the dense test's own flags, those of the module
-    constants it reaches through ``_launch`` (``MEGATRON_LM_FLAGS``), and not the MoE test's."""
+    """The source the check above reads: the dense test's own flags and those of the module
+    constants it uses (``SDP4BIT_FLAGS``), not the MoE test's."""
     source = _source_of(ROOT / "tests" / "e2e" / PLUGIN_TESTS,
                         "test_megatron_lm_trainer_trains_saves_and_resumes_with_sdp4bit")
-    assert "--log-memory-to-tensorboard" in source and "--mock-data" in source
+    assert "--log-memory-to-tensorboard" in source and "--gradient-error-feedback" in source
     assert "--moe-token-dispatcher-type" not in source

@@ -26,25 +26,11 @@ import sys
 
 import pytest
 
-from tests.helpers import launch as _launch_module
+from tests.helpers.megatron_lm_launch import MEGATRON_LM_FLAGS
+from tests.helpers.megatron_lm_launch import launch as _launch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.megatron_lm
 
-# Megatron-LM's flags for a tiny GPT on mock data; the local layer spec and no fused kernels
-# (no Transformer Engine or Apex here); no dataloader workers (they would see the dry run's
-# tagged tensors: docs/cuda_dryrun.md, "Other threads"). Dropout off: the dry run's "CUDA"
-# generator is the CPU one, so Megatron-LM's RNG checkpoint restores two states into one
-# generator and a resumed run's dropout masks differ (a GPU has two generators).
-MEGATRON_LM_FLAGS = (
-    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
-    "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8 --lr 3e-3 "
-    "--bf16 --use-distributed-optimizer --log-interval 1 --mock-data "
-    "--tokenizer-type NullTokenizer --vocab-size 128 --seed 7 --train-iters 4 "
-    "--eval-interval 1000 --eval-iters 0 --num-workers 0 --transformer-impl local "
-    "--no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-gelu-fusion "
-    "--no-bias-dropout-fusion --no-persist-layer-norm --hidden-dropout 0 "
-    "--attention-dropout 0 --lr-decay-style constant").split()
 # Megatron-LM's overlapped collectives, several buckets per buffer; error feedback on the
 # inter-node hop, whose state the resume below must bring back from Megatron-LM's checkpoint.
 SDP4BIT_FLAGS = ("--quantized-weights --quantized-gradients --dp-ranks-per-node 2 "
@@ -70,16 +56,6 @@ GRADS_RATIO = (2 * (1 + 4 / 512) + (0.5 + 4 / 128)) / (3 * 4)
 # The expert buckets on their group of 1 x 2: the 4-bit inter hop alone, per fp32 element.
 EXPERT_GRADS_RATIO = (0.5 + 4 / 128) / 4
 GRAD_BYTES = {"fp32": 4, "bf16": 2}  # per element of the gradient buffers
-
-
-def _launch(args: list[str]) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    env.pop("TRITON_INTERPRET", None)
-    script = os.path.join(ROOT, "tests", "helpers", "megatron_lm_gpt.py")
-    return _launch_module.torchrun(
-        os.path.join(ROOT, "dev", "cuda_dryrun.py"),
-        ["-m", "megatron.sdp4bit.megatron_lm", script, *MEGATRON_LM_FLAGS, *args],
-        nproc=4, env=env, cwd=ROOT, timeout=400)
 
 
 def _iterations(out: str) -> dict[int, dict[str, float]]:
