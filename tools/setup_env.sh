@@ -80,7 +80,8 @@ if [ -n "$_mcore" ]; then
     # A megatron-core whose wheel requires a newer Python than this one (0.19.2: >= 3.12, on
     # 3.11): every interpreter of this environment gets Python 3.12's typing.override at
     # start-up, from a .pth file, so that a process Megatron-LM's trainer spawns has it too.
-    # On a Python the wheel accepts nothing is written (and a stale file is removed).
+    # On a Python the wheel accepts (>= 3.12 for 0.19.2) none of this is needed: nothing is
+    # written, and a stale file is removed.
     # [Note: the Python 3.12 bridge in every process] (integration/megatron_lm_bridges.py)
     python - <<'PY'
 import importlib.metadata, os, platform, sysconfig
