@@ -4,25 +4,20 @@ megatron-core 0.19.2's wheel ships ``megatron/training/arguments.py`` (0.16.1's 
 Only the flag comparison of the 0.19.2 test pass and ``python -m dev.gen_flag_docs
 --megatron-lm`` read it; nothing at run time does.
 
-[Note: typing.override on Python 3.11]
-``megatron.training`` imports ``typing.override`` (Python >= 3.12). The 0.19.2 wheel runs on
-3.11 in the test environment (dev/run_tests.sh), so :func:`megatron_lm_flags` puts an identity
-function there in its own process, when it is missing, before the import: the decorator only
-marks methods for type checkers.
+On Python 3.11 ``megatron.training`` needs Python 3.12's ``typing.override``, which the test
+environment's interpreters get at start-up (integration/megatron_lm_bridges.py, [Note: the
+Python 3.12 bridge in every process]).
 """
 
 from __future__ import annotations
 
 import argparse
-import typing
 import warnings
 
 
 def megatron_lm_parser() -> argparse.ArgumentParser:
     """Megatron-LM's argument parser (``add_megatron_arguments``), as ``pretrain_gpt.py``
     builds it; ImportError where the wheel has no ``megatron.training``."""
-    if not hasattr(typing, "override"):
-        typing.override = lambda method: method  # type: ignore[attr-defined]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed"
         from megatron.training.arguments import add_megatron_arguments

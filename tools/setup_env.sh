@@ -5,7 +5,9 @@
 #   SDP4BIT_MEGATRON_CORE   a megatron-core version to install instead of the one
 #                           requirements.txt picks for this Python, with --no-deps
 #                           --ignore-requires-python. Test-only: dev/run_tests.sh uses it to
-#                           test megatron-core 0.19.2 (which requires Python >= 3.12) on 3.11.
+#                           test megatron-core 0.19.2 (which requires Python >= 3.12) on 3.11;
+#                           there a .pth file gives every interpreter of the environment
+#                           Python 3.12's typing.override (Megatron-LM's trainer imports it).
 #   SDP4BIT_BASE_VENV       with SDP4BIT_MEGATRON_CORE: an environment set up by this script
 #                           whose packages the new one reads (a .pth line puts its
 #                           site-packages after the new one's), so that only megatron-core and
@@ -73,6 +75,27 @@ if ! python -c "import megatron.sdp4bit, megatron.core, torch, triton" >/dev/nul
     echo "== $_venv: installing this project (editable)"
     _sdp4bit_pip install -q --no-deps -e .
     echo "$_want" > "$_stamp"
+fi
+if [ -n "$_mcore" ]; then
+    # A megatron-core whose wheel requires a newer Python than this one (0.19.2: >= 3.12, on
+    # 3.11): every interpreter of this environment gets Python 3.12's typing.override at
+    # start-up, from a .pth file, so that a process Megatron-LM's trainer spawns has it too.
+    # On a Python the wheel accepts (>= 3.12 for 0.19.2) none of this is needed: nothing is
+    # written, and a stale file is removed.
+    # [Note: the Python 3.12 bridge in every process] (integration/megatron_lm_bridges.py)
+    python - <<'PY'
+import importlib.metadata, os, platform, sysconfig
+from packaging.specifiers import SpecifierSet
+needs = importlib.metadata.metadata("megatron-core")["Requires-Python"] or ""
+path = os.path.join(sysconfig.get_paths()["purelib"], "sdp4bit_python312_bridge.pth")
+if SpecifierSet(needs).contains(platform.python_version()):
+    if os.path.exists(path):
+        os.remove(path)
+else:
+    with open(path, "w") as f:
+        f.write("import megatron.sdp4bit.integration.megatron_lm_bridges as b; "
+                "b.bridge_python_312()\n")
+PY
 fi
 unset -f _sdp4bit_pip
 unset _venv _mcore _base _stamp _want

@@ -280,7 +280,8 @@ def _check_replica_guard_sees_expert_weights(lifecycle, ddp, iteration: int) -> 
             rf"SDP4Bit on this rank: {2 * quantized} quantized gradient reduce-scatters, "
             rf"{2 * iteration} quantized parameter all-gathers, {2 * LOG_INTERVAL} unquantized "
             rf"\(before --gradients-quantization-start-iteration\) in {iteration} iterations; "
-            r"bytes sent / unquantized: params 0\.2510, grads 0\.\d{4}; model replicas on the 4 "
+            r"bytes sent / unquantized: params 0\.2510 against bf16 parameter all-gather, "
+            r"grads 0\.\d{4} against fp32 gradient reduction; model replicas on the 4 "
             r"data-parallel ranks: bitwise identical, checksum [0-9a-f]{16}", line), line
     expert = ddp.expert_parallel_buffers[0].param_data
     saved = expert[0].clone()

@@ -6,8 +6,12 @@ megatron.sdp4bit.megatron_lm``): a GPT script in Megatron-LM's shape
 Megatron-LM's trainer assumes CUDA (it asserts ``torch.cuda.is_available()``, asks for
 NCCL, allocates on the device), so it runs under the CUDA dry run (``dev/cuda_dryrun.py -m``):
 its CUDA branch on the CPU, every collective checked against NCCL's rules. 4 ranks as
-2 "nodes" x 2: both hops of the gradient reduce-scatter and the qWD all-gather; a
-mixture-of-experts GPT with expert parallelism 2 in a launch of its own.
+2 "nodes" x 2: both hops of the gradient reduce-scatter and the qWD all-gather, with
+Megatron-LM's overlapped collectives; each launch pair saves and resumes bit for bit, from a
+save on an iteration without evaluation (the dense GPT) and on one with (the MoE GPT with
+the alltoall dispatcher): with ``--overlap-param-gather`` Megatron-LM forces the parameter
+all-gather before every evaluation and every save. A mixture-of-experts GPT with expert
+parallelism 2, with each token dispatcher, in launches of its own.
 
 Marked ``megatron_lm``: deselected (tests/conftest.py) where the installed megatron-core has
 no ``megatron.training`` (0.16.1, the first test pass).
@@ -22,30 +26,21 @@ import sys
 
 import pytest
 
-from tests.helpers import launch as _launch_module
+from tests.helpers.megatron_lm_launch import MEGATRON_LM_FLAGS
+from tests.helpers.megatron_lm_launch import launch as _launch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.megatron_lm
 
-# Megatron-LM's flags for a tiny GPT on mock data; the local layer spec and no fused kernels
-# (no Transformer Engine or Apex here); no dataloader workers (they would see the dry run's
-# tagged tensors: docs/cuda_dryrun.md, "Other threads"). Dropout off: the dry run's "CUDA"
-# generator is the CPU one, so Megatron-LM's RNG checkpoint restores two states into one
-# generator and a resumed run's dropout masks differ (a GPU has two generators).
-MEGATRON_LM_FLAGS = (
-    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
-    "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8 --lr 3e-3 "
-    "--bf16 --use-distributed-optimizer --log-interval 1 --mock-data "
-    "--tokenizer-type NullTokenizer --vocab-size 128 --seed 7 --train-iters 4 "
-    "--eval-interval 1000 --eval-iters 0 --num-workers 0 --transformer-impl local "
-    "--no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-gelu-fusion "
-    "--no-bias-dropout-fusion --no-persist-layer-norm --hidden-dropout 0 "
-    "--attention-dropout 0 --lr-decay-style constant").split()
 # Megatron-LM's overlapped collectives, several buckets per buffer; error feedback on the
 # inter-node hop, whose state the resume below must bring back from Megatron-LM's checkpoint.
 SDP4BIT_FLAGS = ("--quantized-weights --quantized-gradients --dp-ranks-per-node 2 "
                  "--overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 20000 "
                  "--gradient-error-feedback").split()
+# A Mixtral-style MoE: 4 experts, top-2, expert parallelism 2 (expert data-parallel groups
+# of 2 ranks, one per "node": the expert buckets take the inter-node hop alone).
+MOE_FLAGS = ("--quantized-weights --quantized-gradients --dp-ranks-per-node 2 "
+             "--overlap-grad-reduce --overlap-param-gather --num-experts 4 --moe-router-topk 2 "
+             "--expert-model-parallel-size 2 --train-iters 3 --save-interval 2").split()
 # The byte fields Megatron-LM's log line gets, the names of our trainer's TensorBoard too.
 BYTES = tuple(f"sdp4bit/{kind}-{hop}bytes{unquantized}" for kind in ("params", "grads")
               for hop in ("", "intra-", "inter-") for unquantized in ("", "-unquantized"))
@@ -55,18 +50,12 @@ BYTES = tuple(f"sdp4bit/{kind}-{hop}bytes{unquantized}" for kind in ("params", "
 # qWD: 4-bit values + one fp32 scale per 2048, against bf16.
 PARAMS_RATIO = (0.5 + 4 / 2048) / 2
 # TLq on 2 x 2: per shard of S elements a rank sends (N-1)*M = 2 S on the 8-bit intra hop
-# (group 512) and (M-1) = 1 S on the 4-bit inter hop (group 128), against fp32 gradients.
+# (group 512) and (M-1) = 1 S on the 4-bit inter hop (group 128), against fp32 gradients
+# (twice that against bf16 ones, --grad-reduce-in-bf16).
 GRADS_RATIO = (2 * (1 + 4 / 512) + (0.5 + 4 / 128)) / (3 * 4)
-
-
-def _launch(args: list[str]) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    env.pop("TRITON_INTERPRET", None)
-    script = os.path.join(ROOT, "tests", "helpers", "megatron_lm_gpt.py")
-    return _launch_module.torchrun(
-        os.path.join(ROOT, "dev", "cuda_dryrun.py"),
-        ["-m", "megatron.sdp4bit.megatron_lm", script, *MEGATRON_LM_FLAGS, *args],
-        nproc=4, env=env, cwd=ROOT, timeout=400)
+# The expert buckets on their group of 1 x 2: the 4-bit inter hop alone, per fp32 element.
+EXPERT_GRADS_RATIO = (0.5 + 4 / 128) / 4
+GRAD_BYTES = {"fp32": 4, "bf16": 2}  # per element of the gradient buffers
 
 
 def _iterations(out: str) -> dict[int, dict[str, float]]:
@@ -92,11 +81,15 @@ def _end_line(out: str) -> str:
 @pytest.mark.distributed
 def test_megatron_lm_trainer_trains_saves_and_resumes_with_sdp4bit(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    first = _launch([*SDP4BIT_FLAGS, "--save", ckpt, "--save-interval", "2"])
+    tensorboard = tmp_path / "tb"
+    first = _launch([*SDP4BIT_FLAGS, "--save", ckpt, "--save-interval", "2",
+                     "--tensorboard-dir", str(tensorboard), "--log-memory-to-tensorboard"])
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-5000:]
     out = first.stdout
     assert ("SDP4Bit installed on 5 bucket(s): weights qWD 4-bit, group 2048 | gradients TLq "
             "intra 8-bit group 512, inter 4-bit group 128") in out
+    assert ("| bytes counted against megatron-core's bf16 parameter all-gather and fp32 "
+            "gradient reduction\n") in out, out[-3000:]
     assert re.search(r"SDP4Bit error feedback on the inter-node hop: [0-9.]+ MiB of error "
                      r"state on this rank \(int8, 1/N of the gradient buckets\)", out), \
         out[-3000:]
@@ -123,11 +116,13 @@ def test_megatron_lm_trainer_trains_saves_and_resumes_with_sdp4bit(tmp_path):
     # last; the end of training forces one more, with no step since: it sends nothing).
     assert end.startswith("SDP4Bit on this rank: 20 quantized gradient reduce-scatters, 20 "
                           "quantized parameter all-gathers, 0 unquantized"), end
-    assert f"params {PARAMS_RATIO:.4f}, grads {GRADS_RATIO:.4f}" in end
+    assert (f"bytes sent / unquantized: params {PARAMS_RATIO:.4f} against bf16 parameter "
+            f"all-gather, grads {GRADS_RATIO:.4f} against fp32 gradient reduction;") in end, end
     assert "model replicas on the 4 data-parallel ranks: bitwise identical" in end
     for it in (2, 4):
         assert f"successfully saved checkpoint from iteration {it:7d} to {ckpt}" in out
     assert re.search(r"cuda dry run: done, \d+ collectives on rank 0 passed", out)
+    _check_tensorboard(tensorboard, sorted(logged))
     uninterrupted = re.search(r"checksum ([0-9a-f]{16})", end).group(1)
 
     # Resume from iteration 2 (Megatron-LM's tracker file names the checkpoint to load).
@@ -160,37 +155,129 @@ def test_megatron_lm_trainer_trains_saves_and_resumes_with_sdp4bit(tmp_path):
     assert f"checksum {uninterrupted}" in end2, (end, end2)
 
 
-@pytest.mark.slow  # one 4-rank launch of Megatron-LM's trainer, ~20 s
+def _check_tensorboard(folder, iterations: list[int]) -> None:
+    """Megatron-LM's TensorBoard scalars (the last rank's writer): SDP4Bit's bytes under the
+    log line's names, each iteration's own (the log line averages), at the formats' ratios;
+    and --log-memory-to-tensorboard's four memory scalars, which read
+    ``torch.cuda.memory_stats()`` (the dry run has no device memory: 0)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    memory = ("mem-reserved-bytes", "mem-allocated-bytes", "mem-max-allocated-bytes",
+              "mem-allocated-count")
+    assert set(memory) | set(BYTES) <= tags, tags
+    for tag in memory:
+        assert [(e.step, e.value) for e in events.Scalars(tag)] == [
+            (it, 0.0) for it in iterations], tag
+    scalars = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in BYTES}
+    for it in iterations:
+        assert scalars["sdp4bit/grads-bytes"][it] / scalars["sdp4bit/grads-bytes-unquantized"][
+            it] == pytest.approx(GRADS_RATIO, rel=1e-5), it
+        sent, unquantized = (scalars[f"sdp4bit/params-bytes{end}"][it]
+                             for end in ("", "-unquantized"))
+        # overlapped: the first update's all-gather runs in the second forward pass
+        assert (sent, unquantized) == (0, 0) if it == 1 else \
+            sent / unquantized == pytest.approx(PARAMS_RATIO, rel=1e-5), it
+
+
+@pytest.mark.slow  # two 4-rank launches of Megatron-LM's trainer per dispatcher, ~1 min
 @pytest.mark.dryrun
 @pytest.mark.distributed
-def test_a_moe_run_with_expert_parallelism_reports_identical_replicas():
-    """A mixture-of-experts GPT with expert parallelism 2 (Megatron-LM's own MoE flags): the
-    expert weights differ across the expert-parallel ranks by design, so the end line
-    compares them on the expert data-parallel group and finds the replicas identical; the
-    expert buckets' bytes are on the log line, at the formats' ratios per hop (one rank per
-    node in the expert group of 2: the inter-node hop alone)."""
-    res = _launch(["--quantized-weights", "--quantized-gradients", "--dp-ranks-per-node", "2",
-                   "--num-experts", "4", "--moe-router-topk", "2",
-                   "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
-                   "allgather", "--train-iters", "2"])
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    out = res.stdout
+@pytest.mark.parametrize("dispatcher, first_flags, resumed_flags, grads", [
+    # saved on an iteration with an evaluation (at 2), resumed without evaluations
+    ("alltoall", ["--eval-interval", "2", "--eval-iters", "1"], [], "fp32"),
+    # gradients reduced in bf16: the bytes against megatron-core's bf16 reduction
+    ("allgather", ["--grad-reduce-in-bf16"],
+     ["--grad-reduce-in-bf16", "--eval-interval", "1", "--eval-iters", "1"], "bf16"),
+], ids=["alltoall", "allgather-bf16-grads"])
+def test_a_moe_run_with_expert_parallelism_trains_saves_and_resumes(
+        dispatcher, first_flags, resumed_flags, grads, tmp_path):
+    """A mixture-of-experts GPT with expert parallelism 2 (Megatron-LM's own MoE flags), each
+    token dispatcher: the expert buckets' traffic is quantized (on the log line, at the
+    formats' ratios per hop: one rank per node in the expert group of 2, the inter-node hop
+    alone), the expert weights, which differ across the expert-parallel ranks by design, are
+    compared on the expert data-parallel group and the end line finds the replicas
+    identical; a resume from the save at iteration 2 repeats the uninterrupted run bit for
+    bit, also when the save was on an evaluation iteration (alltoall) and when only the
+    resumed run evaluates (allgather)."""
+    ckpt = str(tmp_path / "ckpt")
+    moe = [*MOE_FLAGS, "--moe-token-dispatcher-type", dispatcher]
+    first = _launch([*moe, *first_flags, "--save", ckpt])
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-5000:]
+    out = first.stdout
     assert ("SDP4Bit installed on 2 bucket(s): weights qWD 4-bit, group 2048 | gradients TLq "
             "intra 8-bit group 512, inter 4-bit group 128, pipeline 1, from iteration 0 | "
             "stochastic rounding, auto kernels | 1 of them expert bucket(s), on the expert "
-            "data-parallel group of 2") in out, out[-3000:]
+            "data-parallel group of 2 | bytes counted against megatron-core's bf16 parameter "
+            f"all-gather and {grads} gradient reduction\n") in out, out[-3000:]
     logged = _iterations(out)
-    assert sorted(logged) == [1, 2]
+    assert sorted(logged) == [1, 2, 3]
+    assert logged[3]["lm loss"] < logged[1]["lm loss"] - 0.3, logged  # 4.88 -> 4.43
+    scale = 4 / GRAD_BYTES[grads]  # ratios against a 2-byte gradient are twice fp32's
     for it, fields in logged.items():
-        assert fields["sdp4bit/expert-grads-intra-bytes"] == 0, (it, fields)
-        assert fields["sdp4bit/expert-grads-inter-bytes"] / fields[
-            "sdp4bit/expert-grads-inter-bytes-unquantized"] == pytest.approx(
-                (0.5 + 4 / 128) / 4, rel=1e-5), (it, fields)
-        assert 0 < fields["sdp4bit/expert-grads-inter-bytes"] < fields[
-            "sdp4bit/grads-inter-bytes"], (it, fields)  # a part of all that was sent
+        expert = {hop: fields[f"sdp4bit/expert-grads-{hop}-bytes"] for hop in ("intra", "inter")}
+        assert expert["intra"] == fields["sdp4bit/expert-grads-intra-bytes-unquantized"] == 0
+        assert expert["inter"] / fields["sdp4bit/expert-grads-inter-bytes-unquantized"] == \
+            pytest.approx(EXPERT_GRADS_RATIO * scale, rel=1e-5), (it, fields)
+        assert 0 < expert["inter"] < fields["sdp4bit/grads-inter-bytes"], (it, fields)
+        # the rest, the dense buckets, on the 2 x 2 data-parallel group
+        dense = fields["sdp4bit/grads-bytes"] - expert["inter"]
+        dense_unquantized = (fields["sdp4bit/grads-bytes-unquantized"]
+                             - fields["sdp4bit/expert-grads-inter-bytes-unquantized"])
+        assert dense / dense_unquantized == pytest.approx(GRADS_RATIO * scale, rel=1e-5), fields
+        if it > 1:  # the expert weights' qWD all-gather, from the second forward pass on
+            assert fields["sdp4bit/expert-params-inter-bytes"] / fields[
+                "sdp4bit/expert-params-inter-bytes-unquantized"] == pytest.approx(
+                    PARAMS_RATIO, rel=1e-5), (it, fields)
     end = _end_line(out)
-    assert end.startswith("SDP4Bit on this rank: 4 quantized gradient reduce-scatters, "), end
-    assert "model replicas on the 4 data-parallel ranks: bitwise identical, checksum" in end
+    # 2 buckets (a dense one, an expert one) x 3 iterations
+    assert end.startswith("SDP4Bit on this rank: 6 quantized gradient reduce-scatters, 6 "
+                          "quantized parameter all-gathers, 0 unquantized"), end
+    assert re.search(rf"params {PARAMS_RATIO:.4f} against bf16 parameter all-gather, grads "
+                     rf"0\.\d{{4}} against {grads} gradient reduction; model replicas on the 4 "
+                     r"data-parallel ranks: bitwise identical, checksum", end), end
+    evaluated = re.findall(r"validation loss at iteration (\d+) \|", out)
+    assert evaluated == (["2"] if first_flags[:1] == ["--eval-interval"] else []), evaluated
+    assert f"successfully saved checkpoint from iteration       2 to {ckpt}" in out
+    uninterrupted = re.search(r"checksum ([0-9a-f]{16})", end).group(1)
+
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("2")
+    second = _launch([*moe, *resumed_flags, "--load", ckpt])
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-5000:]
+    out2 = second.stdout
+    assert f"loading distributed checkpoint from {ckpt} at iteration 2" in out2
+    resumed = _iterations(out2)
+    assert sorted(resumed) == [3]
+    assert {k: v for k, v in resumed[3].items() if not k.startswith("sdp4bit/")} == \
+        {k: v for k, v in logged[3].items() if not k.startswith("sdp4bit/")}, (resumed, logged)
+    end2 = _end_line(out2)
+    assert "model replicas on the 4 data-parallel ranks: bitwise identical" in end2
+    assert f"checksum {uninterrupted}" in end2, (end, end2)
+
+
+def test_every_interpreter_of_the_environment_has_the_python_312_bridge():
+    """megatron.training imports ``typing.override`` (Python >= 3.12). Where megatron-core's
+    wheel asks for a newer Python than the environment's (0.19.2 on the test environment's
+    3.11), every interpreter gets it at start-up, from the ``.pth`` file tools/setup_env.sh
+    writes, through the replacement table's entry, without importing torch or megatron-core
+    (integration/megatron_lm_bridges.py); a process Megatron-LM spawns is such an
+    interpreter. On Python >= 3.12 no file is written."""
+    import sysconfig
+
+    pth = os.path.join(sysconfig.get_paths()["purelib"], "sdp4bit_python312_bridge.pth")
+    code = ("import sys, typing; print(sorted(m for m in ('torch', 'megatron.core') "
+            "if m in sys.modules)); from megatron.sdp4bit.integration.megatron_lm_bridges "
+            "import PYTHON_312; print(getattr(typing, 'override', None) is "
+            "PYTHON_312.replacement)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, cwd="/")
+    assert res.returncode == 0, res.stderr
+    bridged = sys.version_info < (3, 12)
+    assert res.stdout.split() == ["[]", str(bridged)], res.stdout
+    assert os.path.exists(pth) == bridged
 
 
 @pytest.mark.parametrize("change, line", [

@@ -191,17 +191,23 @@ def test_sdp4bit_resume_matches_uninterrupted(data_prefix, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("parallel", ["--tensor-model-parallel-size 2 --sequence-parallel",
-                                      "--pipeline-model-parallel-size 2"], ids=["TP2-SP", "PP2"])
-def test_sdp4bit_under_model_parallelism(parallel):
+@pytest.mark.parametrize("parallel, grads", [
+    ("--tensor-model-parallel-size 2 --sequence-parallel", "fp32"),
+    ("--pipeline-model-parallel-size 2 --grad-reduce-in-bf16", "bf16")], ids=["TP2-SP", "PP2"])
+def test_sdp4bit_under_model_parallelism(parallel, grads):
     """TP=2 x DP=2 (with sequence parallelism on the local spec's norms) and PP=2 x DP=2 on
     4 ranks, 1 DP rank per node: the DP groups of 2 take the single inter-node hop (4-bit)
     and the weight all-gather is qWD. The replica check runs every iteration: DP replicas,
-    and with TP 2 the TP ranks' copies of the weights TP does not split, bitwise equal."""
+    and with TP 2 the TP ranks' copies of the weights TP does not split, bitwise equal.
+    PP2 reduces its gradient buffers in bf16 (--grad-reduce-in-bf16): the bytes compare
+    against megatron-core's bf16 reduction, half of fp32's, and the start-up and end lines
+    say so."""
     res = torchrun(TINY + ["--mock-data", "--dp-ranks-per-node", "1", *parallel.split(),
                            *METHODS["SDP4Bit"], "--check-replicas-interval", "1"])
     assert "data-parallel topology: 2 ranks = 1 per node x 2 nodes" in res.stdout
-    assert "SDP4Bit installed on" in res.stdout
+    assert re.search(rf"SDP4Bit installed on \d+ bucket\(s\): .* \| bytes counted against "
+                     rf"megatron-core's bf16 parameter all-gather and {grads} gradient "
+                     r"reduction\n", res.stdout), res.stdout[-3000:]
     calls = re.search(r"SDP4Bit on this rank: (\d+) quantized gradient reduce-scatters, "
                       r"(\d+) quantized parameter all-gathers", res.stdout)
     assert calls and int(calls[1]) >= 20 and int(calls[2]) >= 20, res.stdout[-2000:]
@@ -211,7 +217,12 @@ def test_sdp4bit_under_model_parallelism(parallel):
     last = lines[-1]
     assert last["comm_bytes_grads_intra"] == last["baseline_comm_bytes_grads_intra"] == 0
     inter, inter_b = last["comm_bytes_grads_inter"], last["baseline_comm_bytes_grads_inter"]
-    assert 6.0 < inter_b / inter <= 32 / (4 + 32 / 128) + 1e-9, (inter, inter_b)
+    # one 4-bit value and a 4-byte scale per 128 against a 32- or 16-bit gradient
+    bound = (32 if grads == "fp32" else 16) / (4 + 32 / 128)
+    assert 0.8 * bound < inter_b / inter <= bound + 1e-9, (inter, inter_b)
+    ratio = re.search(r"grads (\d\.\d{4}) against (\w+) gradient reduction;", res.stdout)
+    assert ratio and ratio[2] == grads and float(ratio[1]) == pytest.approx(
+        1 / bound, abs=2e-4), res.stdout[-2000:]
 
 
 @pytest.mark.slow

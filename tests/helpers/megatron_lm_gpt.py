@@ -5,8 +5,12 @@
 
 It knows nothing of SDP4Bit: tests/e2e/test_megatron_lm_trainer.py runs it unchanged under
 ``python -m megatron.sdp4bit.megatron_lm``, as a Megatron-LM user runs their own
-``pretrain_gpt.py``. Mock data (``MockGPTDataset``: counting sequences, so the loss falls),
-the local layer spec (no Transformer Engine).
+``pretrain_gpt.py``. Like that script it imports ``megatron.training`` at the top, so every
+process that re-imports it (the ``spawn`` manager of a ``torch_dist`` save) needs Python
+3.12's ``typing.override``: the test environment's interpreters get it at start-up
+(integration/megatron_lm_bridges.py, [Note: the Python 3.12 bridge in every process]).
+Mock data (``MockGPTDataset``: counting sequences, so the loss falls), the local layer spec
+(no Transformer Engine).
 """
 
 from __future__ import annotations
@@ -21,22 +25,17 @@ from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-# [Note: megatron.training imported late]
-# Megatron-LM's torch_dist save starts a ``spawn`` multiprocessing manager, and a spawned
-# process re-imports the main script. megatron-core 0.19.2's trainer needs Python 3.12
-# (``typing.override``); on the test environment's Python 3.11 only the launcher's process
-# has the plug-in's bridge, so this script imports ``megatron.training`` inside its functions
-# and its main block, where a spawned re-import does not reach. On Python 3.12 a script
-# imports it at the top, as Megatron-LM's own do.
+from megatron.training import get_args, get_tokenizer, pretrain
+from megatron.training.argument_utils import (
+    core_transformer_config_from_args,
+    pretrain_cfg_container_from_args,
+)
+from megatron.training.arguments import parse_and_validate_args
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None,
                    pg_collection=None) -> GPTModel:
     """The model of this pipeline stage, on the CPU, without DDP (the trainer wraps it)."""
-    from megatron.training import get_args
-    from megatron.training.argument_utils import core_transformer_config_from_args
-
     args = get_args()
     return GPTModel(
         config=core_transformer_config_from_args(args),
@@ -53,8 +52,6 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
 
 def train_valid_test_datasets_provider(train_val_test_num_samples):
     """Mock GPT datasets of the sizes the trainer asks for."""
-    from megatron.training import get_args, get_tokenizer
-
     args = get_args()
     config = GPTDatasetConfig(
         random_seed=args.seed,
@@ -95,10 +92,6 @@ def forward_step(data_iterator, model: GPTModel):
 
 
 if __name__ == "__main__":
-    from megatron.training import pretrain
-    from megatron.training.argument_utils import pretrain_cfg_container_from_args
-    from megatron.training.arguments import parse_and_validate_args
-
     train_valid_test_datasets_provider.is_distributed = True
     args = parse_and_validate_args()
     pretrain(pretrain_cfg_container_from_args(args), train_valid_test_datasets_provider,

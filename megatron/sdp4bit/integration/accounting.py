@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from megatron.sdp4bit.comm.stats import CommStats
-from megatron.sdp4bit.integration.buckets import dense_buffers, expert_buffers
+from megatron.sdp4bit.integration.buckets import all_buffers, dense_buffers, expert_buffers
 from megatron.sdp4bit.integration.topologies import ModelTopologies
 
 
@@ -52,3 +52,25 @@ def _add_buffers(stats: CommStats, buffers, topology, ddp_config, params: bool,
             if distributed and params:
                 element = torch.empty((), dtype=buffer.param_dtype).element_size()
                 stats.add_unquantized_params(shard, element, topology.world, n)
+
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _dtype_names(dtypes) -> str:
+    names = sorted({_DTYPE_NAMES.get(d, str(d).removeprefix("torch.")) for d in dtypes})
+    return "+".join(names) or "-"
+
+
+def references(model_chunks) -> dict[str, str]:
+    """What the unquantized counts of ``model_chunks`` stand for, in words: megatron-core's
+    parameter all-gather in the parameter buffers' dtype and its gradient reduction in the
+    gradient buffers' dtype, the element sizes the counts are made of here and in the
+    quantized collectives' baselines (``comm/stats.py``): ``{"params": "bf16 parameter
+    all-gather", "grads": "fp32 gradient reduction"}`` with ``--bf16`` (``bf16 gradient
+    reduction`` with ``--grad-reduce-in-bf16``, where megatron-core reduces in bf16 and a
+    byte ratio against it is twice the one against fp32). Buffers of several dtypes name them
+    all (``bf16+fp32``). Both trainers' start-up and end lines print them beside the ratios."""
+    buffers = list(all_buffers(model_chunks))
+    return {"params": f"{_dtype_names(b.param_dtype for b in buffers)} parameter all-gather",
+            "grads": f"{_dtype_names(b.grad_dtype for b in buffers)} gradient reduction"}

@@ -15,6 +15,9 @@ words; each keeps only the adapter that calls them at its own points:
   :meth:`~SDP4BitLifecycle.finish_iteration` after it; the bytes since the last look,
   :meth:`~SDP4BitLifecycle.take_bytes` ([Note: one byte-accounting path], accounting.py);
 * the end line, with the replica check of ``replicas.py`` (:meth:`~SDP4BitLifecycle.end_line`);
+  it and the start-up line name what the byte ratios compare against (``accounting.references``:
+  megatron-core's collectives in this run's buffer dtypes, e.g. bf16 gradient reduction with
+  ``--grad-reduce-in-bf16``);
 * ``--gradient-error-feedback``'s state in a checkpoint: taken for a save, restored from a
   load, kept until the install when the trainer loads first (Megatron-LM's does), and the
   one line that says when the error starts from zero instead.
@@ -31,7 +34,7 @@ from megatron.sdp4bit.comm.stats import CommStats
 from megatron.sdp4bit.config import SDP4BitConfig
 from megatron.sdp4bit.config_flags import in_flag_words, sdp4bit_config_from_args
 from megatron.sdp4bit.comm.byte_counts import ByteCounts
-from megatron.sdp4bit.integration.accounting import add_unquantized_iteration
+from megatron.sdp4bit.integration.accounting import add_unquantized_iteration, references
 from megatron.sdp4bit.integration.support import Setup, check_supported
 from megatron.sdp4bit.integration.topologies import ModelTopologies
 
@@ -136,8 +139,10 @@ class SDP4BitLifecycle:
         self._taken = self.totals()
         if _rank() == 0:
             config = self.config
+            words = references(self.model)
             print(f"SDP4Bit installed on {len(handle.buckets)} bucket(s): "
-                  f"{config.describe()}{describe_experts(handle)}", flush=True)
+                  f"{config.describe()}{describe_experts(handle)} | bytes counted against "
+                  f"megatron-core's {words['params']} and {words['grads']}", flush=True)
             if config.gradient_error_feedback:
                 print(f"SDP4Bit error feedback on the inter-node hop: "
                       f"{handle.error_feedback_nbytes / 2**20:.2f} MiB of error state on this "
@@ -221,7 +226,7 @@ class SDP4BitLifecycle:
         dist.all_gather_object(differences, report.difference)
         if _rank() != dist.get_world_size() - 1:
             return None
-        state, totals = self.handle.state, self.totals()
+        state, totals, words = self.handle.state, self.totals(), references(self.model)
         verdict = "bitwise identical"
         found = next((d for d in differences if d is not None), None)
         if found is not None:
@@ -231,8 +236,9 @@ class SDP4BitLifecycle:
                 f"reduce-scatters, {sum(state.param_calls.values())} quantized parameter "
                 f"all-gathers, {sum(state.unquantized_grad_calls.values())} unquantized "
                 f"(before --gradients-quantization-start-iteration) in {self.iterations} "
-                f"iterations; bytes sent / unquantized: params {totals.ratio('params')}, "
-                f"grads {totals.ratio('grads')}; model replicas on the "
+                f"iterations; bytes sent / unquantized: params {totals.ratio('params')} "
+                f"against {words['params']}, grads {totals.ratio('grads')} against "
+                f"{words['grads']}; model replicas on the "
                 f"{report.data_parallel_size} data-parallel ranks: {verdict}, checksum "
                 f"{report.checksum:016x}")
 

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron.sdp4bit.config import SDP4BitConfig
 from megatron.sdp4bit.config_flags import add_sdp4bit_flags
 from megatron.sdp4bit.integration import patches
 from megatron.sdp4bit.integration.lifecycle import SDP4BitLifecycle, config_of_args
@@ -46,6 +47,7 @@ from megatron.sdp4bit.integration.megatron_lm_bridges import (
 )
 from megatron.sdp4bit.integration.megatron_lm_checkpoint import (
     PendingLoad,
+    async_save_refusal,
     save_refusal,
     wrap_generate_state_dict,
     wrap_load_base_checkpoint,
@@ -55,7 +57,8 @@ from megatron.sdp4bit.integration.padding import sdp4bit_padding
 from megatron.sdp4bit.integration.patches import MODULE, declare
 from megatron.sdp4bit.integration.version import check_megatron_core_version
 
-__all__ = ["PYTHON_312", "TRAINER", "disable", "enable", "enabled", "lifecycle"]
+__all__ = ["PYTHON_312", "TRAINER", "config_of_megatron_lm_args", "disable", "enable",
+           "enabled", "lifecycle"]
 
 _NOTE = "[Note: where the plug-in enters Megatron-LM's trainer] (integration/megatron_lm.py)"
 _ARGUMENTS = "megatron.training.arguments"
@@ -74,6 +77,25 @@ def lifecycle() -> SDP4BitLifecycle | None:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def config_of_megatron_lm_args(args) -> SDP4BitConfig:
+    """The run's SDP4Bit settings from Megatron-LM's parsed flags: the lifecycle's check
+    (``config_of_args``, as in our trainer), then what Megatron-LM's trainer adds: no
+    training with the quantization flags (``--skip-train``), ``--gradient-error-feedback``'s
+    state in the checkpoint format, the asynchronous save's writer. ``ValueError`` with one
+    line for the first refusal (docs/megatron_lm.md's support table lists them)."""
+    config = config_of_args(args)
+    reason = None
+    if config.enabled and args.skip_train:
+        reason = ("the SDP4Bit flags quantize the training collectives, and this run does not "
+                  "train (--skip-train): drop --quantized-weights/--quantized-gradients")
+    elif config.gradient_error_feedback and args.save:
+        reason = save_refusal(args)
+    reason = reason or async_save_refusal(args)
+    if reason:
+        raise ValueError(reason)
+    return config
 
 
 def _refuse(message: str) -> None:
@@ -100,13 +122,9 @@ def _validate_args(original: Callable) -> Callable:
         global _lifecycle
         # First, so that the one line is not lost after Megatron-LM's dump of its arguments.
         try:
-            config = config_of_args(args)
+            config = config_of_megatron_lm_args(args)
         except ValueError as err:
             _refuse(str(err))
-        if config.gradient_error_feedback and args.save:
-            reason = save_refusal(args)
-            if reason:
-                _refuse(reason)
         _lifecycle = SDP4BitLifecycle(config)
         return original(args, defaults)
     return validate_args
@@ -120,9 +138,6 @@ def _setup_model_and_optimizer(original: Callable) -> Callable:
             return original(*args, **kwargs)
         with sdp4bit_padding(run.config):
             model, optimizer, scheduler = original(*args, **kwargs)
-        if optimizer is None:
-            _refuse("the SDP4Bit flags quantize the training collectives, and this run has no "
-                    "optimizer (--skip-train): drop --quantized-weights/--quantized-gradients")
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.utils import get_model_config
 

@@ -20,6 +20,25 @@ trainer; Megatron-LM's trainer builds what it saves and what it loads with
   install (after the load). A checkpoint saved without the flag, with another layout or by
   ``--finetune``'s load starts the error from zero, and rank 0 says so in one line.
 
+[Note: Megatron-LM's asynchronous save and nvidia-resiliency-ext]
+Megatron-LM 0.19.2 keeps ``--async-save`` for its distributed formats only with
+``--use-persistent-ckpt-worker`` (without it, ``validate_args`` turns it off with a warning
+and saves synchronously). Its writer then comes from ``--async-strategy``: ``nvrx``, the
+default, imports nvidia-resiliency-ext's ``checkpointing.async_ckpt`` (``AsyncCallsQueue``,
+``FileSystemWriterAsync``, ``get_write_results_queue``...; megatron-core's
+``strategies/nvrx.py`` asks for version >= 0.6.0), and ``mcore`` megatron-core's own, which
+needs nothing more. Without that package the nvrx writer stops the first save, after the
+training it follows; :func:`async_save_refusal` refuses the combination before anything is
+built (the version read from the distribution's metadata). The newest release on PyPI when
+this was written, 0.4.1 (a cp311 x86_64 wheel; it installs and its ``async_ckpt.core``
+imports on a CPU machine), cannot serve 0.19.2: it has no ``get_write_results_queue``, and
+with it installed ``import megatron.core`` itself fails (0.19.2's ``strategies/torch.py``
+checks the version at import through ``nvidia_resiliency_ext.__version__``, which 0.4.1
+lacks: ``AttributeError``). So no environment here installs it. The ``mcore`` writer is not
+tested here: it runs in a
+process of its own (a ``forkserver`` child), which the CUDA dry run does not reach (there
+``torch.cuda.device_count()`` is 0, and the writer's set-up divides by it).
+
 :func:`wrap_load_checkpoint`: without Apex or Transformer Engine (torch's Adam), the optimizer
 states must exist before a ``torch_dist`` load, and the Adam step count comes back in the
 parameter groups only ([Note: where the plug-in enters Megatron-LM's trainer], megatron_lm.py).
@@ -28,6 +47,7 @@ parameter groups only ([Note: where the plug-in enters Megatron-LM's trainer], m
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 from collections.abc import Callable
 from typing import Any
 
@@ -35,7 +55,7 @@ import torch
 
 from megatron.sdp4bit.integration.dist_checkpointing import EF_KEY, error_feedback_sharded
 
-__all__ = ["LAYOUT_KEY", "PendingLoad", "layout_of_args", "save_refusal",
+__all__ = ["LAYOUT_KEY", "PendingLoad", "async_save_refusal", "layout_of_args", "save_refusal",
            "wrap_generate_state_dict", "wrap_load_base_checkpoint", "wrap_load_checkpoint"]
 
 LAYOUT_KEY = "sdp4bit_error_feedback_layout"
@@ -61,6 +81,27 @@ def save_refusal(args: Any) -> str | None:
         return ("--gradient-error-feedback cannot be combined with --non-persistent-ckpt-type "
                 "local: local checkpoints do not hold the error state; use global")
     return None
+
+
+def async_save_refusal(args: Any) -> str | None:
+    """Why Megatron-LM's ``--async-save`` cannot run with these flags here (None: it can),
+    [Note: Megatron-LM's asynchronous save and nvidia-resiliency-ext]."""
+    if not (args.async_save and args.use_persistent_ckpt_worker
+            and args.async_strategy == "nvrx"):
+        return None
+    from megatron.core.dist_checkpointing.strategies.nvrx import NVRX_MIN_VERSION
+    from packaging.version import Version
+
+    try:  # the distribution's version (0.4.1's module has no __version__)
+        installed = importlib.metadata.version("nvidia-resiliency-ext")
+    except importlib.metadata.PackageNotFoundError:
+        installed = None
+    if installed is not None and Version(installed) >= Version(NVRX_MIN_VERSION):
+        return None
+    have = "is not installed" if installed is None else f"is not installed ({installed} is)"
+    return (f"--async-save with --async-strategy nvrx (Megatron-LM's default) needs "
+            f"nvidia-resiliency-ext >= {NVRX_MIN_VERSION}, which {have}: install it, or pass "
+            "--async-strategy mcore (megatron-core's own writer), or drop --async-save")
 
 
 @dataclasses.dataclass

@@ -297,13 +297,13 @@ def problem(entry: Replacement, release: str | None = None) -> str | None:
     """One line if ``entry``'s target is missing or its fingerprint is not the one checked
     on ``release`` of its :func:`library` (default: the installed one; any checked one when
     ``release`` is untested); else None."""
-    release = installed_release(entry) if release is None else release
     try:
         owner = resolve_owner(entry)
     except ReplacementError as err:
         return str(err)
     if entry.adds:  # absent: added; present (a newer Python): left alone
-        return None
+        return None  # (before the release: an interpreter's start-up applies one, light)
+    release = installed_release(entry) if release is None else release
     if _lookup(owner, entry.attribute) is _MISSING:
         return f"{entry.target} is missing"
     watched = entry.witness or entry.attribute

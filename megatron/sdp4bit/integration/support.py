@@ -78,7 +78,8 @@ def check_supported(config: SDP4BitConfig, setup: Setup, *, command_line: bool =
                "(use_distributed_optimizer=True) (--use-distributed-optimizer)",
                f"{on} requires --use-distributed-optimizer")
     if setup.distributed_optimizer_instances != 1:
-        refuse("num_distributed_optimizer_instances > 1 is not supported by SDP4Bit: use 1")
+        refuse("num_distributed_optimizer_instances > 1 is not supported by SDP4Bit: use 1",
+               "--num-distributed-optimizer-instances > 1 is not supported by SDP4Bit: use 1")
     if setup.reduce_scatter_with_fp32_accumulation:
         refuse("reduce_scatter_with_fp32_accumulation replaces the same collective as TLq: "
                "turn it off",
@@ -87,9 +88,13 @@ def check_supported(config: SDP4BitConfig, setup: Setup, *, command_line: bool =
     if setup.megatron_fsdp:
         refuse("Megatron-FSDP (use_megatron_fsdp / use_custom_fsdp) is not supported by "
                "SDP4Bit: it shards parameters with its own collectives; use "
-               "DistributedDataParallel with the distributed optimizer")
+               "DistributedDataParallel with the distributed optimizer",
+               "--use-megatron-fsdp and --use-torch-fsdp2 are not supported by SDP4Bit: they "
+               "shard the parameters with their own collectives; use "
+               "--use-distributed-optimizer instead")
     if setup.reuse_grad_buf_for_mxfp8_param_ag:
-        refuse("reuse_grad_buf_for_mxfp8_param_ag is not supported by SDP4Bit: turn it off")
+        refuse("reuse_grad_buf_for_mxfp8_param_ag is not supported by SDP4Bit: turn it off",
+               "--reuse-grad-buf-for-mxfp8-param-ag is not supported by SDP4Bit: drop it")
     if setup.expert_tensor_parallel:
         refuse("expert tensor parallelism (expert_tensor_parallel_size > 1) is not supported "
                "by SDP4Bit: the weights expert TP does not split would drift apart across the "
@@ -100,12 +105,18 @@ def check_supported(config: SDP4BitConfig, setup: Setup, *, command_line: bool =
     for flag, on in (("fp8_param_gather", setup.fp8_param_gather),
                      ("fp4_param_gather", setup.fp4_param_gather)):
         if on:
+            option = "--" + flag.replace("_", "-")
             refuse(f"qWD needs 16-bit model parameters, but {flag} keeps the replica as "
                    "quantized bytes with no weights to take a difference of: turn "
-                   f"{flag} off, or quantize only the gradients (quantized_gradients)")
+                   f"{flag} off, or quantize only the gradients (quantized_gradients)",
+                   f"--quantized-weights cannot be combined with {option}, which keeps the "
+                   "replica as quantized bytes with no weights to take a difference of: drop "
+                   f"{option}, or quantize only the gradients (--quantized-gradients alone)")
     if setup.precision_aware_optimizer:
         refuse("qWD needs the fp32 main params of the distributed optimizer: turn off "
-               "use_precision_aware_optimizer")
+               "use_precision_aware_optimizer",
+               "--quantized-weights needs the fp32 main params of the distributed optimizer, "
+               "which --use-precision-aware-optimizer does not keep: drop it")
     if setup.fp32_params:
         refuse("qWD needs 16-bit model parameters (--bf16 or --fp16): with fp32 parameters "
                "the optimizer updates the replica in place (main params are views of it), so "

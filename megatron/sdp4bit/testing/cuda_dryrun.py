@@ -67,7 +67,7 @@ from megatron.sdp4bit.integration.cuda_stubs import (
     cuda_type_name,
     names_cuda,
 )
-from megatron.sdp4bit.integration.patches import DRYRUN, MODULE, both, declare, on_torch
+from megatron.sdp4bit.integration.patches import CLASS, DRYRUN, MODULE, both, declare, on_torch
 from megatron.sdp4bit.quantization.backend import BACKEND_ENV, KernelBackend
 
 __all__ = ["CudaDryRunError", "DeviceTensor", "HostTensor", "enable_cuda_dryrun",
@@ -308,10 +308,12 @@ def _check_call(op: str, a: dict) -> None:
         for (name, t), splits in ((out, a.get("output_split_sizes")),
                                   (inp, a.get("input_split_sizes"))):
             rows = t.shape[0] if t.dim() else 1
-            if not splits and rows % w:
+            # a list, or (megatron-core's alltoall token dispatcher) a NumPy array
+            splits = None if splits is None or len(splits) == 0 else [int(s) for s in splits]
+            if splits is None and rows % w:
                 call.fail(f"dim 0 of {_tensor_text(name, t)} does not divide into group "
                           f"size {w}")
-            if splits and (len(splits) != w or sum(splits) != rows):
+            if splits is not None and (len(splits) != w or sum(splits) != rows):
                 call.fail(f"split sizes {list(splits)} of {_tensor_text(name, t)} do not "
                           f"give {w} pieces summing to dim 0 ({rows})")
     elif op == "all_gather":
@@ -447,6 +449,43 @@ def _zero() -> Callable[..., int]:
     return lambda device=None: 0
 
 
+# The statistics of CUDA's caching allocator, as torch.cuda.memory_stats_as_nested_dict gives
+# them on a GPU (torch 2.13): per-pool statistics, single ones, and event counters. The dry
+# run has no device memory: every value is 0 (Megatron-LM's --log-memory-to-tensorboard
+# reads "reserved_bytes.all.current", "allocated_bytes.all.current" / ".peak" and
+# "allocation.all.current").
+_POOL_STATS = ("allocation", "segment", "active", "inactive_split", "allocated_bytes",
+               "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes")
+_SINGLE_STATS = ("oversize_allocations", "oversize_segments")
+_COUNTERS = ("num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc",
+             "num_device_free", "max_split_size")
+_METRICS = ("current", "peak", "allocated", "freed")
+
+
+def _memory_stats_nested(device: Any = None) -> dict[str, Any]:
+    stat = lambda: dict.fromkeys(_METRICS, 0)  # noqa: E731
+    out: dict[str, Any] = dict.fromkeys(_COUNTERS, 0)
+    out.update({name: {pool: stat() for pool in ("all", "large_pool", "small_pool")}
+                for name in _POOL_STATS})
+    out.update({name: stat() for name in _SINGLE_STATS})
+    return out
+
+
+def _memory_stats(device: Any = None) -> dict[str, Any]:
+    """``torch.cuda.memory_stats``: the nested statistics flattened with dots, sorted."""
+    flat: dict[str, Any] = {}
+
+    def add(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                add(f"{prefix}.{key}" if prefix else key, inner)
+        else:
+            flat[prefix] = value
+
+    add("", _memory_stats_nested(device))
+    return dict(sorted(flat.items()))
+
+
 # (torch.cuda attribute, stub, fingerprint of torch's own)
 _RUNTIME = (
     ("is_available", lambda: True, "()"),
@@ -467,6 +506,9 @@ _RUNTIME = (
     ("memory_reserved", _zero(), "(device)"),
     ("max_memory_reserved", _zero(), "(device)"),
     ("reset_peak_memory_stats", _nothing(), "(device)"),
+    ("memory_stats", _memory_stats, "(device)"),
+    ("memory_stats_as_nested_dict", _memory_stats_nested, "(device)"),
+    ("device_memory_used", _zero(), "(device)"),
     ("get_device_capability", lambda device=None: (9, 0), "(device)"),
     ("get_device_name", lambda device=None: "CUDA dry run (CPU)", "(device)"),
 )
@@ -615,7 +657,29 @@ BACKWARD = declare("dryrun.autograd._engine_run_backward", "torch.autograd",
                    note="[Note: a GPU run's tensors, tagged] (testing/cuda_dryrun.py)",
                    checked=on_torch("(t_outputs, *args, **kwargs)"), scope=DRYRUN)
 
-DRY_RUN = SHARED_STUBS + RUNTIME_STUBS + COLLECTIVES + (LOAD, BACKWARD)
+
+
+def _record_stream(self: torch.Tensor, stream: Any) -> None:
+    """``Tensor.record_stream`` on the dry run's tensors (module docstring, item 1): CUDA's
+    takes a device tensor and a stream, and holds the tensor's memory until the stream's
+    queued work is done; every op here is done when it returns, so there is nothing to
+    hold. torch's own refuses the stub stream and the CPU tensor underneath."""
+    if is_host(self):
+        raise CudaDryRunError(
+            f"CUDA dry run: record_stream on tensor {_tensor_text('self', self)} in host "
+            "memory on a GPU run: CUDA records streams of device tensors only")
+    if not isinstance(stream, (cuda_stubs.Stream, torch.Stream)):
+        raise TypeError(f"record_stream(): argument 'stream' must be a Stream, not "
+                        f"{type(stream).__name__}")
+
+
+RECORD_STREAM = declare("dryrun.tensor.record_stream", "torch:Tensor", "record_stream", CLASS,
+                        _record_stream, note=_RUNTIME_NOTE, checked=on_torch("<builtin>"),
+                        scope=DRYRUN)
+"""megatron-core's alltoall token dispatcher records the current stream on the token counts
+it copies to the host (``moe_utils.maybe_move_tensor_to_cpu``)."""
+
+DRY_RUN = SHARED_STUBS + RUNTIME_STUBS + (RECORD_STREAM,) + COLLECTIVES + (LOAD, BACKWARD)
 """Everything the dry run replaces: CPU mode's CUDA stubs plus NCCL's rules."""
 
 _mode: _DryRunMode | None = None
