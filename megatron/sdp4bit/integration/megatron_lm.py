@@ -14,32 +14,27 @@ entry of the replacement table in the scope ``megatron_lm`` (checked on megatron
 whose wheel ships ``megatron.training``; another release is decided by the same table).
 
 [Note: where the plug-in enters Megatron-LM's trainer]
-Megatron-LM's trainer looks each of these up in its module at call time:
-``arguments.add_megatron_arguments`` (SDP4Bit's flag group), ``arguments.validate_args`` (the
-lifecycle from the flags, refusals in one line before Megatron-LM's checks),
-``training.setup_model_and_optimizer`` (the build inside the bucket padding, the install
-after the load), ``training.load_checkpoint`` (torch Adam's states and step counts:
-megatron_lm_checkpoint.py), ``training.train_step`` (the iteration, the bytes into the log
-line), ``training.train`` (the end line), ``checkpointing.generate_state_dict`` and
-``_load_base_checkpoint`` (the error-feedback state); megatron_lm_bridges.py has two more.
-Why each, in detail: docs/megatron_lm.md, "Where the plug-in enters Megatron-LM's trainer".
+Megatron-LM's trainer looks each entry of ``TRAINER`` up in its module at call time, so the
+plug-in wraps them there: the flag group, the lifecycle at validation (refusals in one line
+before Megatron-LM's checks), the build inside the bucket padding and the install after the
+load, the iteration's bytes into the log line, the end line, and the checkpoint's
+error-feedback state and Adam step counts (megatron_lm_checkpoint.py); megatron_lm_bridges.py
+has two more. Why each, in detail: docs/megatron_lm.md, "Where the plug-in enters
+Megatron-LM's trainer".
 """
 
 from __future__ import annotations
 
 import functools
-import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from megatron.sdp4bit.config import SDP4BitConfig
 from megatron.sdp4bit.config_flags import add_sdp4bit_flags
 from megatron.sdp4bit.integration import patches
-from megatron.sdp4bit.integration.lifecycle import SDP4BitLifecycle, config_of_args
+from megatron.sdp4bit.integration.lifecycle import SDP4BitLifecycle
+from megatron.sdp4bit.integration.megatron_lm_args import config_of_megatron_lm_args, refuse
 from megatron.sdp4bit.integration.megatron_lm_bridges import (
     COMPILE_HELPERS,
     PYTHON_312,
@@ -47,8 +42,6 @@ from megatron.sdp4bit.integration.megatron_lm_bridges import (
 )
 from megatron.sdp4bit.integration.megatron_lm_checkpoint import (
     PendingLoad,
-    async_save_refusal,
-    save_refusal,
     wrap_generate_state_dict,
     wrap_load_base_checkpoint,
     wrap_load_checkpoint,
@@ -75,36 +68,6 @@ def lifecycle() -> SDP4BitLifecycle | None:
     return _lifecycle
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-
-
-def config_of_megatron_lm_args(args) -> SDP4BitConfig:
-    """The run's SDP4Bit settings from Megatron-LM's parsed flags: the lifecycle's check
-    (``config_of_args``, as in our trainer), then what Megatron-LM's trainer adds: no
-    training with the quantization flags (``--skip-train``), ``--gradient-error-feedback``'s
-    state in the checkpoint format, the asynchronous save's writer. ``ValueError`` with one
-    line for the first refusal (docs/megatron_lm.md's support table lists them)."""
-    config = config_of_args(args)
-    reason = None
-    if config.enabled and args.skip_train:
-        reason = ("the SDP4Bit flags quantize the training collectives, and this run does not "
-                  "train (--skip-train): drop --quantized-weights/--quantized-gradients")
-    elif config.gradient_error_feedback and args.save:
-        reason = save_refusal(args)
-    reason = reason or async_save_refusal(args)
-    if reason:
-        raise ValueError(reason)
-    return config
-
-
-def _refuse(message: str) -> None:
-    """Stop every rank with one line (rank 0 prints it), as argparse does: exit status 2."""
-    if _rank() == 0:
-        print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
-
-
 # --- the replacements -----------------------------------------------------------------------
 
 def _add_megatron_arguments(original: Callable) -> Callable:
@@ -124,7 +87,7 @@ def _validate_args(original: Callable) -> Callable:
         try:
             config = config_of_megatron_lm_args(args)
         except ValueError as err:
-            _refuse(str(err))
+            refuse(str(err))
         _lifecycle = SDP4BitLifecycle(config)
         return original(args, defaults)
     return validate_args
@@ -148,7 +111,7 @@ def _setup_model_and_optimizer(original: Callable) -> Callable:
         try:
             run.install(model, optimizer)
         except ValueError as err:
-            _refuse(str(err))
+            refuse(str(err))
         return model, optimizer, scheduler
     return setup_model_and_optimizer
 
