@@ -90,6 +90,7 @@ class Watchdog:
         self._answered = now  # when a beat-and-sweep round last completed
         self._error: BaseException | None = None  # the last failed request's error
         self._stopping = threading.Event()
+        self._beater_done = threading.Event()  # wakes the guard at once when the beater ends
         self._beater: threading.Thread | None = None
         self._guard: threading.Thread | None = None
 
@@ -113,15 +114,18 @@ class Watchdog:
         return not any(t is not None and t.is_alive() for t in (self._beater, self._guard))
 
     def _beat_loop(self) -> None:
-        if self._rank == 0:
-            self._retry(self._create_counters)
-        while not self._stopping.is_set():
-            self._retry(self._round)
-            self._stopping.wait(self._interval)
         try:
-            self._store.set(_key(self._rank), _DONE)
-        except _STORE_ERRORS:
-            pass  # the watchers will call this rank silent: the store is gone anyway
+            if self._rank == 0:
+                self._retry(self._create_counters)
+            while not self._stopping.is_set():
+                self._retry(self._round)
+                self._stopping.wait(self._interval)
+            try:
+                self._store.set(_key(self._rank), _DONE)
+            except _STORE_ERRORS:
+                pass  # the watchers will call this rank silent: the store is gone anyway
+        finally:
+            self._beater_done.set()
 
     def _retry(self, request: Callable[[], None]) -> None:
         """One attempt; a failure is kept for the guard's message and retried at the next
@@ -140,7 +144,7 @@ class Watchdog:
     def _guard_loop(self) -> None:
         # Runs until the beater has ended, so that a beater blocked at shutdown is bounded.
         period = self._interval / 2
-        while self._beater is None or self._beater.is_alive():
+        while not self._beater_done.is_set():
             if os.getppid() != self._parent:
                 _stop(f"rank {self._rank}: the torchrun agent (pid {self._parent}) is gone; "
                       "stopping this worker")
@@ -154,7 +158,7 @@ class Watchdog:
                       f"is stopped; --heartbeat-timeout-seconds {self._timeout:g}): ending "
                       "the job")
                 return
-            time.sleep(period)
+            self._beater_done.wait(period)
 
     def _create_counters(self) -> None:
         # Every counter exists from the start, so that one multi_get reads them all (a
