@@ -266,11 +266,13 @@ def _worker_pids(agent: int) -> list[int]:
 
 @contextlib.contextmanager
 def _training_job(extra: list[str]):
-    """A 4-rank run that would go on for 100000 iterations, once it trains: yields the
-    torchrun agent's process and its 4 workers' pids; whatever is left is killed after."""
+    """A 2-rank run (the real torchrun: fresh interpreters, so few) that would go on for
+    100000 iterations, once it trains: yields the torchrun agent's process and its 2
+    workers' pids; whatever is left is killed after."""
     flags = SHORT + SDP4BIT + ["--mock-data", *extra]
     flags[flags.index("--train-iters") + 1] = "100000"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+    flags[flags.index("--dp-ranks-per-node") + 1] = "1"  # one rank per "node"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--standalone", os.path.join(ROOT, "pretrain_gpt.py"), *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=trainer_env(), cwd=ROOT, start_new_session=True)
@@ -278,7 +280,7 @@ def _training_job(extra: list[str]):
         if not any(" iteration " in line for line in proc.stdout):
             raise AssertionError("the run ended before training: " + proc.stderr.read()[-3000:])
         workers = _worker_pids(proc.pid)
-        assert len(workers) == 4
+        assert len(workers) == 2
         yield proc, workers
     finally:
         _kill_group(proc)
@@ -301,7 +303,7 @@ def test_a_stopped_rank_ends_the_job_in_bounded_time():
         out, err = [], []
         _drain(proc.stdout, out)
         _drain(proc.stderr, err)
-        os.kill(workers[2], signal.SIGSTOP)
+        os.kill(workers[1], signal.SIGSTOP)
         start = time.time()
         while time.time() - start < 60 and not any(stopped.search(x) for x in err):
             time.sleep(0.1)
@@ -309,7 +311,7 @@ def test_a_stopped_rank_ends_the_job_in_bounded_time():
         # The rest is torchrun's: it sends SIGTERM to the ranks left and kills a rank that
         # has not exited 30 s later, which a stopped one cannot. Continued, it takes the
         # signal now.
-        os.kill(workers[2], signal.SIGCONT)
+        os.kill(workers[1], signal.SIGCONT)
         proc.wait(timeout=60)
     assert proc.returncode != 0
     assert any(stopped.search(x) for x in err), "".join(err)[-3000:]

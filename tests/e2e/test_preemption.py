@@ -2,15 +2,15 @@
 the saved run continues as if nothing had happened; without the flag, a signal during an
 asynchronous save ends the job and leaves nothing running.
 
-Five launches share the assertions (SDP4Bit on 4 ranks, 2 per "node", every iteration
-logged, no periodic save unless said):
+Five launches share the assertions (SDP4Bit on 2 ranks, one per "node", so the gradients
+take the inter-node hop; every iteration logged, no periodic save unless said):
 
 1. the uninterrupted run to ``ITERS``, the reference;
 2. real ``torchrun``, SIGTERM to the agent once iteration 2 is logged; it forwards the
    signal to every worker;
 3. real ``torchrun`` resuming from 2's checkpoint, with ``--async-save`` and a save two
    iterations on whose writer on rank 0 sleeps (``SDP4BIT_FAULT=slow-writer``); SIGTERM to
-   rank 2's worker alone once that save is scheduled: the other ranks learn it at the
+   rank 1's worker alone once that save is scheduled: the other rank learns it at the
    end-of-step agreement, and the exit waits for the save in flight, publishes it, then
    saves and publishes the iteration it stops at;
 4. real ``torchrun`` resuming from 3's checkpoint the same way but without
@@ -46,7 +46,9 @@ ITERS = 12
 TORCHRUN_GRACE_S = 30
 # "a few seconds after the job ended": what may still be ending then is an orphan
 ORPHAN_GRACE_S = 3
-FLAGS = [*TINY, "--mock-data", *METHODS["SDP4Bit"], "--dp-ranks-per-node", "2",
+# Two ranks: every launch but the reference starts fresh interpreters (the real torchrun).
+NPROC = 2
+FLAGS = [*TINY, "--mock-data", *METHODS["SDP4Bit"], "--dp-ranks-per-node", "1",
          "--exit-signal-handler", "--save-interval", "1000"]
 for flag, value in (("--train-iters", ITERS), ("--log-interval", 1), ("--eval-interval", 100)):
     FLAGS[FLAGS.index(flag) + 1] = str(value)
@@ -75,7 +77,7 @@ def _signalled_run(args: list[str], when, target: str | int, fault: str = "") ->
     (``target="agent"``) or to the worker of global rank ``target``. Returns the exit
     status, the output, the seconds from the signal to the agent's exit, and the job's
     processes still alive ``ORPHAN_GRACE_S`` seconds after it exited."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(NPROC),
            "--standalone", os.path.join(ROOT, "pretrain_gpt.py"), *args]
     env = {**trainer_env(), **({"SDP4BIT_FAULT": fault} if fault else {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -106,7 +108,7 @@ def _signalled_run(args: list[str], when, target: str | int, fault: str = "") ->
                 raise AssertionError("the run ended (or hung) before the signal's moment: "
                                      f"{''.join(out)[-2000:]}{''.join(err)[-3000:]}")
         workers = {int(p.environ()["RANK"]): p for p in psutil.Process(proc.pid).children()}
-        assert sorted(workers) == [0, 1, 2, 3], workers
+        assert sorted(workers) == list(range(NPROC)), workers
         job = family(proc.pid)  # the agent, its workers and what they started
         by_rank = {rank: family(worker.pid) for rank, worker in workers.items()}
         sent = time.monotonic()
@@ -130,15 +132,15 @@ def _signalled_run(args: list[str], when, target: str | int, fault: str = "") ->
 def runs(tmp_path_factory) -> dict:
     ckpt = str(tmp_path_factory.mktemp("preempt") / "ckpt")
     tracker = os.path.join(ckpt, "latest_checkpointed_iteration.txt")
-    result: dict = {"full": train_lines(torchrun(FLAGS).stdout)}
+    result: dict = {"full": train_lines(torchrun(FLAGS, nproc=NPROC).stdout)}
     result["agent"] = _signalled_run(FLAGS + ["--save", ckpt], when=_logged(2), target="agent")
     with open(tracker) as f:
         result["agent"]["tracker"] = int(f.read())
-    # a save in flight (its writer on rank 0 asleep) when rank 2 gets the signal
+    # a save in flight (its writer on rank 0 asleep) when rank 1 gets the signal
     in_flight = result["agent"]["tracker"] + 2
     resume = _with(FLAGS, save_interval=in_flight) + ["--save", ckpt, "--load", ckpt,
                                                       "--async-save"]
-    result["worker"] = _signalled_run(resume, when=_scheduled(in_flight), target=2,
+    result["worker"] = _signalled_run(resume, when=_scheduled(in_flight), target=1,
                                       fault=f"slow-writer@{in_flight}:0")
     result["worker"]["in_flight"] = in_flight
     with open(tracker) as f:
@@ -154,7 +156,7 @@ def runs(tmp_path_factory) -> dict:
     result["killed"]["at"] = killed_at
     with open(tracker) as f:
         result["killed"]["tracker"] = int(f.read())
-    result["rest"] = torchrun(FLAGS + ["--load", ckpt]).stdout
+    result["rest"] = torchrun(FLAGS + ["--load", ckpt], nproc=NPROC).stdout
     return result
 
 
