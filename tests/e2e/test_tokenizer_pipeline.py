@@ -14,7 +14,10 @@ from tests.helpers import launch as _launch
 from tests.helpers.trainer import (METHODS, ROOT, build_hf_corpus, torchrun, train_lines,
                                    trainer_env)
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+# The tokenizer families are the trainer's own; megatron-core's IndexedDatasetBuilder and
+# GPTDataset: test_pretrain_gpt.py's preprocessed runs, the Llama-style model and the export:
+# test_dist_checkpoint.py's, all in both passes
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.release_independent]
 
 LLAMA = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
          "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8 "
