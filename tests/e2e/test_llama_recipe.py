@@ -8,7 +8,7 @@ grouped-query attention, untied embeddings, RoPE with Llama 3's base, the overla
 with the sizes cut down. The megatron-core paths it takes are taken in the second test pass
 by ``test_dist_checkpoint.py`` (the asynchronous save and its resume),
 ``tests/distributed/test_integration_loss_fusion.py`` (fused cross entropy, per-token loss)
-and ``test_tokenizer_pipeline.py`` (the tokenizer through the export).
+and ``test_dist_checkpoint.py``'s Llama-style export; the tokenizer is the trainer's own.
 """
 
 from __future__ import annotations
