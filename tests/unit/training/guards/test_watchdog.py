@@ -87,6 +87,19 @@ def test_transient_store_errors_are_retried(monkeypatch):
     assert store.data[f"{watchdog._PREFIX}1"] == b"done"
 
 
+def test_stop_returns_as_soon_as_the_heartbeat_thread_ends():
+    """stop() ends both threads without waiting out the guard's period (half an interval:
+    2.5 s here, which every rank of every run would otherwise wait at its exit)."""
+    store = MemoryStore()
+    dog = watchdog.Watchdog(store, rank=1, world=2, timeout=20, interval=5)
+    dog.start()
+    time.sleep(0.2)  # the first beat is sent; both threads are in their waits
+    start = time.monotonic()
+    assert dog.stop()
+    assert time.monotonic() - start < 1.0
+    assert store.data[f"{watchdog._PREFIX}1"] == b"done"
+
+
 def test_a_store_that_keeps_failing_ends_the_rank_within_the_timeout(monkeypatch):
     connects = []
     dog, stops, elapsed = _run_dog(_FlakyStore(failures=None), monkeypatch, 3.0,
