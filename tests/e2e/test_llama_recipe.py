@@ -1,11 +1,14 @@
 """A Llama-3-style Megatron-LM recipe, shrunk to a tiny CPU run, in one launch: SDP4Bit on 4
 ranks (2 nodes x 2), a Hugging Face tokenizer made here and the corpus preprocessed with it,
-per-token loss, fused cross entropy, asynchronous saves, the PyTorch profiler, the parameter
-norm and the memory log; then the Hugging Face export of its last checkpoint.
+per-token loss, asynchronous saves, the PyTorch profiler, the parameter norm and the memory
+log; then the Hugging Face export of its last checkpoint.
 
 Its flags are those of Megatron-LM's ``examples/llama`` scripts (sample-based schedule,
 grouped-query attention, untied embeddings, RoPE with Llama 3's base, the overlap flags),
-with the sizes cut down. The megatron-core paths it takes are taken in the second test pass
+with the sizes cut down, and without ``--cross-entropy-loss-fusion``: megatron-core compiles
+that loss with ``torch.compile``, which on a CPU costs each rank 7 s of CPU (more than the
+rest of the run); ``tests/distributed/test_integration_loss_fusion.py`` runs it, compiled, in
+both test passes. The megatron-core paths it takes are taken in the second test pass
 by ``test_dist_checkpoint.py`` (the asynchronous save and its resume),
 ``tests/distributed/test_integration_loss_fusion.py`` (fused cross entropy, per-token loss)
 and ``test_dist_checkpoint.py``'s Llama-style export; the tokenizer is the trainer's own.
@@ -40,7 +43,7 @@ RECIPE = (
     f"--micro-batch-size 2 --global-batch-size 8 --train-samples {8 * ITERS} "
     "--lr-warmup-samples 8 --lr-decay-samples 64 --lr 3e-3 --min-lr 3e-4 "
     "--lr-decay-style cosine --clip-grad 1.0 --weight-decay 0.1 --adam-beta1 0.9 "
-    "--adam-beta2 0.95 --bf16 --calculate-per-token-loss --cross-entropy-loss-fusion "
+    "--adam-beta2 0.95 --bf16 --calculate-per-token-loss "
     "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather "
     "--no-create-attention-mask-in-dataloader --num-workers 1 --split 90,10,0 --seed 7 "
     # checkpoints, logs, profile

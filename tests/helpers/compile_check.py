@@ -110,19 +110,37 @@ def launch_all(bits: int, hadamard: int, in_dtype: torch.dtype, out_dtype: torch
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--arch", type=int, required=True)
-    parser.add_argument("--bits", type=int, required=True)
-    parser.add_argument("--hadamard", type=int, required=True)
-    parser.add_argument("--in-dtype", required=True)
-    parser.add_argument("--out-dtype", required=True)
+    parser.add_argument("--arch", type=int)
+    parser.add_argument("--bits", type=int)
+    parser.add_argument("--hadamard", type=int)
+    parser.add_argument("--in-dtype")
+    parser.add_argument("--out-dtype")
     parser.add_argument("--nearest", action="store_true")
+    parser.add_argument("--case", action="append", default=[],
+                        metavar="ARCH,BITS,H,IN,OUT,ROUNDING",
+                        help="instead of the flags above, one case per --case (e.g. "
+                             "90,4,32,float32,float32,stochastic), all in this process; "
+                             "each JSON line then names its case")
     a = parser.parse_args()
-    seen: list[dict] = []
-    jit.JITFunction.run = _compile_instead_of_run(a.arch, seen)
-    launch_all(a.bits, a.hadamard, getattr(torch, a.in_dtype), getattr(torch, a.out_dtype),
-               not a.nearest)
-    for entry in seen:
-        print(json.dumps(entry))
+    if a.case:
+        cases = [c.split(",") for c in a.case]
+        if any(len(c) != 6 or c[5] not in ("stochastic", "nearest") for c in cases):
+            parser.error(f"--case takes ARCH,BITS,H,IN,OUT,stochastic|nearest: {a.case}")
+    elif None in (a.arch, a.bits, a.hadamard, a.in_dtype, a.out_dtype):
+        parser.error("give --arch, --bits, --hadamard, --in-dtype and --out-dtype, or --case")
+    else:
+        cases = [[a.arch, a.bits, a.hadamard, a.in_dtype, a.out_dtype,
+                  "nearest" if a.nearest else "stochastic"]]
+    for arch, bits, hadamard, in_dtype, out_dtype, rounding in cases:
+        seen: list[dict] = []
+        jit.JITFunction.run = _compile_instead_of_run(int(arch), seen)
+        launch_all(int(bits), int(hadamard), getattr(torch, in_dtype),
+                   getattr(torch, out_dtype), rounding == "stochastic")
+        for entry in seen:
+            if a.case:
+                entry["case"] = ",".join(map(str, (arch, bits, hadamard, in_dtype, out_dtype,
+                                                   rounding)))
+            print(json.dumps(entry))
 
 
 if __name__ == "__main__":

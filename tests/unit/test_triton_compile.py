@@ -46,20 +46,34 @@ _ID = "sm{}-b{}-H{}-{}-{}-{}".format
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(arch, bits, hadamard, in_dtype, out_dtype, rounding) -> tuple[dict, ...]:
-    """Every kernel of one case, compiled in a subprocess (once per test session)."""
+def _compiled_all() -> dict[tuple, tuple[dict, ...]]:
+    """Every kernel of every case, compiled in one subprocess (once per test session: one
+    interpreter's start instead of one per case)."""
     with tempfile.TemporaryDirectory() as cache:
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         env["TRITON_CACHE_DIR"] = cache
-        cmd = [sys.executable, "-m", "tests.helpers.compile_check", "--arch", str(arch),
-               "--bits", str(bits), "--hadamard", str(hadamard), "--in-dtype", in_dtype,
-               "--out-dtype", out_dtype]
-        if rounding == "nearest":
-            cmd.append("--nearest")
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600,
+        cmd = [sys.executable, "-m", "tests.helpers.compile_check"]
+        for case in CASES:
+            cmd += ["--case", ",".join(map(str, case))]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900,
                               cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    return tuple(json.loads(line) for line in done.stdout.splitlines() if line.startswith("{"))
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return _by_case(lines)
+
+
+def _by_case(lines: list[dict]) -> dict[tuple, tuple[dict, ...]]:
+    """compile_check's lines grouped by the case each names."""
+    found: dict[tuple, list[dict]] = {case: [] for case in CASES}
+    for line in lines:
+        arch, bits, hadamard, in_dtype, out_dtype, rounding = line.pop("case").split(",")
+        found[int(arch), int(bits), int(hadamard), in_dtype, out_dtype, rounding].append(line)
+    return {case: tuple(kernels) for case, kernels in found.items()}
+
+
+def _compiled(*case) -> tuple[dict, ...]:
+    """Every kernel of one case."""
+    return _compiled_all()[case]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: _ID(*c))
