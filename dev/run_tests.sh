@@ -8,11 +8,10 @@
 #      Python >= 3.12. 0.19.2 declares Python >= 3.12 but its cp311 wheel runs on 3.11, so it
 #      is installed there with --ignore-requires-python: a test-only environment, which holds
 #      megatron-core and this project and reads every other package from .venv.
-# Both environments are created on first use. The passes run at the same time: pass 1 runs
-# its unit, GPU and distributed tests in one pytest (the unit tests take one core, mostly)
-# and its end-to-end tests in another, while pass 2 creates its environment and runs its
-# multi-process tests; the other outputs are printed after the first's, when all are done.
-# SDP4BIT_SEQUENTIAL=1 runs the passes one after the other, each in one pytest. Usage:
+# Both environments are created on first use. The passes run at the same time: pass 1 starts
+# with the unit tests (one core each, mostly), while pass 2 creates its environment and runs
+# its multi-process tests on the other core; pass 2's output is printed when both are done.
+# SDP4BIT_SEQUENTIAL=1 runs them one after the other. Usage:
 #   bash dev/run_tests.sh [pytest arguments]
 # Tests marked megatron_lm (Megatron-LM's own trainer, megatron.training) are deselected by
 # tests/conftest.py where megatron-core has no megatron.training: pass 1 (0.16.1); pass 2 runs them.
@@ -58,14 +57,14 @@ fi
 # Per-file progress (pytest's default verbosity), failure reasons and the slowest tests.
 PYTEST=(python -m pytest -ra --durations=15)
 
-pass1() {  # pass1 PATH...
+pass1() {
     (
         set -e
         source tools/setup_env.sh
         version="$(python -c 'from megatron.core import package_info as p; print(p.__version__)' \
             2>/dev/null)"
-        echo "== pass 1: $* with megatron-core ${version%%+*} (.venv)"
-        "${PYTEST[@]}" "${options[@]}" "$@"
+        echo "== pass 1: ${first[*]} with megatron-core ${version%%+*} (.venv)"
+        "${PYTEST[@]}" "${options[@]}" "${first[@]}"
     )
 }
 
@@ -95,11 +94,11 @@ else
 fi
 start=$SECONDS
 if [ -n "$skip2" ]; then
-    pass1 "${first[@]}"
+    pass1
     status1=$?
     echo "== pass 2 (megatron-core $MCORE_NEW) skipped: $skip2"
 elif [ "${SDP4BIT_SEQUENTIAL:-0}" = 1 ]; then
-    pass1 "${first[@]}"
+    pass1
     status1=$?
     pass2
     status2=$?
@@ -111,27 +110,10 @@ else
     echo "== pass 2 (megatron-core $MCORE_NEW) runs beside pass 1; its output follows pass 1's"
     pass2 > "$log2" 2>&1 &
     pid2=$!
-    # The whole suite: pass 1's end-to-end tests run as a pytest of their own, beside the
-    # rest (their ranks often wait: on a signal, a slow writer, a stopped peer), so that the
-    # two cores stay busy until the end; their output follows the rest of pass 1's.
-    pid1b="" log1b=""
-    if [ ${#paths[@]} -eq 0 ]; then
-        log1b="$(mktemp "${TMPDIR:-/tmp}/sdp4bit-pass1-e2e.XXXXXX")"
-        pass1 tests/e2e > "$log1b" 2>&1 &
-        pid1b=$!
-        first=(tests/unit tests/gpu tests/distributed)
-    fi
     # (|| true: under set -e a failing command in the trap would become the exit status)
-    trap 'kill "$pid2" $pid1b 2>/dev/null || true; rm -f "$log2" $log1b' EXIT
-    pass1 "${first[@]}"
+    trap 'kill "$pid2" 2>/dev/null || true; rm -f "$log2"' EXIT
+    pass1
     status1=$?
-    if [ -n "$pid1b" ]; then
-        wait "$pid1b"
-        status1b=$?
-        cat "$log1b"
-        rm -f "$log1b"
-        [ "$status1" != 0 ] || status1=$status1b
-    fi
     wait "$pid2"
     status2=$?
     cat "$log2"
