@@ -20,12 +20,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export TRITON_INTERPRET="${TRITON_INTERPRET:-1}"
-# Python's bytecode cache (__pycache__, ignored by git): with PYTHONDONTWRITEBYTECODE set,
-# every fresh interpreter and every rank compiles this project's modules from source again
-# (0.3 s of CPU per trainer rank). The environments are installed without pip's compilation
-# of every module (35 s of one core); what the tests import is compiled once, on first use.
+# Python's bytecode cache for this tree (__pycache__, ignored by git): with
+# PYTHONDONTWRITEBYTECODE set, every fresh interpreter and every rank compiles this project's
+# modules from source again (0.3 s of CPU per trainer rank).
 unset PYTHONDONTWRITEBYTECODE
-export SDP4BIT_PIP_NO_COMPILE=1
 
 # megatron-core of Python >= 3.12, as requirements.txt pins it
 MCORE_NEW="$(sed -n 's/^megatron-core==\([0-9][0-9.]*\) *; *python_version *>= *"3\.12".*/\1/p' \

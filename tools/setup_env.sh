@@ -12,10 +12,6 @@
 #                           whose packages the new one reads (a .pth line puts its
 #                           site-packages after the new one's), so that only megatron-core and
 #                           this project are installed (test-only: seconds instead of a minute).
-#   SDP4BIT_PIP_NO_COMPILE  1: pip installs without byte-compiling every module it installs
-#                           (35 s of one core for torch and the rest); the modules a run
-#                           imports are compiled on their first import instead, and cached
-#                           unless PYTHONDONTWRITEBYTECODE is set (dev/run_tests.sh unsets it).
 set -euo pipefail
 PYTHON="${PYTHON:-python3.11}"
 command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
@@ -30,13 +26,9 @@ fi
 _stamp="$_venv/.installed"
 _want="requirements.txt${_mcore:+ megatron-core==$_mcore}${_base:+ over $_base}"
 
-_pip_compile=""
-[ "${SDP4BIT_PIP_NO_COMPILE:-0}" != 1 ] || _pip_compile=--no-compile
-
 # pip, quiet, without the notices some machines' pip.conf causes for absent local indexes
 _sdp4bit_pip() {
-    python -m pip "$@" $_pip_compile 2>&1 \
-        | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+    python -m pip "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
     return "${PIPESTATUS[0]}"
 }
 
@@ -106,5 +98,5 @@ else:
 PY
 fi
 unset -f _sdp4bit_pip
-unset _venv _mcore _base _stamp _want _pip_compile
+unset _venv _mcore _base _stamp _want
 set +euo pipefail
