@@ -3,11 +3,13 @@
 #   1. the whole suite in .venv, with the megatron-core that requirements.txt picks for this
 #      Python (0.16.1 on Python 3.11);
 #   2. the megatron-core integration and end-to-end tests (tests/distributed/test_integration_*.py
-#      but the spawn helper's, tests/e2e but those marked release_independent) again in
-#      .venv-mcore019, against megatron-core 0.19.2, the release for
+#      but the spawn helper's, and tests/e2e) again in .venv-mcore019, against megatron-core
+#      0.19.2, the release for
 #      Python >= 3.12. 0.19.2 declares Python >= 3.12 but its cp311 wheel runs on 3.11, so it
 #      is installed there with --ignore-requires-python: a test-only environment, which holds
 #      megatron-core and this project and reads every other package from .venv.
+# Tests marked release_independent run once (tests/conftest.py, SDP4BIT_TEST_PASS): the
+# end-to-end ones in pass 2, the others in pass 1, so that the passes end at about the same time.
 # Both environments are created on first use. The passes run at the same time: pass 1 starts
 # with the unit tests (one core each, mostly), while pass 2 creates its environment and runs
 # its multi-process tests on the other core; pass 2's output is printed when both are done.
@@ -64,7 +66,7 @@ pass1() {
         version="$(python -c 'from megatron.core import package_info as p; print(p.__version__)' \
             2>/dev/null)"
         echo "== pass 1: ${first[*]} with megatron-core ${version%%+*} (.venv)"
-        "${PYTEST[@]}" "${options[@]}" "${first[@]}"
+        SDP4BIT_TEST_PASS="$pass1_role" "${PYTEST[@]}" "${options[@]}" "${first[@]}"
     )
 }
 
@@ -77,8 +79,9 @@ pass2() {
         source tools/setup_env.sh
         echo "== pass 2: ${second[*]} with megatron-core $MCORE_NEW (.venv-mcore019, test-only)"
         # The tests check that this is the megatron-core they run against.
-        # Tests marked release_independent (SDP4Bit's own checks) are deselected here.
-        SDP4BIT_EXPECT_MEGATRON_CORE="$MCORE_NEW" SDP4BIT_RELEASE_PASS=1 \
+        # Of the tests marked release_independent (SDP4Bit's own checks, run once), the
+        # end-to-end ones run here, the integration ones in pass 1 (tests/conftest.py).
+        SDP4BIT_EXPECT_MEGATRON_CORE="$MCORE_NEW" SDP4BIT_TEST_PASS=2 \
             "${PYTEST[@]}" "${options[@]}" "${second[@]}"
     )
 }
@@ -92,6 +95,10 @@ elif [ ${#second[@]} -eq 0 ]; then
 else
     skip2=""
 fi
+# With both passes, pass 1 leaves the release-independent end-to-end tests to pass 2; alone,
+# it runs everything.
+pass1_role=1
+[ -z "$skip2" ] || pass1_role=""
 start=$SECONDS
 if [ -n "$skip2" ]; then
     pass1

@@ -1,13 +1,21 @@
 """The test session's settings. The tests import their shared code as the package
 ``tests.helpers`` (the repository's root is on ``sys.path``: pyproject.toml's ``pythonpath``).
 
-In ``dev/run_tests.sh``'s second pass (``SDP4BIT_RELEASE_PASS=1``: the integration and
-end-to-end tests again, against the other megatron-core release) the tests marked
-``release_independent`` are deselected (pytest counts them as deselected, not as passed):
-they test what no megatron-core release can change (SDP4Bit's own input, file, lock, resume
-and process checks, torchrun's rendezvous, the README's commands), or cases whose
-megatron-core paths another test of that pass takes (each mark says which); the first pass
-runs them all.
+The tests marked ``release_independent`` test what no megatron-core release can change
+(SDP4Bit's own input, file, lock, resume and process checks, torchrun's rendezvous, the
+README's commands), or cases whose megatron-core paths another test of the second pass takes
+(each mark says which): ``dev/run_tests.sh`` runs each of them once. It tells each pass which
+one it is (``SDP4BIT_TEST_PASS``, set only when both passes run):
+
+* ``2``, the integration and end-to-end tests again, against the other megatron-core
+  release: the ``release_independent`` integration tests are deselected (pass 1 runs them),
+  its ``release_independent`` end-to-end tests run here;
+* ``1``, the whole suite: the ``release_independent`` end-to-end tests are deselected (pass 2
+  runs them). Pass 1 holds the unit tests, so this split lets the two passes, which run side
+  by side, end at about the same time.
+
+Without the variable (a plain ``pytest``, or the script with its second pass skipped)
+everything runs. Deselected tests are counted as such by pytest, never as passed.
 
 The tests marked ``megatron_lm`` run Megatron-LM's own trainer or read its argument parser
 (``megatron.training``, which
@@ -17,6 +25,11 @@ the first pass) they are deselected, counted as such, never skipped silently.
 
 import importlib.util
 import os
+from pathlib import Path
+
+import pytest
+
+E2E = Path(__file__).resolve().parent / "e2e"
 
 
 def _has_megatron_training() -> bool:
@@ -26,12 +39,22 @@ def _has_megatron_training() -> bool:
         return False
 
 
+def _runs_elsewhere(item, test_pass: str) -> bool:
+    """A ``release_independent`` test that the other pass runs (see the module's docstring)."""
+    if test_pass not in ("1", "2") or not item.get_closest_marker("release_independent"):
+        return False
+    end_to_end = Path(str(item.path)).resolve().parent == E2E
+    return end_to_end == (test_pass == "1")
+
+
 def pytest_collection_modifyitems(config, items):
-    release_pass = os.environ.get("SDP4BIT_RELEASE_PASS") == "1"
+    test_pass = os.environ.get("SDP4BIT_TEST_PASS", "")
+    if test_pass not in ("", "1", "2"):
+        raise pytest.UsageError(f"SDP4BIT_TEST_PASS={test_pass!r}: use 1 or 2, or leave it unset")
     training = _has_megatron_training()
     keep, drop = [], []
     for item in items:
-        deselect = (release_pass and item.get_closest_marker("release_independent")
+        deselect = (_runs_elsewhere(item, test_pass)
                     or not training and item.get_closest_marker("megatron_lm"))
         (drop if deselect else keep).append(item)
     if drop:

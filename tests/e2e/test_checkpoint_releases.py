@@ -10,7 +10,7 @@ The project's two environments (``.venv`` and ``.venv-mcore019``, side by side, 
   naming both releases (it cannot read it: no ``common.pt``), before reading anything of it.
 
 Both manifests record the release that wrote them. The test runs both releases itself, so
-it is marked release_independent (once per suite, not again in the 0.19.2 pass).
+it is marked release_independent (run once per suite, not in both passes).
 """
 
 from __future__ import annotations

@@ -3,14 +3,17 @@
 The real script runs in a scratch tree holding a copy of it, a ``setup_env.sh`` stand-in that
 keeps this interpreter (so no environment is created), a requirements.txt naming the second
 megatron-core, a ``megatron.core.package_info`` stand-in (the script prints the release it
-tests; the real import takes seconds) and three one-test files (unit, integration, end-to-end). Each test fails in
-the pass named by ``FAIL_IN`` (``1``: the first pass, ``2``: the second, which the script
-marks with SDP4BIT_RELEASE_PASS=1), so every combination of outcomes is a second of pytest.
+tests; the real import takes seconds), the real tests/conftest.py and one-test files (unit, integration,
+end-to-end, and an integration and an end-to-end test marked ``release_independent``). Each
+test fails in the pass named by ``FAIL_IN`` (``1``: the first pass, ``2``: the second, which
+the script marks with SDP4BIT_TEST_PASS=2), so every combination of outcomes is a second of
+pytest, and each test prints which pass ran it.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,11 +26,18 @@ REPO = Path(__file__).resolve().parents[2]
 ONE_TEST = """\
 import os
 
+import pytest
+
+pytestmark = [{marks}]
+
+
 def test_in_this_pass():
     fail_in = os.environ.get("FAIL_IN", "")
-    this_pass = "2" if os.environ.get("SDP4BIT_RELEASE_PASS") == "1" else "1"
-    assert fail_in != this_pass, f"told to fail in pass {this_pass}"
+    this_pass = "2" if os.environ.get("SDP4BIT_TEST_PASS") == "2" else "1"
+    print(f"RAN {{__name__}} in pass {{this_pass}}")
+    assert fail_in != this_pass, f"told to fail in pass {{this_pass}}"
 """
+ONCE = "pytest.mark.release_independent"
 
 
 @pytest.fixture
@@ -45,12 +55,16 @@ def tree(tmp_path: Path) -> Path:
     (tmp_path / "requirements.txt").write_text(
         'megatron-core==0.16.1; python_version < "3.12"\n'
         'megatron-core==0.19.2; python_version >= "3.12"\n')
-    for folder, name in (("unit", "test_u.py"), ("distributed", "test_integration_x.py"),
-                         ("e2e", "test_e.py")):
-        (tmp_path / "tests" / folder).mkdir(parents=True)
-        (tmp_path / "tests" / folder / name).write_text(ONE_TEST)
+    for folder, name, marks in (("unit", "test_u.py", ""),
+                                ("distributed", "test_integration_x.py", ""),
+                                ("distributed", "test_integration_once.py", ONCE),
+                                ("e2e", "test_e.py", ""), ("e2e", "test_e_once.py", ONCE)):
+        (tmp_path / "tests" / folder).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "tests" / folder / name).write_text(ONE_TEST.format(marks=marks))
     (tmp_path / "tests" / "gpu").mkdir()
-    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    shutil.copy(REPO / "tests" / "conftest.py", tmp_path / "tests" / "conftest.py")
+    (tmp_path / "pytest.ini").write_text(
+        "[pytest]\nmarkers =\n    release_independent: run once\n    megatron_lm: unused\n")
     return tmp_path
 
 
@@ -58,7 +72,7 @@ def run(tree: Path, fail_in: str = "", **env: str) -> subprocess.CompletedProces
     environ = {k: v for k, v in os.environ.items()
                if not k.startswith(("SDP4BIT_", "PYTEST_"))}
     environ.update(FAIL_IN=fail_in, PYTHON=sys.executable, **env)
-    return subprocess.run(["bash", "dev/run_tests.sh", "-p", "no:cacheprovider"],
+    return subprocess.run(["bash", "dev/run_tests.sh", "-s", "-p", "no:cacheprovider"],
                           cwd=tree, env=environ, capture_output=True, text=True, timeout=120)
 
 
@@ -67,9 +81,15 @@ def test_exit_status_is_zero_only_when_both_passes_pass(tree: Path, sequential: 
     done = run(tree, SDP4BIT_SEQUENTIAL=sequential)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "== exit status: pass 1 0, pass 2 (megatron-core 0.19.2) 0" in done.stdout
-    # pass 1 runs all four folders' tests, pass 2 the integration and end-to-end ones
+    # pass 1 runs all four folders' tests, pass 2 the integration and end-to-end ones; the
+    # release-independent ones run once: the end-to-end one in pass 2, the other in pass 1
     assert "megatron-core 0.16.1 (.venv)" in done.stdout
-    assert "3 passed" in done.stdout and "2 passed" in done.stdout, done.stdout
+    assert done.stdout.count("4 passed, 1 deselected") == 1, done.stdout
+    assert done.stdout.count("3 passed, 1 deselected") == 1, done.stdout
+    ran = sorted(re.findall(r"RAN \w+ in pass \d", done.stdout))
+    assert ran == ["RAN test_e in pass 1", "RAN test_e in pass 2", "RAN test_e_once in pass 2",
+                   "RAN test_integration_once in pass 1", "RAN test_integration_x in pass 1",
+                   "RAN test_integration_x in pass 2", "RAN test_u in pass 1"], done.stdout
 
     for fail_in, expected in (("1", "pass 1 1, pass 2 (megatron-core 0.19.2) 0"),
                               ("2", "pass 1 0, pass 2 (megatron-core 0.19.2) 1")):
@@ -83,3 +103,6 @@ def test_no_second_pass_when_asked(tree: Path) -> None:
     done = run(tree, "2", SDP4BIT_SKIP_MCORE019="1")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "== pass 2 (megatron-core 0.19.2) skipped: SDP4BIT_SKIP_MCORE019=1" in done.stdout
+    # alone, pass 1 runs every test, the release-independent end-to-end one included
+    assert "5 passed" in done.stdout and "deselected" not in done.stdout, done.stdout
+    assert "RAN test_e_once in pass 1" in done.stdout
