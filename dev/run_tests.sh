@@ -22,6 +22,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export TRITON_INTERPRET="${TRITON_INTERPRET:-1}"
+# One intra-op thread per process, as torchrun gives each of its workers: the passes run side
+# by side, each with processes of its own, and more threads than cores only wait for each
+# other (the unit tests alone took 6% less CPU with one).
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # Python's bytecode cache for this tree (__pycache__, ignored by git): with
 # PYTHONDONTWRITEBYTECODE set, every fresh interpreter and every rank compiles this project's
 # modules from source again (0.3 s of CPU per trainer rank).

@@ -5,7 +5,11 @@ The accuracy scripts train with ``--recompute-activations --recompute-granularit
 (``tests/unit/test_sample_scripts.py`` checks their command lines): megatron-core then runs
 the attention's core again inside the backward pass, where CPU mode's device rewrite does not
 reach, and builds the causal mask with ``device="cuda"`` there. This run fails on a
-CUDA-less machine unless CPU mode replaces that mask (``integration/cpu_mode.py``, item 6).
+CUDA-less machine unless CPU mode keeps that mask on the CPU (``integration/cpu_mode.py``,
+items 6 and 7: the mask replaced, and the device rewrite on again inside backward).
+The script's launch itself depends on no megatron-core release, and megatron-core's
+recompute path runs in both test passes in ``test_pretrain_gpt.py``'s run on Megatron-LM's
+per-split files, so this test is ``release_independent`` (it runs once).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32
 
 @pytest.mark.slow
 @pytest.mark.distributed
+# megatron-core's selective recompute on CPU: test_pretrain_gpt.py's baseline-preprocessed run
+@pytest.mark.release_independent
 def test_accuracy_script_trains_on_cpu_with_selective_recompute(tmp_path):
     vocab, merges = write_gpt2_vocab(tmp_path / "gpt2")
     corpus = tmp_path / "corpus.jsonl"
