@@ -9,7 +9,8 @@
 #      is installed there with --ignore-requires-python: a test-only environment, which holds
 #      megatron-core and this project and reads every other package from .venv.
 # Tests marked release_independent run once (tests/conftest.py, SDP4BIT_TEST_PASS): the
-# end-to-end ones in pass 2, the others in pass 1, so that the passes end at about the same time.
+# end-to-end ones in pass 2, the others in pass 1, so that the passes end at about the same
+# time; those marked main_environment (the README's commands) in pass 1 only.
 # Both environments are created on first use. The passes run at the same time: pass 1 starts
 # with the unit tests (one core each, mostly), while pass 2 creates its environment and runs
 # its multi-process tests on the other core; pass 2's output is printed when both are done.

@@ -14,8 +14,10 @@ one it is (``SDP4BIT_TEST_PASS``, set only when both passes run):
   runs them). Pass 1 holds the unit tests, so this split lets the two passes, which run side
   by side, end at about the same time.
 
-Without the variable (a plain ``pytest``, or the script with its second pass skipped)
-everything runs. Deselected tests are counted as such by pytest, never as passed.
+A test marked ``main_environment`` runs what a user runs as the README says (its commands),
+so it runs in pass 1, the environment ``tools/setup_env.sh`` makes for this Python, and is
+deselected in pass 2's test-only one. Without the variable (a plain ``pytest``, or the
+script with its second pass skipped) everything runs. Deselected tests are counted as such by pytest, never as passed.
 
 The tests marked ``megatron_lm`` run Megatron-LM's own trainer or read its argument parser
 (``megatron.training``, which
@@ -40,8 +42,12 @@ def _has_megatron_training() -> bool:
 
 
 def _runs_elsewhere(item, test_pass: str) -> bool:
-    """A ``release_independent`` test that the other pass runs (see the module's docstring)."""
-    if test_pass not in ("1", "2") or not item.get_closest_marker("release_independent"):
+    """A test that the other pass runs (see the module's docstring)."""
+    if test_pass not in ("1", "2"):
+        return False
+    if item.get_closest_marker("main_environment"):
+        return test_pass == "2"
+    if not item.get_closest_marker("release_independent"):
         return False
     end_to_end = Path(str(item.path)).resolve().parent == E2E
     return end_to_end == (test_pass == "1")

@@ -75,6 +75,7 @@ def corpus() -> list[str]:
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.release_independent  # the trainer's megatron-core paths: test_pretrain_gpt.py
+@pytest.mark.main_environment  # the README's commands, in the environment the README makes
 def test_readme_own_text_commands_run_as_written(tmp_path):
     block = readme_block()
     cmds = commands(block)

@@ -3,10 +3,11 @@
 The real script runs in a scratch tree holding a copy of it, a ``setup_env.sh`` stand-in that
 keeps this interpreter (so no environment is created), a requirements.txt naming the second
 megatron-core, a ``megatron.core.package_info`` stand-in (the script prints the release it
-tests; the real import takes seconds), the real tests/conftest.py and one-test files (unit, integration,
-end-to-end, and an integration and an end-to-end test marked ``release_independent``). Each
-test fails in the pass named by ``FAIL_IN`` (``1``: the first pass, ``2``: the second, which
-the script marks with SDP4BIT_TEST_PASS=2), so every combination of outcomes is a second of
+tests; the real import takes seconds), the real tests/conftest.py and one-test files (unit,
+integration, end-to-end, an integration and an end-to-end test marked
+``release_independent``, and an end-to-end one marked ``main_environment`` too). Each test
+fails in the pass named by ``FAIL_IN`` (``1``: the first pass, ``2``: the second, which the
+script marks with SDP4BIT_TEST_PASS=2), so every combination of outcomes is a second of
 pytest, and each test prints which pass ran it.
 """
 
@@ -38,6 +39,7 @@ def test_in_this_pass():
     assert fail_in != this_pass, f"told to fail in pass {{this_pass}}"
 """
 ONCE = "pytest.mark.release_independent"
+MAIN = "pytest.mark.main_environment"
 
 
 @pytest.fixture
@@ -58,13 +60,15 @@ def tree(tmp_path: Path) -> Path:
     for folder, name, marks in (("unit", "test_u.py", ""),
                                 ("distributed", "test_integration_x.py", ""),
                                 ("distributed", "test_integration_once.py", ONCE),
-                                ("e2e", "test_e.py", ""), ("e2e", "test_e_once.py", ONCE)):
+                                ("e2e", "test_e.py", ""), ("e2e", "test_e_once.py", ONCE),
+                                ("e2e", "test_e_main.py", f"{ONCE}, {MAIN}")):
         (tmp_path / "tests" / folder).mkdir(parents=True, exist_ok=True)
         (tmp_path / "tests" / folder / name).write_text(ONE_TEST.format(marks=marks))
     (tmp_path / "tests" / "gpu").mkdir()
     shutil.copy(REPO / "tests" / "conftest.py", tmp_path / "tests" / "conftest.py")
     (tmp_path / "pytest.ini").write_text(
-        "[pytest]\nmarkers =\n    release_independent: run once\n    megatron_lm: unused\n")
+        "[pytest]\nmarkers =\n    release_independent: run once\n    main_environment: pass 1\n"
+        "    megatron_lm: unused\n")
     return tmp_path
 
 
@@ -82,14 +86,16 @@ def test_exit_status_is_zero_only_when_both_passes_pass(tree: Path, sequential: 
     assert done.returncode == 0, done.stdout + done.stderr
     assert "== exit status: pass 1 0, pass 2 (megatron-core 0.19.2) 0" in done.stdout
     # pass 1 runs all four folders' tests, pass 2 the integration and end-to-end ones; the
-    # release-independent ones run once: the end-to-end one in pass 2, the other in pass 1
+    # release-independent ones run once: the end-to-end one in pass 2, the other in pass 1,
+    # and the one of the main environment in pass 1
     assert "megatron-core 0.16.1 (.venv)" in done.stdout
-    assert done.stdout.count("4 passed, 1 deselected") == 1, done.stdout
-    assert done.stdout.count("3 passed, 1 deselected") == 1, done.stdout
+    assert done.stdout.count("5 passed, 1 deselected") == 1, done.stdout
+    assert done.stdout.count("3 passed, 2 deselected") == 1, done.stdout
     ran = sorted(re.findall(r"RAN \w+ in pass \d", done.stdout))
-    assert ran == ["RAN test_e in pass 1", "RAN test_e in pass 2", "RAN test_e_once in pass 2",
-                   "RAN test_integration_once in pass 1", "RAN test_integration_x in pass 1",
-                   "RAN test_integration_x in pass 2", "RAN test_u in pass 1"], done.stdout
+    assert ran == ["RAN test_e in pass 1", "RAN test_e in pass 2", "RAN test_e_main in pass 1",
+                   "RAN test_e_once in pass 2", "RAN test_integration_once in pass 1",
+                   "RAN test_integration_x in pass 1", "RAN test_integration_x in pass 2",
+                   "RAN test_u in pass 1"], done.stdout
 
     for fail_in, expected in (("1", "pass 1 1, pass 2 (megatron-core 0.19.2) 0"),
                               ("2", "pass 1 0, pass 2 (megatron-core 0.19.2) 1")):
@@ -104,5 +110,5 @@ def test_no_second_pass_when_asked(tree: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert "== pass 2 (megatron-core 0.19.2) skipped: SDP4BIT_SKIP_MCORE019=1" in done.stdout
     # alone, pass 1 runs every test, the release-independent end-to-end one included
-    assert "5 passed" in done.stdout and "deselected" not in done.stdout, done.stdout
+    assert "6 passed" in done.stdout and "deselected" not in done.stdout, done.stdout
     assert "RAN test_e_once in pass 1" in done.stdout
