@@ -4,10 +4,10 @@
 #      Python (0.16.1 on Python 3.11);
 #   2. the megatron-core integration and end-to-end tests (tests/distributed/test_integration_*.py
 #      but the spawn helper's, and tests/e2e) again in .venv-mcore019, against megatron-core
-#      0.19.2, the release for
-#      Python >= 3.12. 0.19.2 declares Python >= 3.12 but its cp311 wheel runs on 3.11, so it
-#      is installed there with --ignore-requires-python: a test-only environment, which holds
-#      megatron-core and this project and reads every other package from .venv.
+#      0.19.2, the release for Python >= 3.12. 0.19.2 declares Python >= 3.12 but its cp311
+#      wheel runs on 3.11, so it is installed there with --ignore-requires-python: a test-only
+#      environment, which holds megatron-core and this project and reads every other package
+#      from .venv.
 # Tests marked release_independent run once (tests/conftest.py, SDP4BIT_TEST_PASS): the
 # end-to-end ones in pass 2, the others in pass 1, so that the passes end at about the same
 # time; those marked main_environment (the README's commands) in pass 1 only.

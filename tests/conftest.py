@@ -17,7 +17,8 @@ one it is (``SDP4BIT_TEST_PASS``, set only when both passes run):
 A test marked ``main_environment`` runs what a user runs as the README says (its commands),
 so it runs in pass 1, the environment ``tools/setup_env.sh`` makes for this Python, and is
 deselected in pass 2's test-only one. Without the variable (a plain ``pytest``, or the
-script with its second pass skipped) everything runs. Deselected tests are counted as such by pytest, never as passed.
+script with its second pass skipped) everything runs. Deselected tests are counted as such
+by pytest, never as passed.
 
 The tests marked ``megatron_lm`` run Megatron-LM's own trainer or read its argument parser
 (``megatron.training``, which
