@@ -85,7 +85,7 @@ def test_method_trains(method, data, data_prefix, tmp_path):
         # The accuracy scripts' selective recompute, in both passes: the attention's core
         # again inside backward, where megatron-core builds its mask with device="cuda"
         # (CPU mode keeps it on the CPU: integration/cpu_mode.py, items 6 and 7; the run
-        # fails without both). test_sample_scripts_cpu.py runs such a script once.
+        # fails with both broken). test_sample_scripts_cpu.py runs such a script once.
         flags += ["--recompute-activations", "--recompute-granularity", "selective"]
     if method == "TLq-HS":  # where the time goes: Megatron-LM's timers plus SDP4Bit's phases
         flags = flags + ["--timing-log-level", "1", "--timing-log-option", "max"]

@@ -3,10 +3,11 @@ through ``EXTRA_ARGS``, 2 processes, 2 iterations.
 
 The accuracy scripts train with ``--recompute-activations --recompute-granularity selective``
 (``tests/unit/test_sample_scripts.py`` checks their command lines): megatron-core then runs
-the attention's core again inside the backward pass, where CPU mode's device rewrite does not
-reach, and builds the causal mask with ``device="cuda"`` there. This run fails on a
-CUDA-less machine unless CPU mode keeps that mask on the CPU (``integration/cpu_mode.py``,
-items 6 and 7: the mask replaced, and the device rewrite on again inside backward).
+the attention's core again inside the backward pass, where a torch function mode is off
+unless entered again, and builds the causal mask with ``device="cuda"`` there. This run
+fails on a CUDA-less machine unless CPU mode keeps that mask on the CPU
+(``integration/cpu_mode.py``: item 6 replaces the mask, item 7 enters the device rewrite
+again inside backward; either is enough, both broken fail).
 The script's launch itself depends on no megatron-core release, and megatron-core's
 recompute path runs in both test passes in ``test_pretrain_gpt.py``'s run on Megatron-LM's
 per-split files, so this test is ``release_independent`` (it runs once).
