@@ -65,22 +65,14 @@ def _distance(a: list[dict], b: list[dict]) -> float:
 @pytest.mark.distributed
 def test_interleaved_pipeline_matches_and_resumes(tmp_path):
     """PP 2 x 2 chunks x DP 2 against PP 2 x DP 2 from the same weights ([Note: comparing
-    two layouts]): the baseline equal but for last digits, SDP4Bit within its noise,
-    replicas identical every iteration, a resume from iteration 3 bit-exact, and a plain
-    pipeline's checkpoint continued by the interleaved one."""
+    two layouts]): SDP4Bit within its noise, replicas identical every iteration, a resume
+    from iteration 3 bit-exact, and a plain pipeline's checkpoint continued by the
+    interleaved baseline equal but for last digits."""
     start, ckpt = tmp_path / "start", tmp_path / "vpp"
     reshardable = ["--dist-ckpt-optim-fully-reshardable"]
     first, _ = _run(PP2 + reshardable + ["--save", str(start), "--save-interval", "3"])
     finetune = ["--finetune", "--load", str(start)]  # its last weights, a fresh optimizer
     base, _ = _run(PP2 + finetune)
-    # The aligned gather chain only matters with SDP4Bit's qWD below; here each chunk's
-    # first forward starts its own gather.
-    vpp_base, _ = _run(VPP + finetune + ["--no-align-param-gather"])
-    assert base[0]["lm_loss"] == vpp_base[0]["lm_loss"]  # the same weights' first forward
-    assert _distance(base, vpp_base) <= BF16_BITS, (_losses(base), _losses(vpp_base))
-    for a, b in zip(base, vpp_base):  # the swapped pipeline: 7x
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= 0.01 * a["grad_norm"], (a, b)
-
     vpp_sdp, out = _run(VPP + finetune + METHODS["SDP4Bit"] + [
         "--check-replicas-interval", "1", "--save", str(ckpt), "--save-interval", "3"])
     assert "(TP 1, PP 2 x 2 model chunks, 4 micro-batches per step)" in out
@@ -94,7 +86,9 @@ def test_interleaved_pipeline_matches_and_resumes(tmp_path):
 
     # The plain pipeline's checkpoint of iteration 3 continues under the interleaved one:
     # the layers land in their chunks (the losses follow), the optimizer state with them
-    # (fp32 sums in another order: last digits).
+    # (fp32 sums in another order: last digits). This is also the interleaved baseline
+    # against the plain one from the same state (a pipeline that swaps activations and
+    # gradients moves the loss at once and the gradient norm 7x).
     (start / "latest_checkpointed_iteration.txt").write_text("3\n")
     continued, _ = _run(VPP + reshardable + ["--load", str(start)], iterations=(4, 5, 6))
     for a, b in zip(first[3:], continued):
