@@ -66,25 +66,33 @@ def documents(n: int) -> list[str]:
     return [" ".join(TEXT[(i + k) % len(TEXT)] for k in range(3)) for i in range(n)]
 
 
-def preprocess(d: Path, docs: list[str], tokenizer: list[str]) -> str:
+def python(script: str, args: list[str]) -> subprocess.CompletedProcess:
+    """``python script args`` in a fresh interpreter with :func:`trainer_env`, from the
+    repository's root (the output captured as text)."""
+    return subprocess.run([sys.executable, script, *args], capture_output=True, text=True,
+                          timeout=300, env=trainer_env(), cwd=ROOT)
+
+
+def preprocess(d: Path, docs: list[str], tokenizer: list[str], run=python) -> str:
     """``docs`` written to ``d/corpus.jsonl`` and preprocessed with ``tools/preprocess_data.py``
-    (``--append-eod``, the ``tokenizer`` flags); returns the data prefix."""
+    (``--append-eod``, the ``tokenizer`` flags) through ``run`` (as :func:`python`: the
+    tests pass one that forks the process ready); returns the data prefix."""
     with open(d / "corpus.jsonl", "w", encoding="utf-8") as f:
         f.writelines(json.dumps({"text": doc}) + "\n" for doc in docs)
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"),
-                          "--input", str(d / "corpus.jsonl"), "--output-prefix", str(d / "corpus"),
-                          *tokenizer, "--append-eod"],
-                         capture_output=True, text=True, timeout=300, env=trainer_env())
+    res = run(os.path.join(ROOT, "tools", "preprocess_data.py"),
+              ["--input", str(d / "corpus.jsonl"), "--output-prefix", str(d / "corpus"),
+               *tokenizer, "--append-eod"])
     if res.returncode != 0:
         raise RuntimeError(f"tools/preprocess_data.py failed: {res.stderr[-2000:]}")
     return str(d / "corpus_text_document")
 
 
-def build_corpus(d: Path) -> list[str]:
-    """The small corpus in folder ``d``; returns the flags that use it."""
+def build_corpus(d: Path, run=python) -> list[str]:
+    """The small corpus in folder ``d`` (preprocessed through ``run``, as in
+    :func:`preprocess`); returns the flags that use it."""
     vocab, merges = write_gpt2_vocab(d)
     prefix = preprocess(d, documents(60), ["--tokenizer-type", "GPT2BPETokenizer",
-                                           "--vocab-file", vocab, "--merge-file", merges])
+                                           "--vocab-file", vocab, "--merge-file", merges], run)
     return ["--data-path", prefix, "--vocab-file", vocab, "--merge-file", merges,
             "--data-cache-path", str(d / "cache")]
 

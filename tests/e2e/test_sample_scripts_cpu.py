@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 from tests.helpers.job import run_job  # noqa: E402
-from tests.helpers.trainer import free_port, train_lines, trainer_env  # noqa: E402
+from tests.helpers.trainer import free_port, python, train_lines, trainer_env  # noqa: E402
 from tests.helpers.corpora import TEXT, write_gpt2_vocab  # noqa: E402
 
 TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
@@ -45,11 +44,10 @@ def test_accuracy_script_trains_on_cpu_with_selective_recompute(tmp_path):
     # (megatron-core loops for ever building a split without a document)
     corpus.write_text("".join(json.dumps({"text": TEXT[i % len(TEXT)]}) + "\n"
                               for i in range(1000)), encoding="utf-8")
-    res = subprocess.run([sys.executable, str(ROOT / "tools" / "preprocess_data.py"),
-                          "--input", str(corpus), "--output-prefix", str(tmp_path / "corpus"),
-                          "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab,
-                          "--merge-file", merges, "--append-eod"],
-                         capture_output=True, text=True, timeout=120, env=trainer_env())
+    res = python(str(ROOT / "tools" / "preprocess_data.py"),
+                 ["--input", str(corpus), "--output-prefix", str(tmp_path / "corpus"),
+                  "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab,
+                  "--merge-file", merges, "--append-eod"])
     assert res.returncode == 0, res.stderr
 
     env = {k: v for k, v in trainer_env().items() if not k.startswith("SLURM_")}

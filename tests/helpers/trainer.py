@@ -5,8 +5,9 @@
 ``torchrun`` with ``real=True``; ``launch`` is the same without the exit-code check, and
 ``one_error_line`` asserts the trainer's one-line failure. ``build_hf_corpus`` writes the
 tests' documents with a Hugging Face tokenizer. The tiny GPT's flags (``TINY``), the small
-corpus (``build_corpus``) and the log lines (``train_lines``) are ``dev/tiny_runs.py``'s,
-which the benchmarks share.
+corpus (``build_corpus``, ``preprocess``) and the log lines (``train_lines``) are
+``dev/tiny_runs.py``'s, which the benchmarks share; here ``tools/preprocess_data.py`` runs
+forked from the fork server (``python``: 3 s of CPU less than a fresh interpreter).
 """
 
 from __future__ import annotations
@@ -16,16 +17,32 @@ import socket
 import subprocess
 
 from dev import tiny_runs
-from dev.tiny_runs import ROOT, TINY, build_corpus, documents, preprocess, trainer_env, train_lines
+from dev.tiny_runs import ROOT, TINY, documents, trainer_env, train_lines
 from megatron.sdp4bit.training.cli.methods import METHOD_FLAGS
 
 from tests.helpers import launch as _launch
 from tests.helpers.corpora import write_hf_tokenizer
 
 __all__ = ["METHODS", "ROOT", "TINY", "build_corpus", "build_hf_corpus", "documents",
-           "free_port", "launch", "one_error_line", "preprocess", "torchrun", "train_lines",
-           "trainer_env"]
+           "free_port", "launch", "one_error_line", "preprocess", "python", "torchrun",
+           "train_lines", "trainer_env"]
 METHODS = METHOD_FLAGS  # the paper's methods as flags: one table, the tools' own
+
+
+def python(script: str, args: list[str]) -> subprocess.CompletedProcess:
+    """``python script args`` with :func:`trainer_env` from the repository's root, forked from
+    the session's fork server (:func:`launch.python`)."""
+    return _launch.python(script, args, env=trainer_env(), cwd=ROOT, timeout=300)
+
+
+def preprocess(d, docs: list[str], tokenizer: list[str]) -> str:
+    """``dev/tiny_runs.py``'s :func:`~dev.tiny_runs.preprocess`, the tool forked ready."""
+    return tiny_runs.preprocess(d, docs, tokenizer, run=python)
+
+
+def build_corpus(d) -> list[str]:
+    """``dev/tiny_runs.py``'s :func:`~dev.tiny_runs.build_corpus`, the tool forked ready."""
+    return tiny_runs.build_corpus(d, run=python)
 
 
 def free_port() -> int:
