@@ -1,16 +1,18 @@
 """benchmarks/scale.py on a tiny GPT: the wire bytes it reports follow the paper's bits.
 
-The build runs in a subprocess: it initializes a fake process group and megatron-core's CPU
-mode, neither of which this test process should keep.
+The build runs in a process of its own (forked from the session's fork server): it
+initializes a fake process group and megatron-core's CPU mode, neither of which this test
+process should keep.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
+import os
 from pathlib import Path
+
+from tests.helpers import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,9 +28,11 @@ print("RESULT" + json.dumps(s.build_rank("tiny", 1, 1, 8, 0, 4)))
 """
 
 
-def test_tiny_gpt_bytes_match_the_bits_per_element():
-    proc = subprocess.run([sys.executable, "-c", _BUILD], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+def test_tiny_gpt_bytes_match_the_bits_per_element(tmp_path):
+    script = tmp_path / "build.py"
+    script.write_text(_BUILD)
+    proc = launch.python(str(script), [], env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                         cwd=str(ROOT), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.split("RESULT", 1)[1])
     w, n = 8, 4
