@@ -31,6 +31,9 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # PYTHONDONTWRITEBYTECODE set, every fresh interpreter and every rank compiles this project's
 # modules from source again (0.3 s of CPU per trainer rank).
 unset PYTHONDONTWRITEBYTECODE
+# The environments' modules are byte-compiled by the first test processes that import them
+# (tools/setup_env.sh would otherwise import them first, 8 s of CPU before any test starts).
+export SDP4BIT_COMPILE_ON_IMPORT=1
 
 # megatron-core of Python >= 3.12, as requirements.txt pins it
 MCORE_NEW="$(sed -n 's/^megatron-core==\([0-9][0-9.]*\) *; *python_version *>= *"3\.12".*/\1/p' \

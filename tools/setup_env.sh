@@ -12,6 +12,8 @@
 #                           whose packages the new one reads (a .pth line puts its
 #                           site-packages after the new one's), so that only megatron-core and
 #                           this project are installed (test-only: seconds instead of a minute).
+#   SDP4BIT_COMPILE_ON_IMPORT=1  no byte-compiling at set-up: each module is compiled where it
+#                           is first imported (dev/run_tests.sh, whose tests import them).
 set -euo pipefail
 PYTHON="${PYTHON:-python3.11}"
 command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
@@ -75,14 +77,26 @@ if ! python -c "import importlib.util as u; assert all(u.find_spec(m) for m in
     else
         _sdp4bit_pip install -q --no-compile -r requirements.txt
     fi
-    # pip byte-compiles what it installs one file at a time; compileall does it on every core
-    # (about 15 s instead of 23 on 2 cores for requirements.txt). A file that does not compile
-    # on this Python (torch ships one in Python 3.12's syntax) is skipped, as pip skips it.
-    echo "== $_venv: compiling the installed modules"
-    python -m compileall -qq -j 0 \
-        "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
     echo "== $_venv: installing this project (editable)"
     _sdp4bit_pip install -q --no-deps -e .
+    # Byte-compiled by importing, not at install: pip would compile all 12,000 files it
+    # installs (27 s of CPU), three in four of them never imported; importing what this
+    # project's processes import compiles the rest of them (8 s of CPU), and anything else is
+    # compiled where it is first imported, as Python does. Written even where
+    # PYTHONDONTWRITEBYTECODE is set, which would otherwise make every process compile torch
+    # again. SDP4BIT_COMPILE_ON_IMPORT=1 leaves all of it to the first imports
+    # (dev/run_tests.sh: its first test processes import all of this anyway).
+    if [ "${SDP4BIT_COMPILE_ON_IMPORT:-0}" != 1 ]; then
+        echo "== $_venv: compiling the modules this project imports"
+        # (a training run's modules, the tokenizers' and the tools')
+        PYTHONDONTWRITEBYTECODE= python -W ignore -c "import megatron.sdp4bit.training.loop
+import megatron.sdp4bit.training.build, megatron.sdp4bit.training.sdp4bit_setup
+import megatron.sdp4bit.training.cli.arguments, megatron.sdp4bit.integration.install
+import megatron.core.datasets.indexed_dataset, tokenizers, torch.utils.tensorboard
+import transformers.models.auto.tokenization_auto, matplotlib.pyplot" \
+            || { echo "setup_env.sh: importing this project's modules failed in $_venv" >&2
+                 return 1; }
+    fi
     echo "$_want" > "$_stamp"
 fi
 if [ -n "$_mcore" ]; then

@@ -1,7 +1,8 @@
 """SDP4Bit installed in megatron-core's DDP + DistributedOptimizer: 4 gloo ranks as 2 nodes x 2.
 
 The tiny GPT trains 30 steps with each method (baseline, qWD with either difference target,
-TLq, TLq-HS, both). Checked in every run: replicas bitwise identical on all DP ranks at
+TLq, TLq-HS, both), and the baseline with and without overlapped collectives. Checked in
+every run: replicas bitwise identical on all DP ranks at
 every step (with TP 2 also the TP ranks' copies of the weights TP does not split, replica
 and fp32 main weights), the loss falls, the final loss is within ``LOSS_BOUND`` of the
 baseline's, every bucket went through the quantized collectives once per step, and the byte
@@ -158,13 +159,12 @@ def _methods_worker(rank: int, world_size: int, tp: int, pp: int, methods: list[
     base = SDP4BitConfig(**BASE, dp_ranks_per_node=_dp_ranks_per_node())
     micro = 2 if pp > 1 else 1
     for overlap, names in ((False, methods), (True, overlap_methods)):
-        if not names:
-            continue
         setup = T.Setup(num_microbatches=micro)
         if overlap:
             setup = T.Setup(num_microbatches=micro, overlap_grad_reduce=True,
                             overlap_param_gather=True, bucket_size=12_000)
-        # The baseline with the same (SDP4Bit) bucket layout.
+        # The baseline with the same (SDP4Bit) bucket layout: also megatron-core's own DDP and
+        # distributed optimizer under TP 2 and PP 2 (test_integration_baseline.py runs DP 4).
         layout = SDP4BitConfig(**BASE, **METHODS["SDP4Bit"])
         base_losses, _, _ = _run(setup, layout, install=False)
         if base_losses[0] is not None:
@@ -181,12 +181,12 @@ def _methods_worker(rank: int, world_size: int, tp: int, pp: int, methods: list[
     "tp,pp,methods,overlap_methods",
     [
         # megatron-core's DDP and distributed optimizer at DP 4 run in both passes in
-        # test_integration_baseline.py's dp4 case and in the cases below; what this case adds
+        # test_integration_baseline.py and in the cases below; what this case adds
         # is SDP4Bit's own: every method and the 2 x 2 two-hop topology
         pytest.param(1, 1, ["qWD", "qWD-rounded", "TLq", "TLq-HS", "SDP4Bit"],
                      ["SDP4Bit", "SDP4Bit-EF"], marks=pytest.mark.release_independent),
         (2, 1, ["SDP4Bit"], ["SDP4Bit"]),
-        (1, 2, [], ["SDP4Bit"]),
+        (1, 2, [], ["SDP4Bit"]),  # without overlap, the baseline alone
     ],
     ids=["dp4_2x2", "tp2xdp2", "pp2xdp2"],
 )

@@ -7,11 +7,13 @@ Megatron-LM's trainer assumes CUDA (it asserts ``torch.cuda.is_available()``, as
 NCCL, allocates on the device), so it runs under the CUDA dry run (``dev/cuda_dryrun.py -m``):
 its CUDA branch on the CPU, every collective checked against NCCL's rules. 4 ranks as
 2 "nodes" x 2: both hops of the gradient reduce-scatter and the qWD all-gather, with
-Megatron-LM's overlapped collectives; each launch pair saves and resumes bit for bit, from a
-save on an iteration without evaluation (the dense GPT) and on one with (the MoE GPT with
-the alltoall dispatcher): with ``--overlap-param-gather`` Megatron-LM forces the parameter
-all-gather before every evaluation and every save. A mixture-of-experts GPT with expert
-parallelism 2, with each token dispatcher, in launches of its own.
+Megatron-LM's overlapped collectives; two launch pairs save and resume bit for bit, from a
+save on an iteration without evaluation (the dense GPT, resumed with an evaluation at every
+iteration) and on one with (the MoE GPT with the alltoall dispatcher): with
+``--overlap-param-gather`` Megatron-LM forces the parameter all-gather before every
+evaluation and every save. A mixture-of-experts GPT with expert parallelism 2, with each
+token dispatcher, in launches of its own (the allgather one: one launch that evaluates at
+every iteration).
 
 Marked ``megatron_lm``: deselected (tests/conftest.py) where the installed megatron-core has
 no ``megatron.training`` (0.16.1, the first test pass).
@@ -185,29 +187,32 @@ def _check_tensorboard(folder, iterations: list[int]) -> None:
             sent / unquantized == pytest.approx(PARAMS_RATIO, rel=1e-5), it
 
 
-@pytest.mark.slow  # two 4-rank launches of Megatron-LM's trainer per dispatcher, ~1 min
+@pytest.mark.slow  # three 4-rank launches of Megatron-LM's trainer, ~40 s
 @pytest.mark.dryrun
 @pytest.mark.distributed
-@pytest.mark.parametrize("dispatcher, first_flags, resumed_flags, grads", [
+@pytest.mark.parametrize("dispatcher, flags, resumed, grads", [
     # saved on an iteration with an evaluation (at 2), resumed without evaluations
-    ("alltoall", ["--eval-interval", "2", "--eval-iters", "1"], [], "fp32"),
-    # gradients reduced in bf16: the bytes against megatron-core's bf16 reduction
-    ("allgather", ["--grad-reduce-in-bf16"],
-     ["--grad-reduce-in-bf16", "--eval-interval", "1", "--eval-iters", "1"], "bf16"),
+    ("alltoall", ["--eval-interval", "2", "--eval-iters", "1"], True, "fp32"),
+    # gradients reduced in bf16 (the bytes against megatron-core's bf16 reduction), evaluated
+    # at every iteration. Not saved: a resume that evaluates runs in the dense test above, and
+    # neither the dispatcher nor the gradients' type is checkpoint state, while a save starts
+    # a writer process per rank (4 s of CPU each)
+    ("allgather", ["--grad-reduce-in-bf16", "--eval-interval", "1", "--eval-iters", "1"],
+     False, "bf16"),
 ], ids=["alltoall", "allgather-bf16-grads"])
 def test_a_moe_run_with_expert_parallelism_trains_saves_and_resumes(
-        dispatcher, first_flags, resumed_flags, grads, tmp_path):
+        dispatcher, flags, resumed, grads, tmp_path):
     """A mixture-of-experts GPT with expert parallelism 2 (Megatron-LM's own MoE flags), each
     token dispatcher: the expert buckets' traffic is quantized (on the log line, at the
     formats' ratios per hop: one rank per node in the expert group of 2, the inter-node hop
     alone), the expert weights, which differ across the expert-parallel ranks by design, are
     compared on the expert data-parallel group and the end line finds the replicas
-    identical; a resume from the save at iteration 2 repeats the uninterrupted run bit for
-    bit, also when the save was on an evaluation iteration (alltoall) and when only the
-    resumed run evaluates (allgather)."""
+    identical, also when every iteration evaluates (allgather: Megatron-LM forces the
+    parameter all-gather before each evaluation); a resume from the save at iteration 2, an
+    evaluation iteration, repeats the uninterrupted run bit for bit (alltoall)."""
     ckpt = str(tmp_path / "ckpt")
     moe = [*MOE_FLAGS, "--moe-token-dispatcher-type", dispatcher]
-    first = _launch([*moe, *first_flags, "--save", ckpt])
+    first = _launch([*moe, *flags, *(["--save", ckpt] if resumed else [])])
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-5000:]
     out = first.stdout
     assert ("SDP4Bit installed on 2 bucket(s): weights qWD 4-bit, group 2048 | gradients TLq "
@@ -235,27 +240,31 @@ def test_a_moe_run_with_expert_parallelism_trains_saves_and_resumes(
                 "sdp4bit/expert-params-inter-bytes-unquantized"] == pytest.approx(
                     PARAMS_RATIO, rel=1e-5), (it, fields)
     end = _end_line(out)
-    # 2 buckets (a dense one, an expert one) x 3 iterations
+    # 2 buckets (a dense one, an expert one) x 3 iterations: one all-gather per step, also
+    # where an evaluation forced it
     assert end.startswith("SDP4Bit on this rank: 6 quantized gradient reduce-scatters, 6 "
                           "quantized parameter all-gathers, 0 unquantized"), end
     assert re.search(rf"params {PARAMS_RATIO:.4f} against bf16 parameter all-gather, grads "
                      rf"0\.\d{{4}} against {grads} gradient reduction; model replicas on the 4 "
                      r"data-parallel ranks: bitwise identical, checksum", end), end
     evaluated = re.findall(r"validation loss at iteration (\d+) \|", out)
-    assert evaluated == (["2"] if first_flags[:1] == ["--eval-interval"] else []), evaluated
+    assert evaluated == (["2"] if resumed else ["1", "2", "3"]), evaluated
+    if not resumed:
+        return
     assert f"successfully saved checkpoint from iteration       2 to {ckpt}" in out
     uninterrupted = re.search(r"checksum ([0-9a-f]{16})", end).group(1)
 
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("2")
-    second = _launch([*moe, *resumed_flags, "--load", ckpt])
+    second = _launch([*moe, "--load", ckpt])
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-5000:]
     out2 = second.stdout
     assert f"loading distributed checkpoint from {ckpt} at iteration 2" in out2
-    resumed = _iterations(out2)
-    assert sorted(resumed) == [3]
-    assert {k: v for k, v in resumed[3].items() if not k.startswith("sdp4bit/")} == \
-        {k: v for k, v in logged[3].items() if not k.startswith("sdp4bit/")}, (resumed, logged)
+    resumed_lines = _iterations(out2)
+    assert sorted(resumed_lines) == [3]
+    assert {k: v for k, v in resumed_lines[3].items() if not k.startswith("sdp4bit/")} == \
+        {k: v for k, v in logged[3].items() if not k.startswith("sdp4bit/")}, \
+        (resumed_lines, logged)
     end2 = _end_line(out2)
     assert "model replicas on the 4 data-parallel ranks: bitwise identical" in end2
     assert f"checksum {uninterrupted}" in end2, (end, end2)
