@@ -80,20 +80,23 @@ if ! python -c "import importlib.util as u; assert all(u.find_spec(m) for m in
     echo "== $_venv: installing this project (editable)"
     _sdp4bit_pip install -q --no-deps -e .
     # Byte-compiled by importing, not at install: pip would compile all 12,000 files it
-    # installs (27 s of CPU), three in four of them never imported; importing what this
-    # project's processes import compiles the rest of them (8 s of CPU), and anything else is
-    # compiled where it is first imported, as Python does. Written even where
-    # PYTHONDONTWRITEBYTECODE is set, which would otherwise make every process compile torch
-    # again. SDP4BIT_COMPILE_ON_IMPORT=1 leaves all of it to the first imports
-    # (dev/run_tests.sh: its first test processes import all of this anyway).
+    # installs (27 s of CPU), most of them never imported; importing what a run imports
+    # compiles 3,200 of them (8 s of CPU), and anything else is compiled where it is first
+    # imported, as Python does. Written even where PYTHONDONTWRITEBYTECODE is set, which
+    # would otherwise make every process compile torch again. SDP4BIT_COMPILE_ON_IMPORT=1
+    # leaves all of it to the first imports (dev/run_tests.sh: its first test processes
+    # import all of this anyway).
     if [ "${SDP4BIT_COMPILE_ON_IMPORT:-0}" != 1 ]; then
         echo "== $_venv: compiling the modules this project imports"
-        # (a training run's modules, the tokenizers' and the tools')
-        PYTHONDONTWRITEBYTECODE= python -W ignore -c "import megatron.sdp4bit.training.loop
-import megatron.sdp4bit.training.build, megatron.sdp4bit.training.sdp4bit_setup
-import megatron.sdp4bit.training.cli.arguments, megatron.sdp4bit.integration.install
+        # (torchrun's, a training run's, the tokenizers' and the tools': all that the
+        # quickstart imports but a few small modules)
+        PYTHONDONTWRITEBYTECODE= python -W ignore -c "import torch.distributed.run
+import megatron.sdp4bit.training.loop, megatron.sdp4bit.training.build
+import megatron.sdp4bit.training.sdp4bit_setup, megatron.sdp4bit.training.cli.arguments
+import megatron.sdp4bit.integration.install, megatron.core.datasets.helpers
 import megatron.core.datasets.indexed_dataset, tokenizers, torch.utils.tensorboard
-import transformers.models.auto.tokenization_auto, matplotlib.pyplot" \
+import transformers.models.auto.tokenization_auto, matplotlib.pyplot
+import matplotlib.backends.backend_agg" \
             || { echo "setup_env.sh: importing this project's modules failed in $_venv" >&2
                  return 1; }
     fi
