@@ -61,8 +61,10 @@ def _mock_cache() -> str:
     """This pytest process's folder for megatron-core's mock-data indexes (created once,
     removed at exit; each test pass has its own)."""
     if not _MOCK_CACHE:
-        _MOCK_CACHE.append(tempfile.mkdtemp(prefix="sdp4bit-mock-cache-"))
-        atexit.register(shutil.rmtree, _MOCK_CACHE[0], True)
+        folder, owner = tempfile.mkdtemp(prefix="sdp4bit-mock-cache-"), os.getpid()
+        _MOCK_CACHE.append(folder)
+        # (a forked child that exits normally runs its parent's atexit hooks: not this one)
+        atexit.register(lambda: os.getpid() == owner and shutil.rmtree(folder, True))
     return _MOCK_CACHE[0]
 
 
