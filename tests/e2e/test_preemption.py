@@ -41,7 +41,11 @@ from tests.helpers.trainer import METHODS, ROOT, TINY, torchrun, train_lines, tr
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.release_independent]
 
-ITERS = 12
+# Room for the signals' lag: each signal lands some iterations after the line that sent it
+# (about 0.2 s each; on 2 loaded cores the lags of launches 2 and 3 once added up to 4 or
+# more, with 12 iterations in all), and launch 4's must still come before the end:
+# ITERS > 2 + lag (launch 2) + 2 + lag (launch 3) + 2.
+ITERS = 20
 # torchrun's wait for its workers after forwarding a signal (--shutdown-timeout's default).
 TORCHRUN_GRACE_S = 30
 # "a few seconds after the job ended": what may still be ending then is an orphan
@@ -147,6 +151,9 @@ def runs(tmp_path_factory) -> dict:
         result["worker"]["tracker"] = int(f.read())
     # the same without --exit-signal-handler: rank 0's worker dies during its save
     killed_at = result["worker"]["tracker"] + 2
+    assert killed_at < ITERS, ("the signals came too late to test anything: launch 2 stopped "
+                               f"at {result['agent']['tracker']}, launch 3 at "
+                               f"{result['worker']['tracker']}, of {ITERS} iterations")
     unhandled = [f for f in _with(FLAGS, save_interval=killed_at)
                  if f != "--exit-signal-handler"]
     result["killed"] = _signalled_run(unhandled + ["--save", ckpt, "--load", ckpt,
