@@ -13,6 +13,7 @@ forked from the fork server (``python``: 3 s of CPU less than a fresh interprete
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import shutil
 import socket
@@ -54,18 +55,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-_MOCK_CACHE: list[str] = []
-
-
+@functools.cache
 def _mock_cache() -> str:
     """This pytest process's folder for megatron-core's mock-data indexes (created once,
     removed at exit; each test pass has its own)."""
-    if not _MOCK_CACHE:
-        folder, owner = tempfile.mkdtemp(prefix="sdp4bit-mock-cache-"), os.getpid()
-        _MOCK_CACHE.append(folder)
-        # (a forked child that exits normally runs its parent's atexit hooks: not this one)
-        atexit.register(lambda: os.getpid() == owner and shutil.rmtree(folder, True))
-    return _MOCK_CACHE[0]
+    folder, owner = tempfile.mkdtemp(prefix="sdp4bit-mock-cache-"), os.getpid()
+    # (a forked child that exits normally runs its parent's atexit hooks: not this one)
+    atexit.register(lambda: os.getpid() == owner and shutil.rmtree(folder, True))
+    return folder
 
 
 def torchrun(args: list[str], nproc: int = 4, timeout: int = 300, env: dict | None = None,
